@@ -1,0 +1,20 @@
+# Two entry points, both self-installing on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test setup clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	VENV=$(VENV) scripts/setup.sh
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/echo-node demo $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

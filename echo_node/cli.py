@@ -1,0 +1,164 @@
+"""`echo-node`: one binary, one role per process.
+
+Arguments are parsed before torch or libp2p is imported, so `echo-node --help` (and a typo)
+answers at once. User errors (bad config, unreachable bootstrap, missing learner) end in one
+line on stderr and a non-zero exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_KEY_DIR = Path(os.environ.get("ECHO_NODE_HOME", Path.home() / ".local" / "share" / "echo-node")) / "keys"
+EXIT_USER_ERROR = 2
+
+
+def _common(p: argparse.ArgumentParser, *, role: str) -> None:
+    p.add_argument("--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--key-file", type=Path, default=None, help=f"identity key file (default {DEFAULT_KEY_DIR}/{role}.key)")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR", help="bootstrap peer (repeatable)")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--config", type=Path, default=None, help="run.toml with the config tree")
+    p.add_argument("--model", default=None, metavar="PATH", help="local Hugging Face model directory")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for this process (default 1)")
+    p.add_argument("--join-deadline", type=float, default=None, help="seconds to keep trying to join")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="echo-node", description="Decentralized RL post-training: learner, rollout peers and bootstrap over libp2p.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("bootstrap", help="serve the DHT for others to join through")
+    _common(p, role="bootstrap")
+
+    p = sub.add_parser("learn", help="own a run: train on rollouts, publish weight versions")
+    _common(p, role="learner")
+    _run_options(p)
+    p.add_argument("--mode", choices=["pull", "async"], default=None)
+    p.add_argument("--staleness", type=int, default=None, help="async staleness bound S")
+    p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
+    p.add_argument("--max-versions", type=int, default=None)
+    p.add_argument("--runs-dir", type=Path, default=None, help="where runs/<run-id>/ is written (default ./runs)")
+
+    p = sub.add_parser("join", help="contribute rollouts to a run as a volunteer peer")
+    _common(p, role="peer")
+    _run_options(p)
+
+    p = sub.add_parser("demo", help="bootstrap + learner + rollout peers on loopback, with live progress")
+    p.add_argument("--mode", choices=["pull", "async"], default="async")
+    p.add_argument("--peers", type=int, default=2)
+    p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--seconds", type=float, default=150.0, help="training time after warm-up")
+    p.add_argument("--run-id", default=None)
+    p.add_argument("--runs-dir", type=Path, default=Path("runs"))
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
+    return parser
+
+
+def _setup_logging(level: str, role: str) -> None:
+    logging.basicConfig(level=level, stream=sys.stderr, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
+    # py-libp2p logs normal stream resets at WARNING; they are not the operator's problem.
+    for noisy in ("libp2p", "multiaddr"):
+        logging.getLogger(noisy).setLevel(max(logging.ERROR, logging.getLogger().level))
+
+
+def _identity(args: argparse.Namespace, role: str) -> Any:
+    from protocol.identity import load_or_create_key_file
+
+    return load_or_create_key_file(args.key_file or DEFAULT_KEY_DIR / f"{role}.key")
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from echo_node.config import load_config
+
+    return load_config(
+        args.config,
+        run_id=args.run_id,
+        threads=args.threads,
+        seconds=getattr(args, "seconds", None),
+        max_versions=getattr(args, "max_versions", None),
+        runs_dir=str(args.runs_dir) if getattr(args, "runs_dir", None) else None,
+        net__listen=args.listen,
+        net__bootstrap=args.bootstrap,
+        net__join_deadline_s=args.join_deadline,
+        model__path=args.model,
+        rl__mode=getattr(args, "mode", None),
+        rl__staleness=getattr(args, "staleness", None),
+    )
+
+
+def _cmd_bootstrap(args: argparse.Namespace) -> int:
+    import trio
+
+    from bootstrap.node import run_bootstrap
+
+    trio.run(run_bootstrap, _identity(args, "bootstrap"), args.listen or "/ip4/127.0.0.1/tcp/0")
+    return 0
+
+
+def _cmd_learn(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    import trio
+
+    from echo_node.learner import Learner
+    from echo_node.policy import learner_policy, set_threads
+
+    set_threads(cfg.threads)
+    identity = _identity(args, "learner")
+    policy = learner_policy(cfg)
+    summary = trio.run(Learner(cfg, identity, policy).run)
+    logging.getLogger("echo_node").info(
+        "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]
+    )
+    return 0
+
+
+def _cmd_join(args: argparse.Namespace) -> int:
+    cfg = _config(args)
+    import trio
+
+    from echo_node.policy import set_threads
+    from echo_node.rollout_peer import RolloutPeer
+
+    set_threads(cfg.threads)
+    peer = RolloutPeer(cfg, _identity(args, "peer"), model_path=cfg.model.path)
+    trio.run(peer.run)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from echo_node.demo import run_demo
+
+    return run_demo(args)
+
+
+COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    role = args.command
+    if role != "demo":
+        _setup_logging(args.log_level, role)
+    from echo_node.net.discovery import JoinError
+
+    try:
+        return COMMANDS[role](args)
+    except KeyboardInterrupt:
+        return 130
+    except (JoinError, ValueError, FileNotFoundError, PermissionError) as exc:
+        print(f"echo-node {role}: error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""One typed configuration tree for every role, loadable from TOML.
+
+Each component owns a small keyword-only dataclass; `RunConfig` is the tree. `load_config`
+accepts a TOML file whose tables mirror the tree (`[rl]`, `[sampling]`, ...) and rejects
+unknown keys and wrong types with a `ValueError` that names the key and the remedy, so a typo
+in an operator's run file fails at start-up instead of silently running defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SyncMode = Literal["pull", "async"]
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+@dataclass(kw_only=True, slots=True)
+class NetConfig:
+    listen: str = "/ip4/127.0.0.1/tcp/0"
+    bootstrap: list[str] = field(default_factory=list)
+    # A joining peer retries the bootstrap list with exponential backoff until this deadline.
+    join_deadline_s: float = 60.0
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 4.0
+    # The learner is announced on the DHT under the run id; re-announce before records expire.
+    provide_interval_s: float = 60.0
+    # The learner asks publishers for missing sequence numbers this often.
+    repair_interval_s: float = 2.0
+    # A rollout peer keeps this many of its last published messages to answer repair requests.
+    repair_history: int = 512
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    # A local Hugging Face model directory; None selects the embedded tiny Llama.
+    path: str | None = None
+    seed: int = 0
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 4
+
+
+@dataclass(kw_only=True, slots=True)
+class RLConfig:
+    mode: SyncMode = "async"
+    # Async admits a rollout whose oldest token has version >= current - staleness.
+    staleness: int = 4
+    group_size: int = 8
+    groups_per_step: int = 8
+    lr: float = 5e-5
+    clip_eps: float = 0.2
+    max_grad_norm: float = 1.0
+    # Replay-buffer capacity in groups; on overflow the oldest group is dropped as "overload".
+    buffer_groups: int = 256
+
+
+@dataclass(kw_only=True, slots=True)
+class WarmupConfig:
+    enabled: bool = True
+    cache_dir: Path = Path.home() / ".cache" / "echo-node"
+
+
+@dataclass(kw_only=True, slots=True)
+class RolloutConfig:
+    # Groups generated per engine call; a pull-mode peer refreshes weights between calls.
+    groups_per_batch: int = 4
+
+
+@dataclass(kw_only=True, slots=True)
+class CheckpointConfig:
+    every_versions: int = 20
+
+
+@dataclass(kw_only=True, slots=True)
+class RunConfig:
+    run_id: str = "default"
+    task: str = "addition"
+    runs_dir: Path = Path("runs")
+    # Torch intra-op threads for this process. Oversubscribing cores was the largest slowdown
+    # measured on 2-core machines (DESIGN.md), so every process sets it explicitly.
+    threads: int = 1
+    seed: int = 0
+    # The learner stops after this much RL time (None: run until interrupted).
+    seconds: float | None = None
+    max_versions: int | None = None
+    net: NetConfig = field(default_factory=NetConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    warmup: WarmupConfig = field(default_factory=WarmupConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.run_id
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ValueError, with the remedy, for a config no role can run with."""
+    if not _RUN_ID.match(cfg.run_id):
+        raise ValueError(
+            f"run id {cfg.run_id!r} is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit"
+        )
+    if cfg.threads < 1:
+        raise ValueError(f"threads must be >= 1, got {cfg.threads}")
+    rl = cfg.rl
+    if rl.mode not in ("pull", "async"):
+        raise ValueError(f"rl.mode must be 'pull' or 'async', got {rl.mode!r}")
+    if rl.staleness < 0:
+        raise ValueError(f"rl.staleness must be >= 0, got {rl.staleness}")
+    if not 2 <= rl.group_size <= 64:
+        raise ValueError(f"rl.group_size must be in 2..64 (GRPO needs a group), got {rl.group_size}")
+    if rl.groups_per_step < 1 or rl.buffer_groups < rl.groups_per_step:
+        raise ValueError("rl.groups_per_step must be >= 1 and <= rl.buffer_groups")
+    if not rl.lr > 0 or not 0 < rl.clip_eps < 1:
+        raise ValueError("rl.lr must be > 0 and rl.clip_eps in (0, 1)")
+    s = cfg.sampling
+    if not s.temperature > 0 or not 0 < s.top_p <= 1 or s.max_new_tokens < 1:
+        raise ValueError("sampling needs temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1")
+    if cfg.seconds is not None and cfg.seconds <= 0:
+        raise ValueError(f"seconds must be > 0, got {cfg.seconds}")
+    if cfg.checkpoint.every_versions < 1:
+        raise ValueError("checkpoint.every_versions must be >= 1")
+
+
+def load_config(path: Path | None = None, **overrides: Any) -> RunConfig:
+    """Build the tree from an optional TOML file, then apply dotted overrides from the CLI.
+
+    `overrides` uses double underscores for nesting (`rl__mode="pull"`); None values are
+    ignored so that unset CLI flags keep the file's values.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"config file {path} is not valid TOML: {exc}") from None
+    for key, value in overrides.items():
+        if value is None:
+            continue
+        node = data
+        *parents, leaf = key.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return _build(RunConfig, data, "")
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ValueError(f"[{prefix.rstrip('.')}] must be a table")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(
+            f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
+            f"known keys here: {', '.join(sorted(known))}"
+        )
+    kwargs = {name: _coerce(hints[name], value, prefix + name) for name, value in data.items()}
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, name: str) -> Any:
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name + ".")
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(args[0], value, name)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ValueError(f"{name} must be one of {typing.get_args(tp)}, got {value!r}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(item, v, name) for v in value]
+    if tp is Path:
+        if not isinstance(value, (str, Path)):
+            raise ValueError(f"{name} must be a path string")
+        return Path(value).expanduser()
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool) and (type(value) is not tp):
+        raise ValueError(f"{name} must be {tp.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A JSON-able view of the tree (for logs and the run folder)."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        out[f.name] = to_dict(v) if dataclasses.is_dataclass(v) else (str(v) if isinstance(v, Path) else v)
+    return out

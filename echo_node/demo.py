@@ -1,0 +1,216 @@
+"""`echo-node demo`: a whole swarm on loopback, as separate OS processes, with live progress.
+
+Starts a bootstrap peer, a learner and N rollout peers (each its own `echo-node` process with one
+torch thread), follows the learner's metrics.jsonl, and ends with one JSON line on stdout that
+summarizes the run. Every process it started is stopped on the way out, also on Ctrl-C; logs of
+each process are kept under runs/<run-id>/logs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from echo_node.metrics import read_metrics
+
+READY_TIMEOUT_S = 240.0
+STOP_GRACE_S = 10.0
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    stdout_path: Path
+
+
+@dataclass
+class Swarm:
+    run_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, args: list[str]) -> Child:
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        out, err = logs / f"{name}.out", logs / f"{name}.log"
+        with out.open("wb") as o, err.open("wb") as e:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "echo_node.cli", *args],
+                stdout=o,
+                stderr=e,
+                stdin=subprocess.DEVNULL,
+                # Own process group: a terminal's Ctrl-C reaches only the demo, which then
+                # stops the children in order (learner last, so it can write its summary).
+                start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            )
+        child = Child(name, proc, out)
+        self.children.append(child)
+        return child
+
+    def stop(self, child: Child, sig: int = signal.SIGTERM) -> None:
+        if child.proc.poll() is None:
+            child.proc.send_signal(sig)
+        try:
+            child.proc.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            child.proc.kill()
+            child.proc.wait()
+
+    def stop_all(self) -> None:
+        # Peers first, then the learner (SIGINT: it finishes its ledger and checkpoint), then
+        # the bootstrap.
+        order = sorted(self.children, key=lambda c: {"learner": 1, "bootstrap": 2}.get(c.name, 0))
+        for child in order:
+            self.stop(child, signal.SIGINT if child.name == "learner" else signal.SIGTERM)
+
+
+def _wait_line(child: Child, predicate: Any, timeout: float, what: str) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in child.stdout_path.read_text(errors="replace").splitlines():
+            if predicate(line):
+                return line
+        if child.proc.poll() is not None:
+            raise RuntimeError(f"{child.name} exited with {child.proc.returncode} before {what}; see {child.stdout_path.with_suffix('.log')}")
+        time.sleep(0.1)
+    raise RuntimeError(f"{child.name} did not report {what} within {timeout:g}s")
+
+
+def _is_ready(line: str) -> bool:
+    try:
+        return json.loads(line).get("event") == "ready"
+    except (json.JSONDecodeError, AttributeError):
+        return False
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    t0 = time.monotonic()
+    run_id = args.run_id or f"demo-{args.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.runs_dir) / run_id
+    keys = run_dir / "keys"
+    swarm = Swarm(run_dir)
+    progress = _Progress(args, run_dir, enabled=not args.no_progress and sys.stderr.isatty())
+    try:
+        with ExitStack() as stack:
+            stack.callback(swarm.stop_all)
+            boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(keys / "bootstrap.key")])
+            boot_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
+            progress.note(f"bootstrap at {boot_addr}")
+            common = ["--bootstrap", boot_addr, "--run-id", run_id]
+            learner = swarm.spawn(
+                "learner",
+                ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", args.mode,
+                 "--staleness", str(args.staleness), "--seconds", str(args.seconds), "--runs-dir", str(args.runs_dir)],
+            )
+            progress.note("learner warming up (cached after the first run)")
+            _wait_line(learner, _is_ready, READY_TIMEOUT_S, "ready")
+            progress.note(f"learner ready; starting {args.peers} rollout peers")
+            for i in range(args.peers):
+                swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(keys / f"peer{i}.key")])
+            progress.follow(learner, swarm)
+            if learner.proc.returncode != 0:
+                raise RuntimeError(f"learner exited with {learner.proc.returncode}; see {run_dir / 'logs' / 'learner.log'}")
+    except KeyboardInterrupt:
+        print("interrupted; all demo processes stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as exc:
+        print(f"echo-node demo: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        progress.close()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    result = {
+        "run_id": run_id,
+        "mode": args.mode,
+        "staleness": args.staleness,
+        "rollout_peers": args.peers,
+        "versions": summary["versions"],
+        "rollouts_received": summary["rollouts_received"],
+        "rollouts_accepted": summary["rollouts_accepted"],
+        "rollouts_dropped": summary["rollouts_dropped"],
+        "reward_first": round(summary["reward_first"], 4),
+        "reward_last": round(summary["reward_last"], 4),
+        "learner_idle_ratio": round(summary["learner_idle_ratio"], 4),
+        "train_s": summary["wall_s"],
+        "wall_s": round(time.monotonic() - t0, 2),
+        "run_dir": str(run_dir),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+class _Progress:
+    """Live view of the learner's metrics with rich; plain lines when not on a terminal."""
+
+    def __init__(self, args: argparse.Namespace, run_dir: Path, *, enabled: bool) -> None:
+        self.args = args
+        self.metrics = run_dir / "metrics.jsonl"
+        self.enabled = enabled
+        self._live: Any = None
+        self._last_note = ""
+        self._err: TextIO = sys.stderr
+
+    def note(self, text: str) -> None:
+        self._last_note = text
+        if not self.enabled:
+            print(f"demo: {text}", file=self._err, flush=True)
+
+    def follow(self, learner: Child, swarm: Swarm) -> None:
+        last_print = 0.0
+        if self.enabled:
+            from rich.live import Live
+
+            self._live = Live(self._render([], swarm), refresh_per_second=4, transient=False)
+            self._live.start()
+        while learner.proc.poll() is None:
+            records = [r for r in read_metrics(self.metrics) if r.get("event") == "train"]
+            if self._live is not None:
+                self._live.update(self._render(records, swarm))
+            elif records and time.monotonic() - last_print > 10:
+                last_print = time.monotonic()
+                print(f"demo: {self._line(records, swarm)}", file=self._err, flush=True)
+            time.sleep(0.25)
+
+    def _line(self, records: list[dict[str, Any]], swarm: Swarm) -> str:
+        r = records[-1]
+        recent = [x["reward_mean"] for x in records[-10:]]
+        dropped = sum(r["dropped"].values())
+        alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
+        return (
+            f"t={r['t']:.0f}s/{self.args.seconds:g}s version={r['version']} reward={sum(recent) / len(recent):.3f} "
+            f"accepted={r['trained']} dropped={dropped} peers={alive}"
+        )
+
+    def _render(self, records: list[dict[str, Any]], swarm: Swarm) -> Any:
+        from rich.table import Table
+
+        table = Table(title=f"echo-node demo — {self.args.mode} mode, S={self.args.staleness}", show_header=True)
+        for col in ("elapsed", "version", "reward (last 10)", "accepted", "dropped", "peers", "idle"):
+            table.add_column(col, justify="right")
+        if records:
+            r = records[-1]
+            recent = [x["reward_mean"] for x in records[-10:]]
+            alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
+            dropped = ", ".join(f"{k}:{v}" for k, v in sorted(r["dropped"].items())) or "0"
+            table.add_row(
+                f"{r['t']:.0f}/{self.args.seconds:g}s", str(r["version"]), f"{sum(recent) / len(recent):.3f}",
+                str(r["trained"]), dropped, str(alive), f"{r['idle_ratio']:.0%}",
+            )
+        else:
+            table.add_row("-", "0", "-", "0", "0", "-", "-")
+        table.caption = self._last_note
+        return table
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()

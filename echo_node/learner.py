@@ -1,0 +1,386 @@
+"""The learner: owns a run, consumes rollouts, trains with GRPO, publishes numbered versions.
+
+Dataflow: gossip (rollouts topic) -> validator (signature, run id, version sanity) ->
+sequence tracker (duplicates, gaps -> repair requests) -> replay buffer (staleness rule) ->
+trainer (one GRPO update per `groups_per_step` groups) -> new version on the data channel and a
+signed announcement on the versions topic.
+
+Invariant (see replay.py): each received rollout is trained or dropped with a reason, exactly
+once; the final ledger is written to `summary.json`. Bad input from a peer is a log line, a
+dropped-rollout count and a penalty against that peer, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import trio
+
+from echo_node.config import RunConfig, to_dict
+from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, read_metrics
+from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
+from echo_node.ml.model import save_checkpoint, state_to_bytes
+from echo_node.net import rpc
+from echo_node.net.datachannel import WeightServer
+from echo_node.net.discovery import Backoff, connect_bootstrap
+from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
+from echo_node.policy import Policy
+from echo_node.replay import ReplayBuffer
+from echo_node.topics import rollouts_topic, versions_topic
+from protocol.envelope import open_envelope, seal
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
+from protocol.messages import (
+    JoinRequest,
+    JoinResponse,
+    RepairRequest,
+    RepairResponse,
+    RolloutGroup,
+    RunSpec,
+    SamplingParams,
+    StatusRequest,
+    StatusResponse,
+    VersionAnnounce,
+)
+from protocol.sequence import SequenceTracker
+from protocol.staleness import DropReason
+
+log = logging.getLogger(__name__)
+
+# A peer whose penalties pass this is ignored by GossipSub (graylisted) until they decay.
+PENALTY_WEIGHT = 10.0
+
+
+@dataclass(slots=True)
+class PeerBook:
+    """What the learner knows about each rollout peer: contributions and penalties."""
+
+    accepted: Counter[str] = field(default_factory=Counter)
+    penalties: Counter[str] = field(default_factory=Counter)
+    joined: set[str] = field(default_factory=set)
+
+    def score(self, peer_id: str) -> float:
+        return -PENALTY_WEIGHT * self.penalties[peer_id]
+
+
+class Learner:
+    def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.policy = policy
+        self.stdout = stdout
+        self.version = 0
+        self.peers = PeerBook()
+        self.buffer = ReplayBuffer(mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups)
+        self.tracker = SequenceTracker()
+        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen, app_score=self.peers.score))
+        self.weights = WeightServer(cfg.run_id, host=_listen_host(cfg.net.listen))
+        self.optimizer = PolicyOptimizer(
+            policy.model,
+            lr=cfg.rl.lr,
+            clip_eps=cfg.rl.clip_eps,
+            temperature=cfg.sampling.temperature,
+            max_grad_norm=cfg.rl.max_grad_norm,
+            pad_id=policy.tokenizer.pad_id,
+        )
+        self.trained_rewards: list[float] = []
+        self.idle_s = 0.0
+        self.train_s = 0.0
+        self._arrived = trio.Event()
+        self._started = 0.0
+        self.rollouts_topic = rollouts_topic(cfg.run_id)
+        self.versions_topic = versions_topic(cfg.run_id)
+        cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        """Serve and train until the configured time or version budget is spent."""
+        self._started = time.monotonic()
+        self.weights.publish(0, state_to_bytes(self.policy.model))
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(self.node.run)
+                await nursery.start(self.weights.run)
+                if self.cfg.net.bootstrap:
+                    await connect_bootstrap(
+                        self.node,
+                        self.cfg.net.bootstrap,
+                        deadline_s=self.cfg.net.join_deadline_s,
+                        backoff=Backoff(self.cfg.net.backoff_initial_s, self.cfg.net.backoff_max_s),
+                    )
+                self.node.set_stream_handler(rpc.JOIN, self._serve(self._on_join))
+                self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
+                await self.node.subscribe(self.rollouts_topic, self._validate)
+                await self.node.provide(provider_key(self.cfg.run_id))
+                self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": 0})
+                nursery.start_soon(self._consume)
+                nursery.start_soon(self._repair_loop)
+                nursery.start_soon(self._provide_loop)
+                await self._train_loop()
+                nursery.cancel_scope.cancel()
+        finally:
+            summary = self._finish()
+        return summary
+
+    def _say(self, record: dict[str, Any]) -> None:
+        self.stdout.write(json.dumps(record) + "\n")
+        self.stdout.flush()
+
+    # -- request handlers ----------------------------------------------------------------------
+
+    def _serve(self, handler: rpc.Handler) -> Any:
+        async def on_stream(stream: Any) -> None:
+            with trio.move_on_after(30):
+                await rpc.serve_one(stream, handler, on_bad=self._penalize)
+
+        return on_stream
+
+    def spec(self) -> RunSpec:
+        s = self.cfg.sampling
+        return RunSpec(
+            run_id=self.cfg.run_id,
+            model=self.policy.model_spec,
+            tokenizer=self.policy.tokenizer_spec,
+            task=self.cfg.task,
+            sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
+            sync_mode=self.cfg.rl.mode,
+            staleness=self.cfg.rl.staleness,
+            group_size=self.cfg.rl.group_size,
+            current_version=self.version,
+            learner_peer_id=self.node.peer_id,
+        )
+
+    async def _on_join(self, request: Any, remote: str) -> JoinResponse:
+        if not isinstance(request, JoinRequest):
+            raise RemoteProtocolError(f"join stream carried a {type(request).__name__}")
+        self._check_run(request.run_id)
+        if request.peer_id != remote:
+            raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
+        self.peers.joined.add(remote)
+        log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
+        token = self.weights.issue_token(remote)
+        return JoinResponse(spec=self.spec(), data_host=self.weights.host, data_port=self.weights.port, token=token)
+
+    async def _on_status(self, request: Any, remote: str) -> StatusResponse:
+        if not isinstance(request, StatusRequest):
+            raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
+        self._check_run(request.run_id)
+        snap = self.weights.latest()
+        assert snap is not None, "version 0 is published before any handler runs"
+        return StatusResponse(run_id=self.cfg.run_id, version=snap.version, weights_size=len(snap.data), weights_sha256=snap.sha256)
+
+    def _check_run(self, run_id: str) -> None:
+        if run_id != self.cfg.run_id:
+            raise rpc.RequestRefused("wrong_run", f"this learner serves run {self.cfg.run_id!r}, not {run_id!r}")
+
+    # -- rollout intake ------------------------------------------------------------------------
+
+    def _check(self, data: bytes, origin: str) -> tuple[RolloutGroup | None, DropReason | None, int]:
+        try:
+            group, _ = open_envelope(data, expected_kind=RolloutGroup, expected_sender=origin)
+        except RemoteProtocolError as exc:
+            reason = getattr(exc, "reason", None) or DropReason.MALFORMED
+            log.warning("rejected a rollout message from %s: %s", origin, exc)
+            return None, DropReason(reason), 1
+        assert isinstance(group, RolloutGroup)
+        n = len(group.samples)
+        if group.run_id != self.cfg.run_id:
+            log.warning("rejected %d rollouts from %s for run %r", n, origin, group.run_id)
+            return group, DropReason.WRONG_RUN, n
+        newest = max((v for s in group.samples for v in s.token_versions), default=group.min_version)
+        if newest > self.version:
+            log.warning("rejected %d rollouts from %s claiming version %d (newest is %d)", n, origin, newest, self.version)
+            return group, DropReason.FUTURE_VERSION, n
+        if len(group.samples) != self.cfg.rl.group_size:
+            log.warning("rejected a group of %d from %s (run uses %d)", n, origin, self.cfg.rl.group_size)
+            return group, DropReason.BAD_GROUP, n
+        return group, None, n
+
+    def _validate(self, forwarder: str, origin: str, data: bytes) -> bool:
+        group, reason, n = self._check(data, origin)
+        if reason is None:
+            return True
+        self.buffer.reject(reason, n)
+        self.peers.penalties[origin] += 1
+        if forwarder != origin:
+            self.peers.penalties[forwarder] += 1
+        return False
+
+    def _penalize(self, peer_id: str, exc: Exception) -> None:
+        log.warning("bad request from %s: %s", peer_id, exc)
+        self.peers.penalties[peer_id] += 1
+        self.node.penalize(peer_id, self.rollouts_topic)
+
+    async def _consume(self) -> None:
+        async for msg in self.node.messages(self.rollouts_topic):
+            group, reason, n = self._check(msg.data, msg.sender)
+            if reason is not None or group is None:
+                # Valid a moment ago in the validator; the version cannot go backwards, so only
+                # a bug reaches this line. Count it rather than lose it.
+                self.buffer.reject(reason or DropReason.MALFORMED, n)
+                continue
+            self._ingest(group, msg.sender)
+
+    def _ingest(self, group: RolloutGroup, origin: str) -> None:
+        observation = self.tracker.observe(origin, group.seq)
+        if observation != "new":
+            self.buffer.reject(DropReason.DUPLICATE, len(group.samples))
+            return
+        if self.buffer.offer(group, self.version) is None:
+            self.peers.accepted[origin] += len(group.samples)
+            self._arrived.set()
+
+    async def _repair_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.net.repair_interval_s)
+            for peer_id in list(self.peers.joined):
+                missing = self.tracker.missing(peer_id)
+                if missing:
+                    with trio.move_on_after(10):
+                        await self._repair(peer_id, missing)
+
+    async def _repair(self, peer_id: str, missing: list[int]) -> None:
+        request = RepairRequest(run_id=self.cfg.run_id, peer_id=peer_id, seqs=tuple(missing[:256]))
+        try:
+            response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
+        except Exception as exc:
+            log.info("gap repair from %s failed: %s", peer_id, exc)
+            return
+        recovered = 0
+        for envelope in response.envelopes:
+            group, reason, n = self._check(envelope, peer_id)
+            if reason is not None or group is None:
+                self.buffer.reject(reason or DropReason.MALFORMED, n)
+                self._penalize(peer_id, RemoteProtocolError(f"bad repaired rollout: {reason}"))
+                continue
+            self._ingest(group, peer_id)
+            recovered += 1
+        # What the publisher no longer has is gone for good; stop asking for it.
+        self.tracker.mark_given_up(peer_id, missing[:256])
+        log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
+
+    async def _provide_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.net.provide_interval_s)
+            try:
+                await self.node.provide(provider_key(self.cfg.run_id))
+            except Exception as exc:
+                log.warning("re-announcing the run on the DHT failed: %s", exc)
+
+    # -- training ------------------------------------------------------------------------------
+
+    def _deadline(self) -> float:
+        return self._started + self.cfg.seconds if self.cfg.seconds is not None else math.inf
+
+    async def _wait_for_batch(self) -> None:
+        need = self.cfg.rl.groups_per_step
+        while self.buffer.count_admissible(self.version) < need:
+            await self._arrived.wait()
+            self._arrived = trio.Event()
+
+    async def _train_loop(self) -> None:
+        with trio.move_on_at(self._deadline()):
+            while self.cfg.max_versions is None or self.version < self.cfg.max_versions:
+                t0 = time.monotonic()
+                await self._wait_for_batch()
+                t1 = time.monotonic()
+                groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
+                stats = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
+                self.buffer.mark_trained(groups)
+                self.trained_rewards += [s.reward for g in groups for s in g.samples]
+                blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model)
+                t2 = time.monotonic()
+                self.idle_s += t1 - t0
+                self.train_s += t2 - t1
+                await self._publish_version(blob)
+                self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
+                if self.version % self.cfg.checkpoint.every_versions == 0:
+                    await trio.to_thread.run_sync(self._checkpoint)
+
+    async def _publish_version(self, blob: bytes) -> None:
+        self.version += 1
+        snap = self.weights.publish(self.version, blob)
+        # Anything that just fell out of the staleness window is counted now, not at exit.
+        self.buffer.evict_stale(self.version)
+        announce = VersionAnnounce(run_id=self.cfg.run_id, version=self.version, size=len(blob), sha256=snap.sha256)
+        await self.node.publish(self.versions_topic, seal(announce, self.identity))
+
+    def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
+        staleness = [self.version - 1 - g.min_version for g in groups]
+        ledger = self.buffer.ledger
+        self.metrics.write(
+            {
+                "event": "train",
+                "t": round(time.monotonic() - self._started, 3),
+                "version": self.version,
+                "reward_mean": stats.get("reward_mean", 0.0),
+                "loss": stats.get("loss", 0.0),
+                "groups": len(groups),
+                "staleness_mean": sum(staleness) / len(staleness),
+                "staleness_max": max(staleness),
+                "wait_s": round(wait_s, 4),
+                "train_s": round(train_s, 4),
+                "idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
+                "received": ledger.received,
+                "trained": ledger.trained,
+                "dropped": dict(ledger.dropped),
+                "buffered": self.buffer.buffered_rollouts,
+                "peers": len(self.peers.joined),
+                "bytes_served": self.weights.bytes_sent,
+                **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
+            }
+        )
+
+    def _checkpoint(self) -> None:
+        save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
+
+    def _finish(self) -> dict[str, Any]:
+        self.buffer.close()
+        self.buffer.check()
+        self._checkpoint()
+        first, last = first_last_mean(self.trained_rewards)
+        ledger = self.buffer.ledger
+        summary = {
+            "run_id": self.cfg.run_id,
+            "mode": self.cfg.rl.mode,
+            "staleness": self.cfg.rl.staleness,
+            "versions": self.version,
+            "rollouts_received": ledger.received,
+            "rollouts_accepted": ledger.trained,
+            "rollouts_dropped": dict(sorted(ledger.dropped.items())),
+            "reward_first": first,
+            "reward_last": last,
+            "rollout_peers": len(self.peers.joined),
+            "learner_idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
+            "penalties": dict(self.peers.penalties),
+            "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
+            "config": to_dict(self.cfg),
+        }
+        self.metrics.write({"event": "summary", **{k: v for k, v in summary.items() if k != "config"}})
+        self.metrics.close()
+        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        plot_rewards(read_metrics(self.metrics.path), self.cfg.run_dir / "reward.png", title=f"{self.cfg.run_id} ({self.cfg.rl.mode})")
+        return summary
+
+
+def _train_group(g: RolloutGroup) -> TrainGroup:
+    return TrainGroup(
+        prompt_ids=list(g.prompt_ids),
+        completions=[list(s.completion_ids) for s in g.samples],
+        behaviour_logprobs=[list(s.behaviour_logprobs) for s in g.samples],
+        rewards=[s.reward for s in g.samples],
+    )
+
+
+def _listen_host(maddr: str) -> str:
+    parts = maddr.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "127.0.0.1"

@@ -1,0 +1,79 @@
+"""Request/response over libp2p streams: one framed request, one framed response, then close.
+
+Streams are Noise-authenticated, so plain (unsigned) protocol messages suffice here; the remote
+peer id comes from the connection, not from the message. Every read is bounded by the frame
+limit and every exchange by a deadline at the call site.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar
+
+from echo_node.net.framing import ByteStream, read_frame, write_frame
+from protocol.errors import RemoteProtocolError
+from protocol.limits import MAX_DECOMPRESSED_BYTES
+from protocol.messages import ErrorResponse, decode_message, encode_message
+
+log = logging.getLogger(__name__)
+
+JOIN = "/echo-node/join/1"
+STATUS = "/echo-node/status/1"
+REPAIR = "/echo-node/repair/1"
+
+T = TypeVar("T")
+
+
+class Stream(ByteStream, Protocol):
+    remote_peer_id: str
+
+    async def aclose(self) -> None: ...
+
+
+class RequestFailed(Exception):
+    """The remote answered with an ErrorResponse."""
+
+
+class Opener(Protocol):
+    async def open_stream(self, peer_id: str, protocol_id: str) -> Any: ...
+
+
+async def call(node: Opener, peer_id: str, protocol_id: str, request: Any, expected: type[T]) -> T:
+    """Send one request and return the typed response; the caller bounds it with a deadline."""
+    stream = await node.open_stream(peer_id, protocol_id)
+    try:
+        await write_frame(stream, encode_message(request))
+        payload = await read_frame(stream, max_len=MAX_DECOMPRESSED_BYTES)
+    finally:
+        await stream.aclose()
+    reply = decode_message(payload)
+    if isinstance(reply, ErrorResponse):
+        raise RequestFailed(f"{reply.code}: {reply.message}")
+    if not isinstance(reply, expected):
+        raise RemoteProtocolError(f"expected {expected.__name__}, got {type(reply).__name__}")
+    return reply
+
+
+Handler = Callable[[Any, str], Awaitable[Any]]
+
+
+async def serve_one(stream: Stream, handler: Handler, *, on_bad: Callable[[str, Exception], None]) -> None:
+    """Read one request, answer it; bad input becomes an ErrorResponse and a penalty, never a crash."""
+    try:
+        request = decode_message(await read_frame(stream, max_len=MAX_DECOMPRESSED_BYTES))
+        response = await handler(request, stream.remote_peer_id)
+    except RemoteProtocolError as exc:
+        on_bad(stream.remote_peer_id, exc)
+        response = ErrorResponse(code="bad_request", message=str(exc)[:200])
+    except RequestRefused as exc:
+        response = ErrorResponse(code=exc.code, message=str(exc)[:200])
+    await write_frame(stream, encode_message(response))
+
+
+class RequestRefused(Exception):
+    """A well-formed request this node will not serve (wrong run id, unknown version, ...)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code

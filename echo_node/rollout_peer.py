@@ -1,0 +1,271 @@
+"""A rollout peer: joins a run, keeps its weights current, generates, scores and publishes.
+
+Sync modes (Echo):
+- pull: before every generation batch the peer asks the learner for its newest version and
+  refreshes if it is behind, so each batch is sampled from the learner's current policy.
+- async: the peer generates continuously; new versions announced on the versions topic (or seen
+  in a periodic status check, in case gossip lost one) are fetched in the background and swapped
+  in between batches. Staleness is the learner's business (the replay buffer's S bound).
+
+Every published group is a signed envelope with a per-publisher sequence number; the last
+`net.repair_history` envelopes are kept to answer the learner's gap-repair requests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from echo_node.config import RunConfig
+from echo_node.ml.engine import TorchEngine
+from echo_node.ml.model import load_state_bytes
+from echo_node.ml.rollout import ScoredGroup, generate_groups
+from echo_node.net import rpc
+from echo_node.net.datachannel import fetch_weights
+from echo_node.net.discovery import Backoff, JoinError, connect_bootstrap, find_provider
+from echo_node.net.p2p import P2PNode, P2PSettings, PeerAddr, provider_key
+from echo_node.policy import Policy, peer_policy
+from echo_node.topics import rollouts_topic, versions_topic
+from protocol.envelope import open_envelope, seal
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
+from protocol.messages import (
+    JoinRequest,
+    JoinResponse,
+    RepairRequest,
+    RepairResponse,
+    RolloutGroup,
+    RunSpec,
+    Sample,
+    StatusRequest,
+    StatusResponse,
+    VersionAnnounce,
+)
+
+log = logging.getLogger(__name__)
+
+# Status checks double as a liveness probe of the learner in async mode.
+STATUS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    version: int
+    size: int
+    sha256: bytes
+
+
+class RolloutPeer:
+    def __init__(self, cfg: RunConfig, identity: Identity, *, model_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.model_path = model_path
+        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen))
+        self.seq = 0
+        self.history: OrderedDict[int, bytes] = OrderedDict()
+        self.published_groups = 0
+        self.rng = random.Random(int.from_bytes(hashlib.sha256(identity.public_key).digest()[:8], "big") ^ cfg.seed)
+        self.spec: RunSpec | None = None
+        self.policy: Policy | None = None
+        self.engine: TorchEngine | None = None
+        self.learner: PeerAddr | None = None
+        self._join: JoinResponse | None = None
+        self._newest: Target | None = None
+        self._new_version = trio.Event()
+        self._last_contact = 0.0
+        self.first_publish_s: float | None = None
+        self._t0 = time.monotonic()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._t0 = time.monotonic()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.node.run)
+            await self._join_run()
+            assert self.spec is not None
+            self.node.set_stream_handler(rpc.REPAIR, self._serve_repair)
+            await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
+            await self._refresh()  # the initial weights, before the first token is sampled
+            task_status.started()
+            if self.spec.sync_mode == "async":
+                nursery.start_soon(self._follow_announcements)
+                nursery.start_soon(self._poll_status)
+            await self._generate_forever()
+
+    # -- joining ---------------------------------------------------------------------------------
+
+    async def _join_run(self) -> None:
+        net = self.cfg.net
+        backoff = Backoff(net.backoff_initial_s, net.backoff_max_s)
+        deadline = trio.current_time() + net.join_deadline_s
+        await connect_bootstrap(self.node, net.bootstrap, deadline_s=net.join_deadline_s, backoff=backoff)
+        remaining = max(0.0, deadline - trio.current_time())
+        self.learner = await find_provider(
+            self.node, provider_key(self.cfg.run_id), what=f"learner for run {self.cfg.run_id!r}", deadline_s=remaining, backoff=backoff
+        )
+        await self.node.connect(self.learner)
+        with trio.fail_after(30):
+            join = await rpc.call(
+                self.node,
+                self.learner.peer_id,
+                rpc.JOIN,
+                JoinRequest(run_id=self.cfg.run_id, peer_id=self.node.peer_id),
+                JoinResponse,
+            )
+        if join.spec.run_id != self.cfg.run_id or join.spec.learner_peer_id != self.learner.peer_id:
+            raise JoinError(f"learner {self.learner.peer_id} answered with a spec for another run")
+        self._join = join
+        self.spec = join.spec
+        self.policy = await trio.to_thread.run_sync(
+            peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, self.model_path
+        )
+        self.engine = TorchEngine(self.policy.model, eos_id=self.policy.tokenizer.eos_id, pad_id=self.policy.tokenizer.pad_id)
+        self.engine.version = -1
+        log.info("joined run %s (mode %s, S=%d) via learner %s", self.cfg.run_id, self.spec.sync_mode, self.spec.staleness, self.learner.peer_id)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    async def _status(self) -> Target:
+        assert self.learner is not None
+        with trio.fail_after(15):
+            status = await rpc.call(
+                self.node, self.learner.peer_id, rpc.STATUS, StatusRequest(run_id=self.cfg.run_id), StatusResponse
+            )
+        self._last_contact = trio.current_time()
+        return Target(status.version, status.weights_size, status.weights_sha256)
+
+    async def _refresh(self, target: Target | None = None) -> None:
+        """Bring the engine to `target` (default: the learner's newest version) if behind."""
+        assert self.engine is not None and self._join is not None and self.policy is not None
+        target = target or await self._status()
+        if target.version <= self.engine.version:
+            return
+        join = self._join
+        with trio.fail_after(60):
+            blob = await fetch_weights(
+                join.data_host,
+                join.data_port,
+                join.token,
+                run_id=self.cfg.run_id,
+                version=target.version,
+                size=target.size,
+                sha256=target.sha256,
+            )
+        await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
+        log.debug("now on version %d", target.version)
+
+    def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
+        assert self.spec is not None
+        try:
+            msg, _ = open_envelope(data, expected_kind=VersionAnnounce, expected_sender=self.spec.learner_peer_id)
+        except RemoteProtocolError as exc:
+            log.warning("ignored a version announcement from %s: %s", origin, exc)
+            return False
+        return msg.run_id == self.cfg.run_id
+
+    def _offer(self, target: Target) -> None:
+        if self._newest is None or target.version > self._newest.version:
+            self._newest = target
+            self._new_version.set()
+
+    async def _follow_announcements(self) -> None:
+        async for item in self.node.messages(versions_topic(self.cfg.run_id)):
+            msg, _ = open_envelope(item.data, expected_kind=VersionAnnounce)
+            self._offer(Target(msg.version, msg.size, msg.sha256))
+
+    async def _poll_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL_S)
+            try:
+                self._offer(await self._status())
+            except Exception as exc:
+                log.warning("status check with the learner failed: %s", exc)
+                self._check_learner_alive()
+
+    def _check_learner_alive(self) -> None:
+        if trio.current_time() - self._last_contact > self.cfg.net.join_deadline_s:
+            raise JoinError(f"lost the learner: no answer for {self.cfg.net.join_deadline_s:g}s")
+
+    # -- generation ------------------------------------------------------------------------------
+
+    async def _generate_forever(self) -> None:
+        assert self.spec is not None and self.policy is not None and self.engine is not None
+        spec, policy = self.spec, self.policy
+        while True:
+            if spec.sync_mode == "pull":
+                try:
+                    await self._refresh()
+                except (OSError, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
+                    log.warning("weight refresh failed: %s; retrying", exc)
+                    self._check_learner_alive()
+                    await trio.sleep(1.0)
+                    continue
+            elif self._newest is not None and self._newest.version > self.engine.version:
+                try:
+                    await self._refresh(self._newest)
+                except (OSError, trio.TooSlowError, RemoteProtocolError) as exc:
+                    log.warning("fetching version %d failed: %s", self._newest.version, exc)
+            prompts = policy.task.sample_prompts(self.cfg.rollout.groups_per_batch, self.rng)
+            groups = await trio.to_thread.run_sync(self._generate, prompts)
+            for g in groups:
+                await self._publish(g)
+
+    def _generate(self, prompts: list[str]) -> list[ScoredGroup]:
+        assert self.spec is not None and self.policy is not None and self.engine is not None
+        s = self.spec.sampling
+        return generate_groups(
+            self.engine,
+            self.policy.tokenizer,
+            self.policy.task,
+            prompts,
+            group_size=self.spec.group_size,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=self.rng.getrandbits(31),
+        )
+
+    async def _publish(self, g: ScoredGroup) -> None:
+        group = RolloutGroup(
+            run_id=self.cfg.run_id,
+            peer_id=self.node.peer_id,
+            seq=self.seq,
+            group_id=f"{self.node.peer_id[-8:]}-{self.seq}",
+            prompt_ids=tuple(g.prompt_ids),
+            samples=tuple(
+                Sample(
+                    completion_ids=tuple(gen.completion_ids),
+                    behaviour_logprobs=tuple(min(0.0, lp) for lp in gen.logprobs),
+                    token_versions=tuple(gen.token_versions),
+                    reward=float(r),
+                )
+                for gen, r in zip(g.generations, g.rewards)
+            ),
+        )
+        envelope = seal(group, self.identity)
+        self.history[self.seq] = envelope
+        while len(self.history) > self.cfg.net.repair_history:
+            self.history.popitem(last=False)
+        self.seq += 1
+        await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
+        self.published_groups += 1
+        if self.first_publish_s is None:
+            self.first_publish_s = time.monotonic() - self._t0
+            log.info("first rollout group published %.2fs after start", self.first_publish_s)
+
+    # -- gap repair ------------------------------------------------------------------------------
+
+    async def _serve_repair(self, stream: Any) -> None:
+        with trio.move_on_after(30):
+            await rpc.serve_one(stream, self._on_repair, on_bad=lambda p, e: log.warning("bad repair request from %s: %s", p, e))
+
+    async def _on_repair(self, request: Any, remote: str) -> RepairResponse:
+        if not isinstance(request, RepairRequest) or request.run_id != self.cfg.run_id:
+            raise RemoteProtocolError("not a repair request for this run")
+        found = [self.history[s] for s in request.seqs if s in self.history]
+        return RepairResponse(envelopes=tuple(found))

@@ -1,0 +1,54 @@
+"""The typed config tree: TOML, CLI overrides, and clear errors for bad input."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from echo_node.config import RunConfig, load_config
+
+
+def test_defaults_are_valid() -> None:
+    cfg = load_config()
+    assert cfg.rl.mode == "async" and cfg.threads == 1
+    assert cfg.run_dir == Path("runs") / "default"
+
+
+def test_toml_tables_and_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text('run_id = "exp-1"\n[rl]\nmode = "pull"\nlr = 1\n[net]\nbootstrap = ["/ip4/1.2.3.4/tcp/1/p2p/x"]\n')
+    cfg = load_config(f, rl__staleness=7, run_id=None)
+    assert cfg.run_id == "exp-1"  # None overrides keep the file's value
+    assert cfg.rl.mode == "pull" and cfg.rl.staleness == 7
+    assert cfg.rl.lr == 1.0 and isinstance(cfg.rl.lr, float)
+    assert cfg.net.bootstrap == ["/ip4/1.2.3.4/tcp/1/p2p/x"]
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("[rl]\nmdoe = 'pull'\n", r"unknown config key\(s\) rl\.mdoe"),
+        ("[rl]\nmode = 'sync'\n", "rl.mode must be one of"),
+        ("[rl]\nstaleness = 'four'\n", "rl.staleness must be int"),
+        ("[rl]\ngroup_size = 1\n", "group_size must be in 2..64"),
+        ("run_id = 'a b'\n", "run id 'a b' is invalid"),
+        ("rl = 3\n", r"\[rl\] must be a table"),
+        ("[rl\n", "not valid TOML"),
+    ],
+)
+def test_bad_config_names_the_problem(tmp_path: Path, text: str, match: str) -> None:
+    f = tmp_path / "run.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        load_config(f)
+
+
+def test_missing_file_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_direct_construction_is_validated() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        RunConfig(threads=0)
