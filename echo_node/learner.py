@@ -49,13 +49,18 @@ from protocol.messages import (
     StatusResponse,
     VersionAnnounce,
 )
-from protocol.sequence import SequenceTracker
+from protocol.sequence import Observation, SequenceTracker
 from protocol.staleness import DropReason
 
 log = logging.getLogger(__name__)
 
 # A peer whose penalties pass this is ignored by GossipSub (graylisted) until they decay.
 PENALTY_WEIGHT = 10.0
+# A peer counts as active (for splitting demand) while it was heard from this recently.
+ACTIVE_WINDOW_S = 15.0
+# Ask for this much more than one update consumes, so that jitter or a lost message never
+# leaves the learner waiting; the excess is what the staleness rule drops.
+DEMAND_SLACK = 1.5
 
 
 @dataclass(slots=True)
@@ -65,6 +70,10 @@ class PeerBook:
     accepted: Counter[str] = field(default_factory=Counter)
     penalties: Counter[str] = field(default_factory=Counter)
     joined: set[str] = field(default_factory=set)
+    last_seen: dict[str, float] = field(default_factory=dict)
+
+    def active(self, now: float) -> int:
+        return sum(1 for t in self.last_seen.values() if now - t <= ACTIVE_WINDOW_S)
 
     def score(self, peer_id: str) -> float:
         return -PENALTY_WEIGHT * self.penalties[peer_id]
@@ -91,6 +100,9 @@ class Learner:
             pad_id=policy.tokenizer.pad_id,
         )
         self.trained_rewards: list[float] = []
+        # Messages seen missing from a publisher's sequence and never recovered by repair. They
+        # never reached the learner, so they are not in the rollout ledger; counted here instead.
+        self.lost_messages = 0
         self.idle_s = 0.0
         self.train_s = 0.0
         self._arrived = trio.Event()
@@ -166,6 +178,7 @@ class Learner:
         if request.peer_id != remote:
             raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
         self.peers.joined.add(remote)
+        self.peers.last_seen[remote] = trio.current_time()
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
         token = self.weights.issue_token(remote)
         return JoinResponse(spec=self.spec(), data_host=self.weights.host, data_port=self.weights.port, token=token)
@@ -174,9 +187,21 @@ class Learner:
         if not isinstance(request, StatusRequest):
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
+        self.peers.last_seen[remote] = trio.current_time()
         snap = self.weights.latest()
         assert snap is not None, "version 0 is published before any handler runs"
-        return StatusResponse(run_id=self.cfg.run_id, version=snap.version, weights_size=len(snap.data), weights_sha256=snap.sha256)
+        return StatusResponse(
+            run_id=self.cfg.run_id,
+            version=snap.version,
+            weights_size=len(snap.data),
+            weights_sha256=snap.sha256,
+            demand_groups=self.demand_groups(),
+        )
+
+    def demand_groups(self) -> int:
+        """Groups each peer should sample per version: one update's worth, split, with slack."""
+        active = max(1, self.peers.active(trio.current_time()))
+        return max(1, math.ceil(self.cfg.rl.groups_per_step * DEMAND_SLACK / active))
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
@@ -196,9 +221,8 @@ class Learner:
         if group.run_id != self.cfg.run_id:
             log.warning("rejected %d rollouts from %s for run %r", n, origin, group.run_id)
             return group, DropReason.WRONG_RUN, n
-        newest = max((v for s in group.samples for v in s.token_versions), default=group.min_version)
-        if newest > self.version:
-            log.warning("rejected %d rollouts from %s claiming version %d (newest is %d)", n, origin, newest, self.version)
+        if group.max_version > self.version:
+            log.warning("rejected %d rollouts from %s claiming version %d (newest is %d)", n, origin, group.max_version, self.version)
             return group, DropReason.FUTURE_VERSION, n
         if len(group.samples) != self.cfg.rl.group_size:
             log.warning("rejected a group of %d from %s (run uses %d)", n, origin, self.cfg.rl.group_size)
@@ -232,9 +256,11 @@ class Learner:
 
     def _ingest(self, group: RolloutGroup, origin: str) -> None:
         observation = self.tracker.observe(origin, group.seq)
-        if observation != "new":
-            self.buffer.reject(DropReason.DUPLICATE, len(group.samples))
+        if observation is not Observation.NEW:
+            reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
+            self.buffer.reject(reason, len(group.samples))
             return
+        self.peers.last_seen[origin] = trio.current_time()
         if self.buffer.offer(group, self.version) is None:
             self.peers.accepted[origin] += len(group.samples)
             self._arrived.set()
@@ -253,7 +279,10 @@ class Learner:
         try:
             response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
         except Exception as exc:
-            log.info("gap repair from %s failed: %s", peer_id, exc)
+            # The publisher is gone or will not answer: what it alone held is lost in transit.
+            log.info("gap repair from %s failed (%s); giving up on %d messages", peer_id, exc, len(missing))
+            self.tracker.mark_given_up(peer_id, missing)
+            self.lost_messages += len(missing)
             return
         recovered = 0
         for envelope in response.envelopes:
@@ -264,8 +293,10 @@ class Learner:
                 continue
             self._ingest(group, peer_id)
             recovered += 1
-        # What the publisher no longer has is gone for good; stop asking for it.
-        self.tracker.mark_given_up(peer_id, missing[:256])
+        # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
+        # not fit in this response stay missing and are asked for on the next round.
+        self.tracker.mark_given_up(peer_id, list(response.unavailable))
+        self.lost_messages += len(response.unavailable)
         log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
 
     async def _provide_loop(self) -> None:
@@ -279,7 +310,8 @@ class Learner:
     # -- training ------------------------------------------------------------------------------
 
     def _deadline(self) -> float:
-        return self._started + self.cfg.seconds if self.cfg.seconds is not None else math.inf
+        # trio's clock, not time.monotonic(): move_on_at reads trio.current_time().
+        return trio.current_time() + self.cfg.seconds if self.cfg.seconds is not None else math.inf
 
     async def _wait_for_batch(self) -> None:
         need = self.cfg.rl.groups_per_step
@@ -311,7 +343,9 @@ class Learner:
         snap = self.weights.publish(self.version, blob)
         # Anything that just fell out of the staleness window is counted now, not at exit.
         self.buffer.evict_stale(self.version)
-        announce = VersionAnnounce(run_id=self.cfg.run_id, version=self.version, size=len(blob), sha256=snap.sha256)
+        announce = VersionAnnounce(
+            run_id=self.cfg.run_id, version=self.version, size=len(blob), sha256=snap.sha256, demand_groups=self.demand_groups()
+        )
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
@@ -336,6 +370,7 @@ class Learner:
                 "buffered": self.buffer.buffered_rollouts,
                 "peers": len(self.peers.joined),
                 "bytes_served": self.weights.bytes_sent,
+                "lost_messages": self.lost_messages,
                 **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
             }
         )
@@ -362,6 +397,7 @@ class Learner:
             "rollout_peers": len(self.peers.joined),
             "learner_idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
             "penalties": dict(self.peers.penalties),
+            "lost_messages": self.lost_messages,
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }

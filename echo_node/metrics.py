@@ -67,7 +67,8 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path, *, title: str) -
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    if steps:
+        ax.legend(loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

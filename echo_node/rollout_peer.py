@@ -47,12 +47,17 @@ from protocol.messages import (
     StatusRequest,
     StatusResponse,
     VersionAnnounce,
+    pack_repair_response,
 )
 
 log = logging.getLogger(__name__)
 
 # Status checks double as a liveness probe of the learner in async mode.
 STATUS_INTERVAL_S = 5.0
+# A peer that met the learner's demand for its version waits this long for the next version,
+# then samples one more batch anyway: an announcement may have been lost, and a learner short of
+# data must never wait on peers that wait on it.
+DEMAND_WAIT_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +65,7 @@ class Target:
     version: int
     size: int
     sha256: bytes
+    demand_groups: int
 
 
 class RolloutPeer:
@@ -68,7 +74,9 @@ class RolloutPeer:
         self.identity = identity
         self.model_path = model_path
         self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen))
-        self.seq = 0
+        # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
+        # the learner would take a fresh count from 0 for duplicates of messages it has seen.
+        self.seq = time.time_ns() // 1_000_000
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
         self.rng = random.Random(int.from_bytes(hashlib.sha256(identity.public_key).digest()[:8], "big") ^ cfg.seed)
@@ -79,6 +87,9 @@ class RolloutPeer:
         self._join: JoinResponse | None = None
         self._newest: Target | None = None
         self._new_version = trio.Event()
+        # Flow control: groups sampled on the engine's current version, and the learner's ask.
+        self._produced = 0
+        self._demand = cfg.rollout.groups_per_batch
         self._last_contact = 0.0
         self.first_publish_s: float | None = None
         self._t0 = time.monotonic()
@@ -93,8 +104,8 @@ class RolloutPeer:
             await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
             await self._refresh()  # the initial weights, before the first token is sampled
             task_status.started()
+            nursery.start_soon(self._follow_announcements)
             if self.spec.sync_mode == "async":
-                nursery.start_soon(self._follow_announcements)
                 nursery.start_soon(self._poll_status)
             await self._generate_forever()
 
@@ -138,7 +149,9 @@ class RolloutPeer:
                 self.node, self.learner.peer_id, rpc.STATUS, StatusRequest(run_id=self.cfg.run_id), StatusResponse
             )
         self._last_contact = trio.current_time()
-        return Target(status.version, status.weights_size, status.weights_sha256)
+        target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups)
+        self._offer(target)
+        return target
 
     async def _refresh(self, target: Target | None = None) -> None:
         """Bring the engine to `target` (default: the learner's newest version) if behind."""
@@ -158,6 +171,7 @@ class RolloutPeer:
                 sha256=target.sha256,
             )
         await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
+        self._produced = 0
         log.debug("now on version %d", target.version)
 
     def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
@@ -170,6 +184,8 @@ class RolloutPeer:
         return msg.run_id == self.cfg.run_id
 
     def _offer(self, target: Target) -> None:
+        if self._newest is None or target.version >= self._newest.version:
+            self._demand = target.demand_groups
         if self._newest is None or target.version > self._newest.version:
             self._newest = target
             self._new_version.set()
@@ -177,7 +193,7 @@ class RolloutPeer:
     async def _follow_announcements(self) -> None:
         async for item in self.node.messages(versions_topic(self.cfg.run_id)):
             msg, _ = open_envelope(item.data, expected_kind=VersionAnnounce)
-            self._offer(Target(msg.version, msg.size, msg.sha256))
+            self._offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups))
 
     async def _poll_status(self) -> None:
         while True:
@@ -196,25 +212,36 @@ class RolloutPeer:
 
     async def _generate_forever(self) -> None:
         assert self.spec is not None and self.policy is not None and self.engine is not None
-        spec, policy = self.spec, self.policy
         while True:
-            if spec.sync_mode == "pull":
-                try:
-                    await self._refresh()
-                except (OSError, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
-                    log.warning("weight refresh failed: %s; retrying", exc)
-                    self._check_learner_alive()
-                    await trio.sleep(1.0)
-                    continue
-            elif self._newest is not None and self._newest.version > self.engine.version:
-                try:
+            try:
+                if self.spec.sync_mode == "pull":
+                    await self._refresh()  # Echo's sequential pull: newest weights, every batch
+                elif self._newest is not None and self._newest.version > self.engine.version:
                     await self._refresh(self._newest)
-                except (OSError, trio.TooSlowError, RemoteProtocolError) as exc:
-                    log.warning("fetching version %d failed: %s", self._newest.version, exc)
-            prompts = policy.task.sample_prompts(self.cfg.rollout.groups_per_batch, self.rng)
+            except (OSError, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
+                log.warning("weight refresh failed: %s; retrying", exc)
+                self._check_learner_alive()
+                await trio.sleep(1.0)
+                continue
+            left = self._demand - self._produced
+            if left <= 0:
+                await self._wait_for_version()
+                continue
+            prompts = self.policy.task.sample_prompts(min(left, self.cfg.rollout.groups_per_batch), self.rng)
             groups = await trio.to_thread.run_sync(self._generate, prompts)
+            self._produced += len(groups)
             for g in groups:
                 await self._publish(g)
+
+    async def _wait_for_version(self) -> None:
+        assert self.engine is not None
+        self._new_version = trio.Event()
+        if self._newest is not None and self._newest.version > self.engine.version:
+            return
+        with trio.move_on_after(DEMAND_WAIT_S) as waited:
+            await self._new_version.wait()
+        if waited.cancelled_caught:
+            self._produced = max(0, self._demand - self.cfg.rollout.groups_per_batch)
 
     def _generate(self, prompts: list[str]) -> list[ScoredGroup]:
         assert self.spec is not None and self.policy is not None and self.engine is not None
@@ -268,4 +295,5 @@ class RolloutPeer:
         if not isinstance(request, RepairRequest) or request.run_id != self.cfg.run_id:
             raise RemoteProtocolError("not a repair request for this run")
         found = [self.history[s] for s in request.seqs if s in self.history]
-        return RepairResponse(envelopes=tuple(found))
+        unavailable = [s for s in request.seqs if s not in self.history]
+        return pack_repair_response(found, unavailable=unavailable)

@@ -1,0 +1,159 @@
+"""The policy model: the embedded tiny Llama, local HF checkpoints, and weight (de)serialization.
+
+Invariants:
+- `build_model(arch, seed=s)` gives bit-identical float32 weights for the same (arch, s, torch
+  version), without disturbing the caller's global RNG.
+- `state_to_bytes(model)` is a deterministic safetensors blob of the model's *canonical* state:
+  every persistent tensor once, with tied aliases (e.g. `lm_head.weight` tied to the embedding)
+  dropped, so the same weights always hash the same.
+- `load_state_bytes` / `load_state_tensors` are strict: the blob must hold exactly the canonical
+  keys with the same shapes and dtypes, else `ValueError` and the model is left untouched.
+- `load_checkpoint(save_checkpoint(m, p, v))` returns `(state_to_bytes(m), v)`: the version lives
+  in the safetensors metadata, never in the state bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from safetensors.torch import save_file as st_save_file
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel
+
+from echo_node.ml.tokenizer import HFTokenizerAdapter
+
+# SDPA is the faster attention kernel on CPU for these shapes and is numerically equivalent to
+# eager (both float32); every code path (engine, learner, HF generate in tests) uses the same one.
+ATTN_IMPLEMENTATION = "sdpa"
+
+_VERSION_KEY = "echo_node.version"
+
+
+def tiny_llama_config(vocab_size: int) -> dict[str, Any]:
+    """LlamaConfig kwargs (JSON-able) for the embedded ~0.8M-parameter default policy.
+
+    Sized so supervised warm-up on 2-digit addition takes well under a minute on one thread and
+    the model can still reach exact answers; 64 positions cover prompt + answer of every task here.
+    """
+    return {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "intermediate_size": 384,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 64,
+        "rms_norm_eps": 1e-5,
+        "initializer_range": 0.02,
+        "tie_word_embeddings": True,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+
+
+def build_model(arch: dict[str, Any], *, seed: int = 0) -> LlamaForCausalLM:
+    """A freshly initialized float32 LlamaForCausalLM from `arch` (LlamaConfig kwargs)."""
+    config = LlamaConfig(**arch)
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    # fork_rng: HF initializes from the global RNG; seeding it in place would silently reseed
+    # whatever the caller (a sampler, a test) was doing.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.to(torch.float32)
+    model.eval()
+    return model
+
+
+def load_pretrained(
+    path: str, *, gguf_file: str | None = None
+) -> tuple[PreTrainedModel, HFTokenizerAdapter]:
+    """Load a local HF causal LM directory (or a GGUF file in it) as float32, with its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model.eval()
+    tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
+    tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, **tok_kwargs), path=path)
+    return model, tokenizer
+
+
+def canonical_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent tensors, each storage once (first name in state_dict order wins).
+
+    state_dict order is module registration order, so for HF models the embedding is kept and
+    the tied `lm_head.weight` alias is dropped — the same choice `save_pretrained` makes.
+    """
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach()
+    return out
+
+
+def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
+    """Serialize a name→tensor map; safetensors orders the header itself, so this is deterministic."""
+    return st_save({k: v.contiguous() for k, v in tensors.items()})
+
+
+def state_to_bytes(model: torch.nn.Module) -> bytes:
+    return tensors_to_bytes(canonical_state(model))
+
+
+def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Copy `tensors` into the model in place; strict on keys, shapes and dtypes."""
+    target = canonical_state(model)
+    missing = sorted(target.keys() - tensors.keys())
+    extra = sorted(tensors.keys() - target.keys())
+    if missing or extra:
+        raise ValueError(f"state does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
+    for name, dst in target.items():
+        src = tensors[name]
+        if src.shape != dst.shape or src.dtype != dst.dtype:
+            raise ValueError(
+                f"{name}: got {src.dtype} {tuple(src.shape)}, model has {dst.dtype} {tuple(dst.shape)}"
+            )
+    # All checks pass before the first copy, so a rejected state never leaves a half-loaded model.
+    with torch.no_grad():
+        for name, dst in target.items():
+            dst.copy_(tensors[name])
+
+
+def load_state_bytes(model: torch.nn.Module, data: bytes) -> None:
+    try:
+        tensors = st_load(data)
+    except Exception as exc:  # safetensors raises its own error types for malformed blobs
+        raise ValueError(f"not a safetensors blob: {exc}") from exc
+    load_state_tensors(model, tensors)
+
+
+def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str], version: int) -> None:
+    """Write the canonical state with `version` in the metadata, atomically (tmp + os.replace)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tensors = {k: v.contiguous() for k, v in canonical_state(model).items()}
+    st_save_file(tensors, str(tmp), metadata={_VERSION_KEY: str(int(version))})
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: str | os.PathLike[str]) -> tuple[bytes, int]:
+    """(state bytes exactly as `state_to_bytes` would give, version)."""
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if _VERSION_KEY not in metadata:
+        raise ValueError(f"{path} is not an echo-node checkpoint (no version in its metadata)")
+    return tensors_to_bytes(tensors), int(metadata[_VERSION_KEY])

@@ -1,0 +1,32 @@
+"""Why a message was dropped.
+
+Job: one closed vocabulary of drop reasons, shared by decoders (which attach a reason to every
+`RemoteProtocolError`) and by the learner's accounting. The invariant it serves (prime-rl style):
+every rollout that reaches the learner is counted exactly once, as trained or as dropped with one
+of these reasons.
+
+Values are stable strings: they appear in metrics and logs, so renaming one is a breaking change.
+"""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["DropReason"]
+
+
+class DropReason(enum.StrEnum):
+    """A counted reason for dropping a message (a `str`, so it formats as its value)."""
+
+    STALE = "stale"  # older than the staleness rule admits (Echo §3: version < current - S)
+    FUTURE_VERSION = "future_version"  # claims a policy version the learner never published
+    WRONG_RUN = "wrong_run"  # well-formed, but for another run id
+    BAD_SIGNATURE = "bad_signature"  # signature or public key does not verify
+    WRONG_SENDER = "wrong_sender"  # valid signature, but not by whom the message claims / we expect
+    MALFORMED = "malformed"  # undecodable, out of bounds, wrong types, non-canonical encoding
+    UNSUPPORTED_SCHEMA = "unsupported_schema"  # a schema version this node does not speak
+    DUPLICATE = "duplicate"  # a (publisher, seq) already seen
+    TOO_OLD = "too_old"  # a seq below the tracking window: cannot tell whether it is a duplicate
+    BAD_GROUP = "bad_group"  # group shape does not match the run spec (e.g. wrong group size)
+    OVERLOAD = "overload"  # the receiver had no room (buffer full, rate limit)
+    UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped

@@ -1,0 +1,129 @@
+"""Every bound the protocol enforces, in one place.
+
+Job: name each limit and say where it comes from, so decoders never accept unbounded input and a
+reviewer can audit all bounds at once (h11 style). Changing a bound that narrows what is accepted
+is a wire-compatibility change: bump `messages.SCHEMA_VERSION` with it.
+
+Invariant: a decoder fed at most `MAX_FRAME_BYTES` (gossip) or `MAX_MESSAGE_BYTES` (streams)
+allocates O(that) memory, whatever the bytes are.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Final
+
+# --- Framing ---------------------------------------------------------------------------------
+
+# Compressed size of one gossip frame. py-libp2p 0.8.1 silently drops gossip payloads above about
+# 1,048,000 B (DESIGN.md, measured); rollouts stay far below that so a frame plus gossip overhead
+# never gets near the cliff, and so one message cannot monopolize a 32-message subscription queue.
+MAX_FRAME_BYTES: Final = 256 * 1024
+
+# Decompressed size of one frame. Caps what a zstd bomb can make us allocate (16x the frame bound;
+# real rollout frames compress ~2-4x, token ids and float64 log-probs are not very redundant).
+MAX_DECOMPRESSED_BYTES: Final = 4 * 1024 * 1024
+
+# One request/response message on an authenticated stream (uncompressed msgpack, length-prefixed).
+# Same cap as a decompressed frame: a repair response carrying several sealed frames fits.
+MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
+
+# The length prefix is 4 bytes big-endian, so nothing longer than this can be framed at all.
+MAX_LENGTH_PREFIXED: Final = 2**32 - 1
+
+# zstd window we accept. Our encoder compresses at most MAX_DECOMPRESSED_BYTES in one shot, for
+# which zstd never picks a window above 4 MiB; refusing larger windows stops a tiny frame from
+# making the streaming decoder reserve up to 2 GiB.
+MAX_ZSTD_WINDOW: Final = 8 * 1024 * 1024
+
+# --- Sequences and groups --------------------------------------------------------------------
+
+# Tokens in one completion or one prompt. The embedded model and SmolLM2 use far fewer; a longer
+# context should travel as several groups or wait for a schema bump.
+MAX_TOKENS_PER_SEQUENCE: Final = 4096
+MAX_PROMPT_TOKENS: Final = MAX_TOKENS_PER_SEQUENCE
+
+# Completions per GRPO group (Echo / ECHO-2 use 8-16; 64 leaves room and bounds one message).
+MIN_GROUP_SIZE: Final = 2  # GRPO's advantage is relative to the group: one sample has no baseline
+MAX_GROUP_SIZE: Final = 64
+
+# Token ids are < MAX_VOCAB. Largest vocabularies in use are ~256k (Gemma); 1M leaves headroom.
+MAX_VOCAB: Final = 1_000_000
+
+# |reward| bound: a finite but huge reward (1e308) overflows the group's variance to inf and turns
+# every advantage into NaN; verifiable rewards are O(1).
+MAX_ABS_REWARD: Final = 1e6
+
+# Sampling temperature range; 0 means greedy.
+MAX_TEMPERATURE: Final = 100.0
+
+# --- Identifiers and strings -----------------------------------------------------------------
+
+# Run ids become DHT keys, topic names and directory names: a conservative, path-safe charset.
+MAX_RUN_ID_LEN: Final = 64
+RUN_ID_PATTERN: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # use with fullmatch
+
+# Generic free-text bound (task descriptions, error messages, config strings).
+MAX_STR: Final = 4096
+
+# Short names: group ids, config keys, error codes.
+MAX_NAME_LEN: Final = 128
+ERROR_CODE_PATTERN: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")  # use with fullmatch
+
+# A libp2p peer id string. Ed25519 ids are 52 base58 characters; the bound only stops a hostile
+# string from costing quadratic base58 decoding.
+MAX_PEER_ID_LEN: Final = 128
+
+# DNS names are at most 253 characters (RFC 1035); IPv6 literals are shorter.
+MAX_HOST_LEN: Final = 253
+
+# Generic list bound (also the largest msgpack array a decoder accepts).
+MAX_LIST: Final = 4096
+MAX_WIRE_ARRAY: Final = max(MAX_LIST, MAX_TOKENS_PER_SEQUENCE)
+
+# Model / tokenizer config dicts in the run spec: str keys; values are scalars, lists of scalars,
+# or one level of nested dict (HF configs have e.g. `rope_scaling: {...}`).
+MAX_CONFIG_KEYS: Final = 256  # per dict; also the largest msgpack map a decoder accepts
+MAX_CONFIG_LIST: Final = 1024  # per list value (a character tokenizer's vocabulary fits)
+MAX_CONFIG_ITEMS: Final = 4096  # values in one config, all levels together
+MAX_CONFIG_DEPTH: Final = 2  # the top-level dict plus one nested level
+
+# --- Integers --------------------------------------------------------------------------------
+
+# Versions and sequence numbers fit a signed 64-bit integer so non-Python peers can hold them.
+MAX_INT64: Final = 2**63 - 1
+MIN_INT64: Final = -(2**63)
+MAX_VERSION: Final = MAX_INT64
+MAX_SEQ: Final = MAX_INT64
+
+# Staleness bound S (Echo async mode). Echo/ECHO-2 use single digits; larger is almost certainly
+# a typo, and S bounds how long the learner must accept a version.
+MAX_STALENESS: Final = 65_535
+
+# One weights blob (1 TiB): far beyond any model this system trains; keeps sizes int64-safe.
+MAX_WEIGHTS_BYTES: Final = 1 << 40
+
+# --- Crypto sizes (fixed by Ed25519 / SHA-256) -----------------------------------------------
+
+ED25519_SEED_BYTES: Final = 32
+ED25519_PUBLIC_KEY_BYTES: Final = 32
+ED25519_SIGNATURE_BYTES: Final = 64
+SHA256_BYTES: Final = 32
+TOKEN_BYTES: Final = 32  # one-time data-channel token: 256 bits, unguessable
+
+# --- Repair and gap tracking -----------------------------------------------------------------
+
+# Seqs one repair request may ask for; a response fits in MAX_MESSAGE_BYTES only if the frames
+# are small, so responders pack what fits (`pack_repair_response`) and requesters ask again.
+MAX_REPAIR_SEQS: Final = 256
+
+# SequenceTracker: how far behind a publisher's highest seq we still detect duplicates and gaps
+# (4096 bits of state per publisher), how many gaps we report per publisher, and how many
+# publishers we track before evicting the least recently seen.
+SEQ_WINDOW: Final = 4096
+MAX_MISSING_PER_PEER: Final = MAX_REPAIR_SEQS
+MAX_TRACKED_PUBLISHERS: Final = 10_000
+
+# A learner asks each rollout peer for at most this many groups per weight version (flow
+# control); far above any useful demand, it only bounds what a peer will plan for.
+MAX_DEMAND_GROUPS: Final = 4096

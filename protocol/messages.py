@@ -1,0 +1,764 @@
+"""Typed protocol messages with strict, bounded encode/decode. No I/O.
+
+Job: define every message echo-node peers exchange, and the only way to turn one into wire values
+(`to_wire`) and back (`from_wire`).
+
+Wire form: a message is a msgpack *array* of its fields in declaration order (nested messages are
+nested arrays; config dicts are maps with sorted keys). Arrays rather than maps make the encoding
+canonical, which signatures rely on (envelope.py), and keep rollouts small.
+
+Invariants:
+- Constructing a message validates every field (presence, type, bound, cross-field rules); an
+  invalid local construction raises LocalProtocolError naming the field.
+- `from_wire` accepts exactly what a valid construction produces: the right number of fields,
+  strict types (no bool for int, no int for float), finite floats, bounded ints, strings, lists
+  and bytes. Anything else raises RemoteProtocolError naming the field (e.g.
+  "RolloutGroup.samples[3]: Sample.reward: must be finite, got nan").
+- `from_wire(m.to_wire()) == m` for every valid message m.
+
+Messages are frozen dataclasses; list-valued fields are stored as tuples (a list passed in is
+converted), so messages are immutable except for the config dicts inside `RunSpec`, which are
+normalized copies the caller must not mutate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Final, Literal, NoReturn, Self, TypeAlias, TypeVar, overload
+
+from protocol._wire import pack, unpack_strict
+from protocol.drops import DropReason
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.identity import is_valid_peer_id
+from protocol.limits import (
+    ERROR_CODE_PATTERN,
+    MAX_ABS_REWARD,
+    MAX_CONFIG_DEPTH,
+    MAX_CONFIG_ITEMS,
+    MAX_CONFIG_KEYS,
+    MAX_CONFIG_LIST,
+    MAX_FRAME_BYTES,
+    MAX_DEMAND_GROUPS,
+    MAX_GROUP_SIZE,
+    MAX_HOST_LEN,
+    MAX_INT64,
+    MAX_MESSAGE_BYTES,
+    MAX_NAME_LEN,
+    MAX_PROMPT_TOKENS,
+    MAX_REPAIR_SEQS,
+    MAX_SEQ,
+    MAX_STALENESS,
+    MAX_STR,
+    MAX_TEMPERATURE,
+    MAX_TOKENS_PER_SEQUENCE,
+    MAX_VERSION,
+    MAX_VOCAB,
+    MAX_WEIGHTS_BYTES,
+    MIN_GROUP_SIZE,
+    MIN_INT64,
+    RUN_ID_PATTERN,
+    SHA256_BYTES,
+    TOKEN_BYTES,
+)
+
+__all__ = [
+    "MESSAGE_TYPES",
+    "SCHEMA_VERSION",
+    "ConfigDict",
+    "ErrorResponse",
+    "JoinRequest",
+    "JoinResponse",
+    "Message",
+    "RepairRequest",
+    "RepairResponse",
+    "RolloutGroup",
+    "RunSpec",
+    "Sample",
+    "SamplingParams",
+    "StatusRequest",
+    "StatusResponse",
+    "SyncMode",
+    "VersionAnnounce",
+    "WeightsHeader",
+    "WeightsRequest",
+    "WireMessage",
+    "check_schema",
+    "decode_message",
+    "encode_message",
+    "expected_kind_name",
+    "kind_of",
+    "pack_repair_response",
+]
+
+# Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
+# what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
+SCHEMA_VERSION: Final = 1
+
+SyncMode: TypeAlias = Literal["pull", "async"]
+SYNC_MODES: Final = ("pull", "async")
+
+ConfigScalar: TypeAlias = None | bool | int | float | str
+ConfigDict: TypeAlias = dict[str, Any]  # values: scalar | list[scalar] | dict[str, scalar | list]
+
+
+# --- validation helpers: all raise LocalProtocolError("<Class>.<field>: <what>") ---------------
+
+
+def _fail(where: str, what: str) -> NoReturn:
+    raise LocalProtocolError(f"{where}: {what}")
+
+
+def _short(value: object) -> str:
+    """repr for error messages, truncated: peers control these values."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _set(obj: object, name: str, value: object) -> None:
+    object.__setattr__(obj, name, value)  # frozen dataclass: normalize fields in __post_init__
+
+
+def _int(where: str, value: object, lo: int, hi: int) -> int:
+    # bool is an int subclass; True as a version or token id is a type confusion, not a 1.
+    if not isinstance(value, int) or isinstance(value, bool):
+        _fail(where, f"expected int, got {type(value).__name__}")
+    if not lo <= value <= hi:
+        _fail(where, f"{_short(value)} out of range [{lo}, {hi}]")
+    return int(value)
+
+
+def _float(where: str, value: object, lo: float, hi: float) -> float:
+    if not isinstance(value, float):  # an int on the wire would not re-encode canonically
+        _fail(where, f"expected float, got {type(value).__name__}")
+    if not math.isfinite(value):
+        _fail(where, f"must be finite, got {value!r}")
+    if not lo <= value <= hi:
+        _fail(where, f"{value!r} out of range [{lo}, {hi}]")
+    return float(value)
+
+
+def _str(where: str, value: object, max_len: int, *, min_len: int = 1) -> str:
+    if not isinstance(value, str):
+        _fail(where, f"expected str, got {type(value).__name__}")
+    if not min_len <= len(value) <= max_len:
+        _fail(where, f"length {len(value)} outside [{min_len}, {max_len}]")
+    return str(value)
+
+
+def _bytes(where: str, value: object, *, exact: int | None = None, max_len: int = MAX_STR) -> bytes:
+    if not isinstance(value, (bytes, bytearray, memoryview)):
+        _fail(where, f"expected bytes, got {type(value).__name__}")
+    value = bytes(value)
+    if exact is not None and len(value) != exact:
+        _fail(where, f"expected exactly {exact} bytes, got {len(value)}")
+    if len(value) > max_len:
+        _fail(where, f"{len(value)} bytes exceeds {max_len}")
+    return value
+
+
+def _run_id(where: str, value: object) -> str:
+    value = _str(where, value, 64)
+    if not RUN_ID_PATTERN.fullmatch(value):
+        _fail(where, f"{_short(value)} does not match {RUN_ID_PATTERN.pattern}")
+    return value
+
+
+def _peer_id(where: str, value: object) -> str:
+    if not is_valid_peer_id(value):
+        _fail(where, f"{_short(value)} is not an Ed25519 libp2p peer id")
+    return str(value)
+
+
+def _seq(where: str, value: object, max_len: int, *, min_len: int = 0) -> tuple[Any, ...]:
+    if not isinstance(value, (tuple, list)):
+        _fail(where, f"expected a list, got {type(value).__name__}")
+    if not min_len <= len(value) <= max_len:
+        _fail(where, f"length {len(value)} outside [{min_len}, {max_len}]")
+    return tuple(value)
+
+
+def _ints(where: str, value: object, max_len: int, lo: int, hi: int, *, min_len: int = 0) -> tuple[int, ...]:
+    items = _seq(where, value, max_len, min_len=min_len)
+    # Fast path over up to 4096 elements per field; only locate the culprit once one fails.
+    if not all(type(x) is int for x in items) or (items and (min(items) < lo or max(items) > hi)):
+        for i, x in enumerate(items):
+            _int(f"{where}[{i}]", x, lo, hi)
+    return items
+
+
+def _sha256(where: str, value: object) -> bytes:
+    return _bytes(where, value, exact=SHA256_BYTES)
+
+
+# --- config dicts (RunSpec.model / RunSpec.tokenizer) -----------------------------------------
+
+
+def _config(where: str, value: object) -> ConfigDict:
+    budget = [MAX_CONFIG_ITEMS]
+    return _config_map(where, value, depth=1, budget=budget)
+
+
+def _config_map(where: str, value: object, *, depth: int, budget: list[int]) -> ConfigDict:
+    if not isinstance(value, Mapping):
+        _fail(where, f"expected a dict, got {type(value).__name__}")
+    if len(value) > MAX_CONFIG_KEYS:
+        _fail(where, f"{len(value)} keys exceeds {MAX_CONFIG_KEYS}")
+    out: ConfigDict = {}
+    for key in sorted(value, key=lambda k: (not isinstance(k, str), str(k))):
+        if not isinstance(key, str) or not 0 < len(key) <= MAX_NAME_LEN:
+            _fail(where, f"key {_short(key)} is not a str of 1..{MAX_NAME_LEN} characters")
+        out[key] = _config_value(f"{where}[{key!r}]", value[key], depth=depth, budget=budget)
+    return out
+
+
+def _config_value(where: str, value: object, *, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        _fail(where, f"config has more than {MAX_CONFIG_ITEMS} values")
+    if isinstance(value, (list, tuple)):
+        items = _seq(where, value, MAX_CONFIG_LIST)
+        return [_config_scalar(f"{where}[{i}]", x, budget=budget) for i, x in enumerate(items)]
+    if isinstance(value, Mapping):
+        if depth >= MAX_CONFIG_DEPTH:
+            _fail(where, f"config dicts nest at most {MAX_CONFIG_DEPTH} deep")
+        return _config_map(where, value, depth=depth + 1, budget=budget)
+    return _config_scalar(where, value, budget=None)
+
+
+def _config_scalar(where: str, value: object, *, budget: list[int] | None) -> ConfigScalar:
+    if budget is not None:
+        budget[0] -= 1
+        if budget[0] < 0:
+            _fail(where, f"config has more than {MAX_CONFIG_ITEMS} values")
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        return _int(where, value, MIN_INT64, MAX_INT64)
+    if isinstance(value, float):
+        return _float(where, value, -math.inf, math.inf)
+    if isinstance(value, str):
+        return _str(where, value, MAX_STR, min_len=0)
+    _fail(where, f"config values must be None, bool, int, float, str or lists of those, got "
+          f"{type(value).__name__}")
+
+
+# --- base class -------------------------------------------------------------------------------
+
+
+class WireMessage:
+    """Base of all messages: array-of-fields wire form, strict `from_wire`.
+
+    Subclasses declare `KIND` (the registry key; None for messages only nested inside others),
+    `SIGNER_FIELD` (a field that must equal the envelope signer's peer id), and `_NESTED` (fields
+    holding one nested message, or a tuple of them).
+    """
+
+    __slots__ = ()
+
+    KIND: ClassVar[str | None] = None
+    SIGNER_FIELD: ClassVar[str | None] = None
+    _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {}
+    _NESTED_TUPLE: ClassVar[Mapping[str, tuple[type[WireMessage], int]]] = {}
+
+    def to_wire(self) -> list[Any]:
+        return [_to_wire_value(getattr(self, f.name)) for f in fields(self)]  # type: ignore[arg-type]
+
+    @classmethod
+    def from_wire(cls, obj: object) -> Self:
+        names = [f.name for f in fields(cls)]  # type: ignore[arg-type]
+        name = cls.__name__
+        if not isinstance(obj, (list, tuple)):
+            raise RemoteProtocolError(f"{name}: expected an array of {len(names)} fields, got {type(obj).__name__}")
+        if len(obj) != len(names):
+            raise RemoteProtocolError(
+                f"{name}: expected {len(names)} fields ({', '.join(names)}), got {len(obj)}"
+            )
+        kwargs: dict[str, Any] = {}
+        for field, value in zip(names, obj):
+            if field in cls._NESTED:
+                value = _nested(cls._NESTED[field], f"{name}.{field}", value)
+            elif field in cls._NESTED_TUPLE:
+                sub, max_len = cls._NESTED_TUPLE[field]
+                if not isinstance(value, (list, tuple)) or len(value) > max_len:
+                    raise RemoteProtocolError(f"{name}.{field}: expected a list of at most {max_len}")
+                value = tuple(_nested(sub, f"{name}.{field}[{i}]", v) for i, v in enumerate(value))
+            kwargs[field] = value
+        try:
+            return cls(**kwargs)
+        except LocalProtocolError as exc:  # the peer's bytes built an invalid message
+            raise RemoteProtocolError(str(exc)) from None
+
+
+def _nested(sub: type[WireMessage], where: str, value: object) -> WireMessage:
+    try:
+        return sub.from_wire(value)
+    except ProtocolError as exc:
+        raise RemoteProtocolError(f"{where}: {exc}") from None
+
+
+def _to_wire_value(value: object) -> object:
+    if isinstance(value, WireMessage):
+        return value.to_wire()
+    if isinstance(value, tuple) and value and isinstance(value[0], WireMessage):
+        return [v.to_wire() for v in value]  # type: ignore[attr-defined]
+    if isinstance(value, dict):
+        return {k: _to_wire_value(value[k]) for k in sorted(value)}  # canonical key order
+    return value  # scalars, bytes, tuples of scalars (msgpack packs tuples as arrays)
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SamplingParams(WireMessage):
+    """How rollout peers sample: temperature (0 = greedy), nucleus top_p, completion length cap."""
+
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+
+    def __post_init__(self) -> None:
+        w = "SamplingParams"
+        _set(self, "temperature", _float(f"{w}.temperature", self.temperature, 0.0, MAX_TEMPERATURE))
+        _set(self, "top_p", _float(f"{w}.top_p", self.top_p, 0.0, 1.0))
+        if self.top_p == 0.0:
+            _fail(f"{w}.top_p", "must be > 0 (top_p = 0 keeps no tokens)")
+        _set(self, "max_new_tokens", _int(f"{w}.max_new_tokens", self.max_new_tokens, 1, MAX_TOKENS_PER_SEQUENCE))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec(WireMessage):
+    """What a joining peer needs to take part in a run (DESIGN.md, discovery plane)."""
+
+    KIND: ClassVar[str | None] = "run_spec"
+    SIGNER_FIELD: ClassVar[str | None] = "learner_peer_id"  # a sealed spec is signed by its learner
+    _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {"sampling": SamplingParams}
+
+    run_id: str
+    model: ConfigDict  # architecture config: str keys; scalar, list-of-scalar or one nested dict
+    tokenizer: ConfigDict  # same constraints
+    task: str
+    sampling: SamplingParams
+    sync_mode: SyncMode
+    staleness: int  # S: async mode admits versions >= current - S (Echo)
+    group_size: int  # completions per prompt (GRPO group)
+    current_version: int
+    learner_peer_id: str
+
+    def __post_init__(self) -> None:
+        w = "RunSpec"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "model", _config(f"{w}.model", self.model))
+        _set(self, "tokenizer", _config(f"{w}.tokenizer", self.tokenizer))
+        _set(self, "task", _str(f"{w}.task", self.task, MAX_STR))
+        if not isinstance(self.sampling, SamplingParams):
+            _fail(f"{w}.sampling", f"expected SamplingParams, got {type(self.sampling).__name__}")
+        if self.sync_mode not in SYNC_MODES:
+            _fail(f"{w}.sync_mode", f"{_short(self.sync_mode)} is not one of {SYNC_MODES}")
+        _set(self, "staleness", _int(f"{w}.staleness", self.staleness, 0, MAX_STALENESS))
+        _set(self, "group_size", _int(f"{w}.group_size", self.group_size, MIN_GROUP_SIZE, MAX_GROUP_SIZE))
+        _set(self, "current_version", _int(f"{w}.current_version", self.current_version, 0, MAX_VERSION))
+        _set(self, "learner_peer_id", _peer_id(f"{w}.learner_peer_id", self.learner_peer_id))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Sample(WireMessage):
+    """One completion with what the learner needs to train on it.
+
+    Per-token `behaviour_logprobs` (log-probs under the sampling policy) drive truncated
+    importance sampling; per-token `token_versions` support partial rollouts (Echo async mode:
+    generation interrupted at a version boundary continues on the new weights), so versions are
+    non-decreasing along a completion. A completion may be empty (it still carries a reward that
+    enters the group's baseline); it then has no version of its own.
+    """
+
+    completion_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    token_versions: tuple[int, ...]
+    reward: float
+
+    def __post_init__(self) -> None:
+        w = "Sample"
+        ids = _ints(f"{w}.completion_ids", self.completion_ids, MAX_TOKENS_PER_SEQUENCE, 0, MAX_VOCAB - 1)
+        n = len(ids)
+        lps = _seq(f"{w}.behaviour_logprobs", self.behaviour_logprobs, MAX_TOKENS_PER_SEQUENCE)
+        if len(lps) != n:
+            _fail(f"{w}.behaviour_logprobs", f"length {len(lps)} != len(completion_ids) {n}")
+        # x <= 0.0 is False for NaN and +inf, so one pass rejects both; -inf is checked next.
+        if not all(isinstance(x, float) and x <= 0.0 for x in lps) or (lps and min(lps) == -math.inf):
+            for i, x in enumerate(lps):
+                _float(f"{w}.behaviour_logprobs[{i}]", x, -math.inf, 0.0)
+        vs = _ints(f"{w}.token_versions", self.token_versions, MAX_TOKENS_PER_SEQUENCE, 0, MAX_VERSION)
+        if len(vs) != n:
+            _fail(f"{w}.token_versions", f"length {len(vs)} != len(completion_ids) {n}")
+        if any(a > b for a, b in zip(vs, vs[1:])):
+            _fail(f"{w}.token_versions", "must be non-decreasing (weights only move forward)")
+        _set(self, "completion_ids", ids)
+        _set(self, "behaviour_logprobs", lps)
+        _set(self, "token_versions", vs)
+        _set(self, "reward", _float(f"{w}.reward", self.reward, -MAX_ABS_REWARD, MAX_ABS_REWARD))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RolloutGroup(WireMessage):
+    """The rollout record: one gossip message = one group of completions for one prompt.
+
+    `(peer_id, seq)` identifies it: `seq` is the publisher's own counter, so receivers detect gaps
+    and duplicates (sequence.py). A publisher must never reuse a seq, also across restarts.
+    At least one sample must contain a token: an all-empty group has nothing to train on and no
+    version by which to judge its staleness.
+    """
+
+    KIND: ClassVar[str | None] = "rollout_group"
+    SIGNER_FIELD: ClassVar[str | None] = "peer_id"  # the publisher signs its own rollouts
+    _NESTED_TUPLE: ClassVar[Mapping[str, tuple[type[WireMessage], int]]] = {"samples": (Sample, MAX_GROUP_SIZE)}
+
+    run_id: str
+    peer_id: str
+    seq: int
+    group_id: str
+    prompt_ids: tuple[int, ...]
+    samples: tuple[Sample, ...]
+
+    def __post_init__(self) -> None:
+        w = "RolloutGroup"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "peer_id", _peer_id(f"{w}.peer_id", self.peer_id))
+        _set(self, "seq", _int(f"{w}.seq", self.seq, 0, MAX_SEQ))
+        _set(self, "group_id", _str(f"{w}.group_id", self.group_id, MAX_NAME_LEN))
+        prompt = _ints(f"{w}.prompt_ids", self.prompt_ids, MAX_PROMPT_TOKENS, 0, MAX_VOCAB - 1, min_len=1)
+        _set(self, "prompt_ids", prompt)
+        samples = _seq(f"{w}.samples", self.samples, MAX_GROUP_SIZE, min_len=1)
+        for i, s in enumerate(samples):
+            if not isinstance(s, Sample):
+                _fail(f"{w}.samples[{i}]", f"expected Sample, got {type(s).__name__}")
+        if not any(s.completion_ids for s in samples):
+            _fail(f"{w}.samples", "no sample has any completion token")
+        _set(self, "samples", samples)
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version of any token in the group; empty samples do not count.
+
+        This is the version the staleness rule judges: a group is as stale as its oldest token.
+        """
+        return min(s.token_versions[0] for s in self.samples if s.token_versions)
+
+    @property
+    def max_version(self) -> int:
+        """Newest policy version of any token (a version above the learner's is a forgery)."""
+        return max(s.token_versions[-1] for s in self.samples if s.token_versions)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(s.completion_ids) for s in self.samples)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JoinRequest(WireMessage):
+    """A rollout peer asks the learner to join `run_id`."""
+
+    KIND: ClassVar[str | None] = "join_request"
+    SIGNER_FIELD: ClassVar[str | None] = "peer_id"
+
+    run_id: str
+    peer_id: str
+
+    def __post_init__(self) -> None:
+        _set(self, "run_id", _run_id("JoinRequest.run_id", self.run_id))
+        _set(self, "peer_id", _peer_id("JoinRequest.peer_id", self.peer_id))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class JoinResponse(WireMessage):
+    """The learner's answer: the run spec and where/how to fetch weights on the data channel."""
+
+    KIND: ClassVar[str | None] = "join_response"
+    _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {"spec": RunSpec}
+
+    spec: RunSpec
+    data_host: str
+    data_port: int
+    token: bytes  # one-time, 32 random bytes; presented on the data channel (WeightsRequest)
+
+    def __post_init__(self) -> None:
+        w = "JoinResponse"
+        if not isinstance(self.spec, RunSpec):
+            _fail(f"{w}.spec", f"expected RunSpec, got {type(self.spec).__name__}")
+        host = _str(f"{w}.data_host", self.data_host, MAX_HOST_LEN)
+        if not host.isascii() or not host.isprintable() or " " in host:
+            _fail(f"{w}.data_host", f"{_short(host)} is not a host name or address")
+        _set(self, "data_host", host)
+        _set(self, "data_port", _int(f"{w}.data_port", self.data_port, 1, 65535))
+        _set(self, "token", _bytes(f"{w}.token", self.token, exact=TOKEN_BYTES))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatusRequest(WireMessage):
+    KIND: ClassVar[str | None] = "status_request"
+
+    run_id: str
+
+    def __post_init__(self) -> None:
+        _set(self, "run_id", _run_id("StatusRequest.run_id", self.run_id))
+
+
+def _check_version_fields(obj: WireMessage, w: str, size_field: str, hash_field: str) -> None:
+    _set(obj, "run_id", _run_id(f"{w}.run_id", getattr(obj, "run_id")))
+    _set(obj, "version", _int(f"{w}.version", getattr(obj, "version"), 0, MAX_VERSION))
+    _set(obj, size_field, _int(f"{w}.{size_field}", getattr(obj, size_field), 0, MAX_WEIGHTS_BYTES))
+    _set(obj, hash_field, _sha256(f"{w}.{hash_field}", getattr(obj, hash_field)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StatusResponse(WireMessage):
+    KIND: ClassVar[str | None] = "status_response"
+
+    run_id: str
+    version: int
+    weights_size: int
+    weights_sha256: bytes
+    # Flow control: groups the learner wants from this peer per version (see VersionAnnounce).
+    demand_groups: int
+
+    def __post_init__(self) -> None:
+        _check_version_fields(self, "StatusResponse", "weights_size", "weights_sha256")
+        _set(self, "demand_groups", _int("StatusResponse.demand_groups", self.demand_groups, 1, MAX_DEMAND_GROUPS))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightsRequest(WireMessage):
+    """First message a peer sends on the (not libp2p-authenticated) data channel."""
+
+    KIND: ClassVar[str | None] = "weights_request"
+
+    run_id: str
+    version: int
+    token: bytes  # the one-time token from JoinResponse
+
+    def __post_init__(self) -> None:
+        w = "WeightsRequest"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "version", _int(f"{w}.version", self.version, 0, MAX_VERSION))
+        _set(self, "token", _bytes(f"{w}.token", self.token, exact=TOKEN_BYTES))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class WeightsHeader(WireMessage):
+    """What the data channel sends before `size` raw bytes; check them against `sha256`."""
+
+    KIND: ClassVar[str | None] = "weights_header"
+
+    run_id: str
+    version: int
+    size: int
+    sha256: bytes
+
+    def __post_init__(self) -> None:
+        _check_version_fields(self, "WeightsHeader", "size", "sha256")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VersionAnnounce(WireMessage):
+    """Gossiped (sealed) by the learner when it publishes a weight version."""
+
+    KIND: ClassVar[str | None] = "version_announce"
+
+    run_id: str
+    version: int
+    size: int
+    sha256: bytes
+    # Flow control: how many groups each rollout peer should sample from this version. More
+    # than the learner can train on before the version leaves the staleness window only burns
+    # the volunteers' compute and the learner's intake.
+    demand_groups: int
+
+    def __post_init__(self) -> None:
+        _check_version_fields(self, "VersionAnnounce", "size", "sha256")
+        _set(self, "demand_groups", _int("VersionAnnounce.demand_groups", self.demand_groups, 1, MAX_DEMAND_GROUPS))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RepairRequest(WireMessage):
+    """Ask for rollouts gossip lost: `seqs` of publisher `peer_id` (not the requester)."""
+
+    KIND: ClassVar[str | None] = "repair_request"
+
+    run_id: str
+    peer_id: str
+    seqs: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        w = "RepairRequest"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "peer_id", _peer_id(f"{w}.peer_id", self.peer_id))
+        seqs = _ints(f"{w}.seqs", self.seqs, MAX_REPAIR_SEQS, 0, MAX_SEQ, min_len=1)
+        if len(set(seqs)) != len(seqs):
+            _fail(f"{w}.seqs", "contains duplicates")
+        _set(self, "seqs", seqs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RepairResponse(WireMessage):
+    """The original sealed frames (bytes from `envelope.seal`) of the requested rollouts.
+
+    Carrying the publisher's signed frames, not re-encoded groups, lets the requester verify each
+    with `open_envelope(frame, expected_kind=RolloutGroup, expected_sender=publisher)`, whoever
+    served them. `unavailable` lists requested seqs the responder does not hold (stop asking);
+    seqs in neither list did not fit in this response (ask again).
+    """
+
+    KIND: ClassVar[str | None] = "repair_response"
+
+    envelopes: tuple[bytes, ...]  # sealed RolloutGroup frames, exactly as the publisher sent them
+    unavailable: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        w = "RepairResponse"
+        frames = _seq(f"{w}.envelopes", self.envelopes, MAX_REPAIR_SEQS)
+        _set(self, "envelopes", tuple(
+            _bytes(f"{w}.envelopes[{i}]", f, max_len=MAX_FRAME_BYTES) for i, f in enumerate(frames)
+        ))
+        _set(self, "unavailable", _ints(f"{w}.unavailable", self.unavailable, MAX_REPAIR_SEQS, 0, MAX_SEQ))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ErrorResponse(WireMessage):
+    """A request failed. `code` is a stable snake_case identifier, `message` is for humans."""
+
+    KIND: ClassVar[str | None] = "error"
+
+    code: str
+    message: str
+
+    def __post_init__(self) -> None:
+        code = _str("ErrorResponse.code", self.code, 64)
+        if not ERROR_CODE_PATTERN.fullmatch(code):
+            _fail("ErrorResponse.code", f"{_short(code)} does not match {ERROR_CODE_PATTERN.pattern}")
+        _set(self, "code", code)
+        _set(self, "message", _str("ErrorResponse.message", self.message, MAX_STR, min_len=0))
+
+
+Message: TypeAlias = (
+    RunSpec
+    | RolloutGroup
+    | JoinRequest
+    | JoinResponse
+    | StatusRequest
+    | StatusResponse
+    | WeightsRequest
+    | WeightsHeader
+    | VersionAnnounce
+    | RepairRequest
+    | RepairResponse
+    | ErrorResponse
+)
+
+# kind string -> class, for every message that travels on its own (not only nested).
+MESSAGE_TYPES: Final[Mapping[str, type[WireMessage]]] = {
+    cls.KIND: cls
+    for cls in (
+        RunSpec, RolloutGroup, JoinRequest, JoinResponse, StatusRequest, StatusResponse,
+        WeightsRequest, WeightsHeader, VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
+    )
+    if cls.KIND is not None
+}
+
+
+def kind_of(message: object) -> str:
+    """The registry kind of a top-level message (or message class); LocalProtocolError otherwise."""
+    cls = message if isinstance(message, type) else type(message)
+    kind = getattr(cls, "KIND", None)
+    if kind is None or MESSAGE_TYPES.get(kind) is not cls:
+        raise LocalProtocolError(f"{cls.__name__} is not a top-level protocol message")
+    return kind
+
+
+def pack_repair_response(
+    frames: Iterable[bytes],
+    *,
+    unavailable: Iterable[int] = (),
+    max_bytes: int = MAX_MESSAGE_BYTES,
+) -> RepairResponse:
+    """A RepairResponse holding, in order, as many of `frames` as fit in `max_bytes` encoded.
+
+    Frames that do not fit are left out; the requester still sees those seqs missing and asks
+    again, so a large backlog drains over several round trips instead of one oversize message.
+    """
+    # Fixed overhead: envelope array/schema/kind (< 64 B), two array headers, the unavailable ints
+    # (<= 9 B each); per frame a bin header of <= 5 B.
+    missing = tuple(unavailable)
+    budget = max_bytes - 64 - 9 * len(missing)
+    chosen: list[bytes] = []
+    for frame in frames:
+        cost = len(frame) + 5
+        if cost > budget or len(chosen) == MAX_REPAIR_SEQS:
+            break
+        chosen.append(frame)
+        budget -= cost
+    return RepairResponse(envelopes=tuple(chosen), unavailable=missing)
+
+# --- unsigned encoding for authenticated streams ----------------------------------------------
+#
+# Request/response streams are authenticated by libp2p's Noise handshake, so their messages are
+# not signed: msgpack [schema, kind, fields], no zstd (the only large members are sealed frames,
+# already compressed). Decoding checks the schema first so a newer peer gets a clear refusal.
+
+M = TypeVar("M", bound=WireMessage)
+
+
+def encode_message(message: Message, *, max_size: int = MAX_MESSAGE_BYTES) -> bytes:
+    """Unsigned encoding for authenticated streams: msgpack [schema, kind, fields]."""
+    data = pack([SCHEMA_VERSION, kind_of(message), message.to_wire()])
+    if len(data) > max_size:
+        raise LocalProtocolError(f"{kind_of(message)} encodes to {len(data)} B, above {max_size} B")
+    return data
+
+
+@overload
+def decode_message(data: bytes, expected: type[M], *, max_size: int = MAX_MESSAGE_BYTES) -> M: ...
+@overload
+def decode_message(data: bytes, expected: str | None = None, *, max_size: int = MAX_MESSAGE_BYTES) -> Message: ...
+def decode_message(
+    data: bytes, expected: str | type[WireMessage] | None = None, *, max_size: int = MAX_MESSAGE_BYTES
+) -> Any:
+    """Inverse of `encode_message`; RemoteProtocolError for anything malformed or unexpected."""
+    want = expected_kind_name(expected)
+    if len(data) > max_size:
+        raise RemoteProtocolError(f"message of {len(data)} B exceeds {max_size} B")
+    obj = unpack_strict(bytes(data), what="message")
+    if not isinstance(obj, list) or not obj:
+        raise RemoteProtocolError("message: expected a non-empty array")
+    check_schema(obj[0], "message")
+    if len(obj) != 3:
+        raise RemoteProtocolError(f"message: expected 3 fields (schema, kind, body), got {len(obj)}")
+    kind = obj[1]
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise RemoteProtocolError(f"message.kind: unknown message kind {_short(kind)}")
+    if want is not None and kind != want:
+        raise RemoteProtocolError(f"expected a {want!r} message, got {kind!r}")
+    return MESSAGE_TYPES[kind].from_wire(obj[2])
+
+
+def check_schema(schema: object, what: str) -> None:
+    """RemoteProtocolError unless `schema` is SCHEMA_VERSION (reason unsupported_schema if an int)."""
+    if type(schema) is not int:
+        raise RemoteProtocolError(f"{what}.schema: expected int, got {type(schema).__name__}")
+    if schema != SCHEMA_VERSION:
+        raise RemoteProtocolError(
+            f"unsupported schema version {schema} (this node speaks {SCHEMA_VERSION})",
+            reason=DropReason.UNSUPPORTED_SCHEMA,
+        )
+
+
+def expected_kind_name(expected: str | type[WireMessage] | None) -> str | None:
+    """Normalize an `expected` argument (kind string or message class) to a kind string."""
+    if expected is None:
+        return None
+    if isinstance(expected, type):
+        return kind_of(expected)
+    if expected not in MESSAGE_TYPES:
+        raise LocalProtocolError(f"unknown message kind {expected!r}")
+    return expected
