@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from echo_node.ml import defaults as ml_defaults
+
 SyncMode = Literal["pull", "async"]
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -46,8 +48,8 @@ class ModelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class SamplingConfig:
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = ml_defaults.RL.temperature
+    top_p: float = ml_defaults.RL.top_p
     max_new_tokens: int = 4
 
 
@@ -56,11 +58,12 @@ class RLConfig:
     mode: SyncMode = "async"
     # Async admits a rollout whose oldest token has version >= current - staleness.
     staleness: int = 4
-    group_size: int = 8
-    groups_per_step: int = 8
-    lr: float = 5e-5
-    clip_eps: float = 0.2
-    max_grad_norm: float = 1.0
+    # The ML defaults were measured on the embedded task (echo_node/ml/defaults.py).
+    group_size: int = ml_defaults.RL.group_size
+    groups_per_step: int = ml_defaults.RL.groups_per_step
+    lr: float = ml_defaults.RL.lr
+    clip_eps: float = ml_defaults.RL.clip_eps
+    max_grad_norm: float = ml_defaults.RL.max_grad_norm
     # Replay-buffer capacity in groups; on overflow the oldest group is dropped as "overload".
     buffer_groups: int = 256
 

@@ -109,14 +109,14 @@ class Learner:
         self._started = 0.0
         self.rollouts_topic = rollouts_topic(cfg.run_id)
         self.versions_topic = versions_topic(cfg.run_id)
-        cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsWriter(cfg.run_dir / "metrics.jsonl")
+        self.metrics: MetricsWriter | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
+        self.metrics = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
         self.weights.publish(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
@@ -262,6 +262,9 @@ class Learner:
             return
         self.peers.last_seen[origin] = trio.current_time()
         if self.buffer.offer(group, self.version) is None:
+            if not self.peers.accepted[origin] and self.metrics is not None:
+                # Wall-clock time, so a benchmark can compare it with when it started the peer.
+                self.metrics.write({"event": "first_accept", "peer": origin, "wall": time.time(), "version": self.version})
             self.peers.accepted[origin] += len(group.samples)
             self._arrived.set()
 
@@ -351,6 +354,7 @@ class Learner:
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         staleness = [self.version - 1 - g.min_version for g in groups]
         ledger = self.buffer.ledger
+        assert self.metrics is not None
         self.metrics.write(
             {
                 "event": "train",
@@ -379,6 +383,7 @@ class Learner:
         save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
 
     def _finish(self) -> dict[str, Any]:
+        assert self.metrics is not None
         self.buffer.close()
         self.buffer.check()
         self._checkpoint()

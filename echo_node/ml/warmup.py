@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as st_save
 
-from echo_node.ml.defaults import WarmupConfig
+from echo_node.ml.defaults import WARMUP, WarmupConfig
 from echo_node.ml.model import canonical_state, load_state_tensors, state_to_bytes
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
@@ -109,7 +109,7 @@ def warmup(
     tokenizer: Tokenizer,
     task: Task,
     *,
-    config: WarmupConfig,
+    config: WarmupConfig = WARMUP,
     cache_dir: Path | None,
 ) -> WarmupResult:
     """Warm `model` up in place (or load the cached result); `cache_dir=None` disables the cache.

@@ -7,8 +7,8 @@ peer presents the token here. Integrity does not rest on this channel: the expec
 SHA-256 of every version reach the peer over libp2p (status response or signed announcement),
 and `fetch_weights` rejects any byte string that does not match them.
 
-Wire: request = token (32 B) + version (u64, big endian); response = one length-prefixed
-`WeightsHeader` frame, then exactly `size` raw bytes.
+Wire: one length-prefixed `WeightsRequest` frame (run id, version, token); the answer is one
+length-prefixed `WeightsHeader` frame, then exactly `size` raw bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import hashlib
 import hmac
 import logging
 import secrets
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -25,13 +24,13 @@ import trio
 
 from echo_node.net.framing import read_frame, receive_exactly, write_frame
 from protocol.errors import RemoteProtocolError
-from protocol.messages import WeightsHeader, decode_message, encode_message
+from protocol.messages import WeightsHeader, WeightsRequest, decode_message, encode_message
 
 log = logging.getLogger(__name__)
 
 TOKEN_BYTES = 32
-_REQUEST = struct.Struct(">32sQ")
-_HEADER_MAX = 4096
+# Both control frames on this channel are a few hundred bytes; anything larger is hostile.
+_CONTROL_MAX = 4096
 _CHUNK = 1 << 20
 # Peers download at most a few versions back; older snapshots are freed.
 KEEP_VERSIONS = 4
@@ -96,10 +95,11 @@ class WeightServer:
 
     async def _serve_one(self, stream: trio.SocketStream) -> None:
         with trio.fail_after(10):
-            token, version = _REQUEST.unpack(await receive_exactly(stream, _REQUEST.size))
-        peer = self._holder(token)
-        if peer is None:
-            raise RemoteProtocolError("unknown data-channel token")
+            request = decode_message(await read_frame(stream, max_len=_CONTROL_MAX), expected=WeightsRequest)
+        peer = self._holder(request.token)
+        if peer is None or request.run_id != self.run_id:
+            raise RemoteProtocolError("unknown data-channel token or run")
+        version = request.version
         snap = self._snapshots.get(version)
         if snap is None:
             raise RemoteProtocolError(f"{peer} asked for version {version}, which is not served")
@@ -124,8 +124,8 @@ async def fetch_weights(
     """Download one snapshot and return it only if it matches the expected size and hash."""
     stream = await trio.open_tcp_stream(host, port)
     async with stream:
-        await stream.send_all(_REQUEST.pack(token, version))
-        header = decode_message(await read_frame(stream, max_len=_HEADER_MAX), expected=WeightsHeader)
+        await write_frame(stream, encode_message(WeightsRequest(run_id=run_id, version=version, token=token)))
+        header = decode_message(await read_frame(stream, max_len=_CONTROL_MAX), expected=WeightsHeader)
         if (header.run_id, header.version, header.size, header.sha256) != (run_id, version, size, sha256):
             raise RemoteProtocolError(
                 f"data channel offered {header.run_id}@{header.version} ({header.size} B), "

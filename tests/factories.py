@@ -1,0 +1,70 @@
+"""Builders for protocol objects used across test layers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgpack
+
+from protocol import Identity, RolloutGroup, Sample, encode_frame, seal
+from protocol.framing import decode_frame
+
+ALICE = Identity.from_seed(b"\x0a" * 32)
+MALLORY = Identity.from_seed(b"\x0b" * 32)
+
+
+def make_group(
+    *,
+    run_id: str = "run-1",
+    identity: Identity = ALICE,
+    seq: int = 0,
+    version: int = 0,
+    samples: int = 8,
+    tokens: int = 4,
+    rewards: list[float] | None = None,
+) -> RolloutGroup:
+    rewards = rewards if rewards is not None else [float(i % 2) for i in range(samples)]
+    return RolloutGroup(
+        run_id=run_id,
+        peer_id=identity.peer_id,
+        seq=seq,
+        group_id=f"g{seq}",
+        prompt_ids=(1, 5, 6, 13, 3, 4, 14),
+        samples=tuple(
+            Sample(
+                completion_ids=tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,),
+                behaviour_logprobs=tuple(-0.5 for _ in range(tokens)),
+                token_versions=(version,) * tokens,
+                reward=rewards[s],
+            )
+            for s in range(samples)
+        ),
+    )
+
+
+def _fields(frame: bytes) -> list[Any]:
+    return msgpack.unpackb(decode_frame(frame))  # type: ignore[no-any-return]
+
+
+def _reframe(fields: list[Any]) -> bytes:
+    return encode_frame(msgpack.packb(fields, use_bin_type=True))
+
+
+def bad_rollout_messages(identity: Identity, run_id: str, *, seq0: int = 1000) -> list[tuple[str, bytes, str, int]]:
+    """(name, gossip payload, drop reason the learner must count, rollouts counted) per attack.
+
+    Each is something a broken or hostile peer could publish as `identity` on the rollouts topic.
+    """
+    sealed = seal(make_group(run_id=run_id, identity=identity, seq=seq0), identity)
+    fields = _fields(sealed)
+    bad_sig = bytearray(fields[4])
+    bad_sig[0] ^= 0x01
+    return [
+        ("garbage bytes", b"\x00\xffnot a frame at all" * 3, "malformed", 1),
+        ("truncated frame", sealed[: len(sealed) // 2], "malformed", 1),
+        ("oversize frame", b"\x28\xb5\x2f\xfd" + bytes(300_000), "malformed", 1),
+        ("bad signature", _reframe([*fields[:4], bytes(bad_sig)]), "bad_signature", 1),
+        ("wrong schema version", _reframe([2, *fields[1:]]), "unsupported_schema", 1),
+        ("wrong run id", seal(make_group(run_id="another-run", identity=identity, seq=seq0 + 1), identity), "wrong_run", 8),
+        ("version that never existed", seal(make_group(run_id=run_id, identity=identity, seq=seq0 + 2, version=10**6), identity), "future_version", 8),
+    ]

@@ -1,0 +1,50 @@
+"""Real processes on loopback: the same `echo-node` binary a user runs, one role per process."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from echo_node.demo import Child, Swarm, _is_ready, _wait_line
+
+
+class Cluster:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.swarm = Swarm(root / "swarm")
+        self.keys = root / "keys"
+        self.bootstrap_addr = ""
+
+    def start_bootstrap(self) -> str:
+        boot = self.swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(self.keys / "boot.key")])
+        self.bootstrap_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
+        return self.bootstrap_addr
+
+    def start_learner(self, run_id: str, *extra: str) -> tuple[Child, dict[str, object]]:
+        learner = self.swarm.spawn(
+            "learner",
+            ["learn", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--runs-dir", str(self.root / "runs"),
+             "--key-file", str(self.keys / "learner.key"), *extra],
+        )
+        ready = json.loads(_wait_line(learner, _is_ready, 240, "ready"))
+        return learner, ready
+
+    def start_peer(self, name: str, run_id: str) -> Child:
+        return self.swarm.spawn(
+            name, ["join", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--key-file", str(self.keys / f"{name}.key")]
+        )
+
+    def run_dir(self, run_id: str) -> Path:
+        return self.root / "runs" / run_id
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        yield c
+    finally:
+        c.swarm.stop_all()

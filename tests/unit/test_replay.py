@@ -1,0 +1,67 @@
+"""The replay buffer's ledger: every rollout trained or dropped with a reason, exactly once."""
+
+from __future__ import annotations
+
+import pytest
+
+from echo_node.replay import ReplayBuffer
+from protocol.drops import DropReason
+from tests.factories import make_group
+
+
+def test_async_window_admits_current_minus_s_and_drops_older() -> None:
+    buf = ReplayBuffer(mode="async", staleness=2, capacity_groups=16)
+    assert buf.offer(make_group(version=8), current_version=10) is None
+    assert buf.offer(make_group(version=7), current_version=10) == DropReason.STALE
+    assert buf.offer(make_group(version=11), current_version=10) == DropReason.FUTURE_VERSION
+    assert buf.ledger.received == 24 and buf.ledger.dropped == {"stale": 8, "future_version": 8}
+    buf.check()
+
+
+def test_pull_admits_only_the_current_version() -> None:
+    buf = ReplayBuffer(mode="pull", staleness=4, capacity_groups=16)
+    assert buf.offer(make_group(version=3), current_version=3) is None
+    assert buf.offer(make_group(version=2), current_version=3) == DropReason.STALE
+    # The learner moves on: the waiting group is now stale and is dropped when a batch is taken.
+    assert buf.take(4, current_version=4) == []
+    assert buf.ledger.dropped["stale"] == 16
+    buf.check()
+
+
+def test_staleness_is_rechecked_when_a_batch_is_taken() -> None:
+    buf = ReplayBuffer(mode="async", staleness=1, capacity_groups=16)
+    for v in (5, 6, 7):
+        buf.offer(make_group(version=v, seq=v), current_version=7)
+    assert buf.ledger.dropped["stale"] == 8  # v5 at arrival
+    batch = buf.take(8, current_version=8)  # v6 is now 2 behind: dropped; v7 kept
+    assert [g.seq for g in batch] == [7]
+    assert buf.ledger.dropped["stale"] == 16
+    buf.mark_trained(batch)
+    buf.check()
+
+
+def test_overload_drops_the_oldest_group() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=2)
+    for seq in range(3):
+        buf.offer(make_group(seq=seq), current_version=0)
+    assert [g.seq for g in buf.take(5, 0)] == [1, 2]
+    assert buf.ledger.dropped == {"overload": 8}
+
+
+def test_rejects_and_exit_are_counted() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
+    buf.reject(DropReason.MALFORMED)  # undecodable message: one rollout
+    buf.reject(DropReason.BAD_SIGNATURE, 8)
+    buf.offer(make_group(), current_version=0)
+    buf.close()
+    assert buf.ledger.as_dict() == {
+        "received": 17,
+        "trained": 0,
+        "dropped": {"bad_signature": 8, "malformed": 1, "unused_at_exit": 8},
+    }
+    buf.check()
+
+
+def test_capacity_must_be_positive() -> None:
+    with pytest.raises(ValueError):
+        ReplayBuffer(mode="async", staleness=1, capacity_groups=0)
