@@ -66,9 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _setup_logging(level: str, role: str) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format=f"%(asctime)s {role} %(levelname)s %(name)s: %(message)s")
-    # py-libp2p logs normal stream resets at WARNING; they are not the operator's problem.
-    for noisy in ("libp2p", "multiaddr"):
-        logging.getLogger(noisy).setLevel(max(logging.ERROR, logging.getLogger().level))
+    # libp2p's own log level is set where it is imported (echo_node/net/p2p.py).
+    logging.getLogger("multiaddr").setLevel(logging.DEBUG if level == "DEBUG" else logging.ERROR)
 
 
 def _identity(args: argparse.Namespace, role: str) -> Any:
@@ -149,15 +148,31 @@ def main(argv: list[str] | None = None) -> int:
     role = args.command
     if role != "demo":
         _setup_logging(args.log_level, role)
-    from echo_node.net.discovery import JoinError
-
     try:
         return COMMANDS[role](args)
     except KeyboardInterrupt:
         return 130
-    except (JoinError, ValueError, FileNotFoundError, PermissionError) as exc:
-        print(f"echo-node {role}: error: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        user_error = _find_user_error(exc)
+        if user_error is None:
+            raise
+        print(f"echo-node {role}: error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _find_user_error(exc: BaseException) -> BaseException | None:
+    """The user-facing error inside `exc`, looking through trio's exception groups."""
+    from echo_node.net.discovery import JoinError
+
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _find_user_error(inner)
+            if found is not None:
+                return found
+        return None
+    if isinstance(exc, (JoinError, ValueError, FileNotFoundError, PermissionError)):
+        return exc
+    return None
 
 
 if __name__ == "__main__":

@@ -60,9 +60,12 @@ log = logging.getLogger(__name__)
 # gap repair covers whatever is still lost.
 OUTBOUND_QUEUE_RPCS = 4096
 _pubsub_module.RpcQueue = functools.partial(RpcQueue, max_size=OUTBOUND_QUEUE_RPCS)  # type: ignore[misc]
-# Every publish queues a copy for connected peers that are not subscribed (the bootstrap) and
-# warns once the copy is dropped; that is expected here, not a fault.
-logging.getLogger("libp2p.pubsub.gossipsub").setLevel(logging.ERROR)
+# py-libp2p logs ordinary events (stream resets, refused dials we retry, copies of a publish
+# for the unsubscribed bootstrap) at WARNING and ERROR, and resets its logger's level when it is
+# imported. echo-node reports what matters in its own words, so libp2p speaks only at DEBUG.
+logging.getLogger("libp2p").setLevel(
+    logging.DEBUG if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else logging.CRITICAL
+)
 
 GOSSIPSUB_PROTOCOL = TProtocol("/meshsub/1.1.0")
 # Namespaced so that our provider records cannot collide with another application's keys.
@@ -221,8 +224,17 @@ class P2PNode:
 
     async def connect(self, peer: PeerAddr) -> None:
         info = PeerInfo(ID.from_base58(peer.peer_id), [multiaddr.Multiaddr(a) for a in peer.addrs])
+        self._forget_dial_failures(info.peer_id)
         await self._host.connect(info)
         await self._seed_routing_table(info.peer_id)
+
+    def _forget_dial_failures(self, peer_id: ID) -> None:
+        # The swarm refuses to redial a peer whose addresses all failed recently (a negative
+        # cache). Our callers already pace retries with their own backoff, and a bootstrap that
+        # was down a second ago may be up now.
+        unblock = getattr(self._host.get_network(), "unblock_peer", None)
+        if unblock is not None:
+            unblock(peer_id)
 
     async def connect_multiaddr(self, maddr: str) -> str:
         """Dial a full multiaddr ending in /p2p/<id>; returns the peer id. Raises DialError."""
@@ -230,10 +242,11 @@ class P2PNode:
             info = info_from_p2p_addr(multiaddr.Multiaddr(maddr))
         except Exception as exc:
             raise ValueError(f"not a multiaddr with /p2p/<peer id>: {maddr!r} ({exc})") from exc
+        self._forget_dial_failures(info.peer_id)
         try:
             await self._host.connect(info)
         except Exception as exc:
-            raise DialError(f"{maddr}: {exc}") from exc
+            raise DialError(str(exc)) from exc
         await self._seed_routing_table(info.peer_id)
         return info.peer_id.to_base58()
 
