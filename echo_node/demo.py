@@ -38,7 +38,7 @@ class Swarm:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, args: list[str]) -> Child:
+    def spawn(self, name: str, args: list[str], *, cpus: set[int] | None = None) -> Child:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         out, err = logs / f"{name}.out", logs / f"{name}.log"
@@ -52,6 +52,7 @@ class Swarm:
                 # stops the children in order (learner last, so it can write its summary).
                 start_new_session=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
             )
         child = Child(name, proc, out)
         self.children.append(child)

@@ -1,0 +1,98 @@
+"""Time from `echo-node join` starting to the learner accepting that peer's first rollouts.
+
+Starts a bootstrap and a learner (core 0), then N rollout peers at once (core 1; all peers
+share it, as volunteers' machines would not, so this is an upper bound under contention),
+and reads the learner's `first_accept` events. Also reports the size on the wire of one
+signed rollout message of the embedded task. Prints one JSON object as its last line.
+
+    .venv/bin/python benchmarks/join_latency.py --peers 2
+    .venv/bin/python benchmarks/join_latency.py --peers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from echo_node.demo import Swarm, _is_ready, _wait_line
+from echo_node.metrics import read_metrics
+from protocol import Identity, RolloutGroup, Sample, seal
+from protocol.identity import load_or_create_key_file
+
+
+def rollout_message_bytes() -> dict[str, int]:
+    """One group of the embedded task as a peer publishes it: 8 samples, 4 tokens each."""
+    me = Identity.generate()
+    group = RolloutGroup(
+        run_id="demo-async-20261129-000000",
+        peer_id=me.peer_id,
+        seq=time.time_ns() // 1_000_000,
+        group_id=f"{me.peer_id[-8:]}-1",
+        prompt_ids=(1, 6, 10, 13, 3, 8, 14),
+        samples=tuple(
+            Sample(
+                completion_ids=(3 + i % 10, 4, 5, 2),
+                behaviour_logprobs=(-0.0123 * (i + 1), -0.51, -1.7, -0.003),
+                token_versions=(412, 412, 412, 412),
+                reward=float(i % 2),
+            )
+            for i in range(8)
+        ),
+    )
+    return {"rollout_message_bytes": len(seal(group, me)), "rollouts_per_message": 8}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--peers", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=180.0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        swarm = Swarm(root)
+        try:
+            boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(root / "boot.key")], cpus={0})
+            addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
+            common = ["--bootstrap", addr, "--run-id", "join-bench"]
+            learner = swarm.spawn(
+                "learner",
+                ["learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), "--seconds", "3600"],
+                cpus={0},
+            )
+            _wait_line(learner, _is_ready, 300, "ready")
+            started: dict[str, float] = {}
+            for i in range(args.peers):
+                key = root / f"peer{i}.key"
+                peer_id = load_or_create_key_file(key).peer_id
+                started[peer_id] = time.time()
+                swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(key)], cpus={1})
+            metrics = root / "runs" / "join-bench" / "metrics.jsonl"
+            deadline = time.monotonic() + args.timeout
+            first: dict[str, float] = {}
+            while len(first) < args.peers and time.monotonic() < deadline:
+                first = {r["peer"]: r["wall"] for r in read_metrics(metrics) if r.get("event") == "first_accept"}
+                time.sleep(0.1)
+        finally:
+            swarm.stop_all()
+    latencies = sorted(first[p] - started[p] for p in first if p in started)
+    result = {
+        "peers": args.peers,
+        "peers_accepted": len(latencies),
+        "join_to_first_accept_s": [round(x, 2) for x in latencies],
+        "median_s": round(statistics.median(latencies), 2) if latencies else None,
+        "max_s": round(max(latencies), 2) if latencies else None,
+        **rollout_message_bytes(),
+    }
+    print(json.dumps(result))
+    sys.exit(0 if len(latencies) == args.peers else 1)
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    main()
