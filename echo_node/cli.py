@@ -20,6 +20,7 @@ EXIT_USER_ERROR = 2
 
 def _common(p: argparse.ArgumentParser, *, role: str) -> None:
     p.add_argument("--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)")
+    p.add_argument("--advertise-host", default=None, help="address others dial when --listen is 0.0.0.0")
     p.add_argument("--key-file", type=Path, default=None, help=f"identity key file (default {DEFAULT_KEY_DIR}/{role}.key)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -87,6 +88,7 @@ def _config(args: argparse.Namespace) -> Any:
         max_versions=getattr(args, "max_versions", None),
         runs_dir=str(args.runs_dir) if getattr(args, "runs_dir", None) else None,
         net__listen=args.listen,
+        net__advertise_host=args.advertise_host,
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
         model__path=args.model,
@@ -100,7 +102,7 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
     from bootstrap.node import run_bootstrap
 
-    trio.run(run_bootstrap, _identity(args, "bootstrap"), args.listen or "/ip4/127.0.0.1/tcp/0")
+    trio.run(run_bootstrap, _identity(args, "bootstrap"), args.listen or "/ip4/127.0.0.1/tcp/0", args.advertise_host)
     return 0
 
 
@@ -154,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BaseException as exc:
         user_error = _find_user_error(exc)
-        if user_error is None:
+        if user_error is None or getattr(args, "log_level", "") == "DEBUG":
             raise
         print(f"echo-node {role}: error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR

@@ -26,6 +26,8 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 @dataclass(kw_only=True, slots=True)
 class NetConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
+    # What others dial when `listen` is a wildcard (0.0.0.0); default: this host name's address.
+    advertise_host: str | None = None
     bootstrap: list[str] = field(default_factory=list)
     # A joining peer retries the bootstrap list with exponential backoff until this deadline.
     join_deadline_s: float = 60.0

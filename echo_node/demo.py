@@ -122,13 +122,14 @@ def run_demo(args: argparse.Namespace) -> int:
             if learner.proc.returncode != 0:
                 raise RuntimeError(f"learner exited with {learner.proc.returncode}; see {run_dir / 'logs' / 'learner.log'}")
     except KeyboardInterrupt:
+        progress.close()
         print("interrupted; all demo processes stopped", file=sys.stderr)
         return 130
     except RuntimeError as exc:
+        progress.close()
         print(f"echo-node demo: error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        progress.close()
+    progress.close()
     summary = json.loads((run_dir / "summary.json").read_text())
     result = {
         "run_id": run_id,
@@ -163,7 +164,7 @@ class _Progress:
 
     def note(self, text: str) -> None:
         self._last_note = text
-        if not self.enabled:
+        if self._live is None:
             print(f"demo: {text}", file=self._err, flush=True)
 
     def follow(self, learner: Child, swarm: Swarm) -> None:
@@ -215,3 +216,4 @@ class _Progress:
     def close(self) -> None:
         if self._live is not None:
             self._live.stop()
+            self._live = None

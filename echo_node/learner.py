@@ -89,8 +89,12 @@ class Learner:
         self.peers = PeerBook()
         self.buffer = ReplayBuffer(mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups)
         self.tracker = SequenceTracker()
-        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen, app_score=self.peers.score))
-        self.weights = WeightServer(cfg.run_id, host=_listen_host(cfg.net.listen))
+        self.node = P2PNode(
+            identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host, app_score=self.peers.score)
+        )
+        self.weights = WeightServer(
+            cfg.run_id, bind_host=_bind_host(cfg.net.listen), advertise_host=self.node.advertise_host
+        )
         self.optimizer = PolicyOptimizer(
             policy.model,
             lr=cfg.rl.lr,
@@ -181,7 +185,7 @@ class Learner:
         self.peers.last_seen[remote] = trio.current_time()
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
         token = self.weights.issue_token(remote)
-        return JoinResponse(spec=self.spec(), data_host=self.weights.host, data_port=self.weights.port, token=token)
+        return JoinResponse(spec=self.spec(), data_host=self.weights.advertise_host, data_port=self.weights.port, token=token)
 
     async def _on_status(self, request: Any, remote: str) -> StatusResponse:
         if not isinstance(request, StatusRequest):
@@ -422,6 +426,7 @@ def _train_group(g: RolloutGroup) -> TrainGroup:
     )
 
 
-def _listen_host(maddr: str) -> str:
+def _bind_host(maddr: str) -> str:
+    """The data channel listens where libp2p does (/ip4/H/...)."""
     parts = maddr.split("/")
-    return parts[2] if len(parts) > 2 and parts[1] in ("ip4", "ip6") else "127.0.0.1"
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"

@@ -73,7 +73,7 @@ class RolloutPeer:
         self.cfg = cfg
         self.identity = identity
         self.model_path = model_path
-        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen))
+        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host))
         # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
         # the learner would take a fresh count from 0 for duplicates of messages it has seen.
         self.seq = time.time_ns() // 1_000_000

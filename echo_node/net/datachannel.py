@@ -46,9 +46,12 @@ class Snapshot:
 class WeightServer:
     """Serves the learner's recent weight snapshots to token holders."""
 
-    def __init__(self, run_id: str, *, host: str = "127.0.0.1", max_clients: int = 32) -> None:
+    def __init__(
+        self, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, max_clients: int = 32
+    ) -> None:
         self.run_id = run_id
-        self.host = host
+        self.bind_host = bind_host
+        self.advertise_host = advertise_host or bind_host
         self.port = 0
         self.bytes_sent = 0
         self._snapshots: OrderedDict[int, Snapshot] = OrderedDict()
@@ -80,7 +83,7 @@ class WeightServer:
         return None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host=self.host)
+        listeners = await trio.open_tcp_listeners(0, host=self.bind_host)
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             task_status.started(self.port)

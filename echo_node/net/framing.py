@@ -11,6 +11,7 @@ import struct
 from typing import Protocol
 
 from protocol.errors import RemoteProtocolError
+from protocol.framing import encode_length_prefixed
 
 _LEN = struct.Struct(">I")
 
@@ -39,4 +40,4 @@ async def read_frame(stream: ByteStream, *, max_len: int) -> bytes:
 
 
 async def write_frame(stream: ByteStream, payload: bytes) -> None:
-    await stream.send_all(_LEN.pack(len(payload)) + payload)
+    await stream.send_all(encode_length_prefixed(payload))

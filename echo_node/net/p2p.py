@@ -23,8 +23,9 @@ import functools
 import hashlib
 import logging
 import math
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import multiaddr
@@ -136,7 +137,17 @@ class P2PSettings:
     gossip_threshold: float = -10.0
     publish_threshold: float = -50.0
     app_score: Callable[[str], float] | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # The address others reach this machine at, when listening on a wildcard address.
+    advertise_host: str | None = None
+
+
+def advertised_host(listen: str, advertise: str | None) -> str:
+    """The IPv4 address to tell peers for a listen multiaddr like /ip4/H/tcp/P."""
+    parts = listen.split("/")
+    host = parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"
+    if host != "0.0.0.0":
+        return host
+    return advertise or socket.gethostbyname(socket.gethostname())
 
 
 def provider_key(run_id: str) -> str:
@@ -212,10 +223,22 @@ class P2PNode:
 
     @property
     def addrs(self) -> list[str]:
-        """Full multiaddrs, each ending in /p2p/<peer id>."""
-        return [f"{a}/p2p/{self.peer_id}" for a in self._host.get_addrs() if "/p2p/" not in str(a)] or [
-            str(a) for a in self._host.get_addrs()
-        ]
+        """Full multiaddrs others can dial, each ending in /p2p/<peer id>.
+
+        A wildcard listen address is no use to anyone else, so it is reported with this
+        machine's own address (`advertise_host` or the host name's address) instead.
+        """
+        out = []
+        for a in self._host.get_addrs():
+            text = str(a)
+            if "/p2p/" not in text:
+                text += f"/p2p/{self.peer_id}"
+            out.append(text.replace("/ip4/0.0.0.0/", f"/ip4/{self.advertise_host}/", 1))
+        return out
+
+    @property
+    def advertise_host(self) -> str:
+        return advertised_host(self.settings.listen, self.settings.advertise_host)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self._host.get_connected_peers()]
