@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 PENALTY_WEIGHT = 10.0
 # A peer counts as active (for splitting demand) while it was heard from this recently.
 ACTIVE_WINDOW_S = 15.0
+# A publisher that does not answer a repair request within this is treated as gone.
+REPAIR_TIMEOUT_S = 10.0
 # Ask for this much more than one update consumes, so that jitter or a lost message never
 # leaves the learner waiting; the excess is what the staleness rule drops.
 DEMAND_SLACK = 1.5
@@ -278,13 +280,13 @@ class Learner:
             for peer_id in list(self.peers.joined):
                 missing = self.tracker.missing(peer_id)
                 if missing:
-                    with trio.move_on_after(10):
-                        await self._repair(peer_id, missing)
+                    await self._repair(peer_id, missing)
 
     async def _repair(self, peer_id: str, missing: list[int]) -> None:
         request = RepairRequest(run_id=self.cfg.run_id, peer_id=peer_id, seqs=tuple(missing[:256]))
         try:
-            response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
+            with trio.fail_after(REPAIR_TIMEOUT_S):
+                response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
         except Exception as exc:
             # The publisher is gone or will not answer: what it alone held is lost in transit.
             log.info("gap repair from %s failed (%s); giving up on %d messages", peer_id, exc, len(missing))

@@ -1,0 +1,116 @@
+"""Gap repair over a request/response stream: the learner asks a publisher for missing seqs.
+
+The learner and the rollout peer run their real handlers; the libp2p stream between them is a
+trio memory stream pair, and time is trio's virtual clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+import trio.testing
+
+from echo_node.config import RunConfig
+from echo_node.learner import REPAIR_TIMEOUT_S, Learner
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.ml.tasks import get_task
+from echo_node.ml.tokenizer import CharTokenizer
+from echo_node.policy import Policy
+from echo_node.rollout_peer import RolloutPeer
+from protocol import Identity, seal
+from tests.factories import ALICE, make_group
+
+
+@dataclass
+class MemoryPeerStream:
+    stream: Any
+    remote_peer_id: str
+
+    async def receive_some(self, max_bytes: int = 65536) -> bytes:
+        return await self.stream.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+class Link:
+    """Stands in for the learner's libp2p node: each stream opened is served by the peer."""
+
+    def __init__(self, nursery: trio.Nursery, peer: RolloutPeer, learner_id: str) -> None:
+        self.nursery, self.peer, self.learner_id = nursery, peer, learner_id
+        self.opened = 0
+        self.penalized: list[str] = []
+
+    async def open_stream(self, peer_id: str, protocol_id: str) -> MemoryPeerStream:
+        self.opened += 1
+        ours, theirs = trio.testing.memory_stream_pair()
+        self.nursery.start_soon(self.peer._serve_repair, MemoryPeerStream(theirs, self.learner_id))
+        return MemoryPeerStream(ours, peer_id)
+
+    def penalize(self, peer_id: str, topic: str) -> None:
+        self.penalized.append(peer_id)
+
+
+def make_learner(tmp_path: Path) -> Learner:
+    cfg = RunConfig(run_id="run-1", runs_dir=tmp_path)
+    tok = CharTokenizer()
+    arch = tiny_llama_config(tok.vocab_size)
+    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
+    return Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
+
+
+def test_missing_sequence_numbers_are_repaired_or_given_up(tmp_path: Path) -> None:
+    learner = make_learner(tmp_path)
+    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
+    # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
+    sealed = {s: seal(make_group(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
+    peer.history.update({s: sealed[s] for s in (11, 13)})
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            link = Link(nursery, peer, learner.node.peer_id)
+            learner.node = link  # type: ignore[assignment]
+            for s in (10, 14):  # what gossip delivered
+                group, reason, _ = learner._check(sealed[s], ALICE.peer_id)
+                assert reason is None and group is not None
+                learner._ingest(group, ALICE.peer_id)
+            missing = learner.tracker.missing(ALICE.peer_id)
+            assert missing == [11, 12, 13]
+            with trio.fail_after(5):
+                await learner._repair(ALICE.peer_id, missing)
+            assert link.opened == 1 and link.penalized == []
+            assert learner.tracker.missing(ALICE.peer_id) == []
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(g.seq for g in learner.buffer.take(10, 0)) == [10, 11, 13, 14]
+    assert learner.lost_messages == 1  # seq 12: the publisher no longer had it
+    assert learner.buffer.ledger.received == 32
+
+
+def test_a_dead_publisher_costs_only_a_bounded_wait(tmp_path: Path) -> None:
+    learner = make_learner(tmp_path)
+
+    class Dead:
+        async def open_stream(self, peer_id: str, protocol_id: str) -> Any:
+            await trio.sleep_forever()  # the dial hangs: the peer vanished
+
+    async def main() -> float:
+        learner.node = Dead()  # type: ignore[assignment]
+        for s in (2, 5):
+            group, _, _ = learner._check(seal(make_group(identity=ALICE, seq=s), ALICE), ALICE.peer_id)
+            assert group is not None
+            learner._ingest(group, ALICE.peer_id)
+        start = trio.current_time()
+        await learner._repair(ALICE.peer_id, learner.tracker.missing(ALICE.peer_id))
+        return trio.current_time() - start
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert elapsed == REPAIR_TIMEOUT_S
+    # Given up: counted as lost in transit and never asked for again.
+    assert learner.lost_messages == 2 and learner.tracker.missing(ALICE.peer_id) == []

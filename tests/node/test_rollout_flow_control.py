@@ -1,0 +1,57 @@
+"""A rollout peer samples what the learner asks for per version, then waits (virtual time)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import trio
+import trio.testing
+
+from echo_node.config import RunConfig
+from echo_node.rollout_peer import DEMAND_WAIT_S, RolloutPeer, Target
+from tests.factories import ALICE
+
+
+def peer_on_version(version: int, demand: int) -> RolloutPeer:
+    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
+    peer.engine = SimpleNamespace(version=version)  # type: ignore[assignment]
+    peer._offer(Target(version, 10, b"\0" * 32, demand))
+    peer._produced = demand
+    return peer
+
+
+def test_a_new_version_ends_the_wait_at_once() -> None:
+    peer = peer_on_version(3, demand=6)
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            async def announce() -> None:
+                await trio.sleep(1.25)
+                peer._offer(Target(4, 10, b"\1" * 32, 5))
+
+            nursery.start_soon(announce)
+            start = trio.current_time()
+            await peer._wait_for_version()
+            return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.25
+    assert peer._newest is not None and peer._newest.version == 4 and peer._demand == 5
+
+
+def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
+    peer = peer_on_version(3, demand=6)
+
+    async def main() -> float:
+        start = trio.current_time()
+        await peer._wait_for_version()
+        return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == DEMAND_WAIT_S
+    # A lost announcement must not stall the swarm: one batch's worth is released.
+    assert peer._demand - peer._produced == peer.cfg.rollout.groups_per_batch
+
+
+def test_an_older_announcement_does_not_change_the_target() -> None:
+    peer = peer_on_version(7, demand=6)
+    peer._offer(Target(5, 10, b"\2" * 32, 99))
+    assert peer._newest is not None and peer._newest.version == 7 and peer._demand == 6
