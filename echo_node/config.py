@@ -185,7 +185,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
 
 
 def _coerce(tp: Any, value: Any, name: str) -> Any:
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return _build(tp, value, name + ".")
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from transformers import PreTrainedModel
+
 from echo_node.config import RunConfig
 from echo_node.ml import defaults
 from echo_node.ml.model import build_model, load_pretrained, tiny_llama_config
@@ -30,7 +32,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Policy:
-    model: torch.nn.Module
+    model: PreTrainedModel
     tokenizer: Tokenizer
     task: Task
     model_spec: dict[str, Any]
@@ -57,22 +59,21 @@ def learner_policy(cfg: RunConfig) -> Policy:
         model, tokenizer = load_pretrained(cfg.model.path)
         spec = {"kind": "hf", "config_sha256": _fingerprint(model.config)}
         return Policy(model, tokenizer, task, spec, {"kind": "hf"})
-    tokenizer = CharTokenizer()
-    arch = tiny_llama_config(tokenizer.vocab_size)
-    model = build_model(arch, seed=cfg.model.seed)
+    char_tokenizer = CharTokenizer()
+    arch = tiny_llama_config(char_tokenizer.vocab_size)
+    tiny = build_model(arch, seed=cfg.model.seed)
     if cfg.warmup.enabled:
-        result = warmup(model, tokenizer, task, config=defaults.WARMUP, cache_dir=cfg.warmup.cache_dir)
+        result = warmup(tiny, char_tokenizer, task, config=defaults.WARMUP, cache_dir=cfg.warmup.cache_dir)
         how = "loaded from cache" if result.cache_hit else f"trained in {result.seconds:.1f}s"
         log.info("supervised warm-up %s (%s)", how, result.cache_path)
-    return Policy(model, tokenizer, task, {"kind": "embedded", **arch}, tokenizer.to_dict())
+    return Policy(tiny, char_tokenizer, task, {"kind": "embedded", **arch}, char_tokenizer.to_dict())
 
 
 def peer_policy(model_spec: dict[str, Any], tokenizer_spec: dict[str, Any], task: str, model_path: str | None) -> Policy:
     kind = model_spec.get("kind")
     if kind == "embedded":
         arch = {k: v for k, v in model_spec.items() if k != "kind"}
-        model = build_model(arch)
-        return Policy(model, load_tokenizer(tokenizer_spec), get_task(task), model_spec, tokenizer_spec)
+        return Policy(build_model(arch), load_tokenizer(tokenizer_spec), get_task(task), model_spec, tokenizer_spec)
     if kind == "hf":
         if model_path is None:
             raise ValueError("this run trains a Hugging Face model: pass --model PATH to the same local model")

@@ -29,8 +29,8 @@ from echo_node.ml.model import load_state_bytes
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
 from echo_node.net.datachannel import fetch_weights
-from echo_node.net.discovery import Backoff, JoinError, connect_bootstrap, find_provider
-from echo_node.net.p2p import P2PNode, P2PSettings, PeerAddr, provider_key
+from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
+from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.envelope import open_envelope, seal
@@ -117,20 +117,21 @@ class RolloutPeer:
         deadline = trio.current_time() + net.join_deadline_s
         await connect_bootstrap(self.node, net.bootstrap, deadline_s=net.join_deadline_s, backoff=backoff)
         remaining = max(0.0, deadline - trio.current_time())
-        self.learner = await find_provider(
+        learner = await find_provider(
             self.node, provider_key(self.cfg.run_id), what=f"learner for run {self.cfg.run_id!r}", deadline_s=remaining, backoff=backoff
         )
-        await self.node.connect(self.learner)
+        self.learner = learner
+        await self.node.connect(learner)
         with trio.fail_after(30):
             join = await rpc.call(
                 self.node,
-                self.learner.peer_id,
+                learner.peer_id,
                 rpc.JOIN,
                 JoinRequest(run_id=self.cfg.run_id, peer_id=self.node.peer_id),
                 JoinResponse,
             )
-        if join.spec.run_id != self.cfg.run_id or join.spec.learner_peer_id != self.learner.peer_id:
-            raise JoinError(f"learner {self.learner.peer_id} answered with a spec for another run")
+        if join.spec.run_id != self.cfg.run_id or join.spec.learner_peer_id != learner.peer_id:
+            raise JoinError(f"learner {learner.peer_id} answered with a spec for another run")
         self._join = join
         self.spec = join.spec
         self.policy = await trio.to_thread.run_sync(
@@ -138,7 +139,7 @@ class RolloutPeer:
         )
         self.engine = TorchEngine(self.policy.model, eos_id=self.policy.tokenizer.eos_id, pad_id=self.policy.tokenizer.pad_id)
         self.engine.version = -1
-        log.info("joined run %s (mode %s, S=%d) via learner %s", self.cfg.run_id, self.spec.sync_mode, self.spec.staleness, self.learner.peer_id)
+        log.info("joined run %s (mode %s, S=%d) via learner %s", self.cfg.run_id, self.spec.sync_mode, self.spec.staleness, learner.peer_id)
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import torch
 from torch import Tensor
@@ -111,7 +111,8 @@ class _LlamaStepper:
     @staticmethod
     def _rms(x: Tensor, norm: torch.nn.Module) -> Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
-        return norm.weight * (x * torch.rsqrt(var + norm.variance_epsilon))
+        weight = cast(Tensor, norm.weight)
+        return weight * (x * torch.rsqrt(var + norm.variance_epsilon))
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:

@@ -66,7 +66,7 @@ def build_model(arch: dict[str, Any], *, seed: int = 0) -> LlamaForCausalLM:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.to(torch.float32)
+    model.float()
     model.eval()
     return model
 

@@ -22,10 +22,18 @@ from typing import Any, Protocol
 class Tokenizer(Protocol):
     """What the ML code needs from a tokenizer."""
 
-    pad_id: int
-    bos_id: int | None
-    eos_id: int
-    vocab_size: int
+    # Read-only in the protocol, so a tokenizer that always has a bos (an int) conforms.
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
 
     def encode(self, text: str) -> list[int]: ...
 

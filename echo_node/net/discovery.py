@@ -35,15 +35,18 @@ class Backoff:
             delay = min(self.max_s, delay * self.factor)
 
 
+@dataclass(frozen=True, slots=True)
+class PeerAddr:
+    """A peer and the multiaddrs it can be dialed at."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+
+
 class Dialer(Protocol):
     async def connect_multiaddr(self, maddr: str) -> str: ...
 
-    async def find_providers(self, key: str, count: int = ...) -> Sequence["PeerAddrLike"]: ...
-
-
-class PeerAddrLike(Protocol):
-    peer_id: str
-    addrs: tuple[str, ...]
+    async def find_providers(self, key: str, count: int = ...) -> Sequence[PeerAddr]: ...
 
 
 async def connect_bootstrap(
@@ -74,7 +77,7 @@ async def connect_bootstrap(
 
 async def find_provider(
     node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff()
-) -> PeerAddrLike:
+) -> PeerAddr:
     """Look a provider record up until one appears (the learner may still be warming up)."""
     with trio.move_on_after(deadline_s):
         for delay in backoff.delays():

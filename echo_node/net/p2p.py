@@ -51,6 +51,7 @@ from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
+from echo_node.net.discovery import PeerAddr
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ log = logging.getLogger(__name__)
 # Pubsub builds the queue by this module-level name; a deeper queue keeps bursts whole and the
 # gap repair covers whatever is still lost.
 OUTBOUND_QUEUE_RPCS = 4096
-_pubsub_module.RpcQueue = functools.partial(RpcQueue, max_size=OUTBOUND_QUEUE_RPCS)  # type: ignore[misc]
+setattr(_pubsub_module, "RpcQueue", functools.partial(RpcQueue, max_size=OUTBOUND_QUEUE_RPCS))
 # py-libp2p logs ordinary events (stream resets, refused dials we retry, copies of a publish
 # for the unsubscribed bootstrap) at WARNING and ERROR, and resets its logger's level when it is
 # imported. echo-node reports what matters in its own words, so libp2p speaks only at DEBUG.
@@ -77,12 +78,6 @@ class DialError(Exception):
     """No listed address of a peer could be dialed before the deadline."""
 
 
-@dataclass(frozen=True, slots=True)
-class PeerAddr:
-    peer_id: str
-    addrs: tuple[str, ...]
-
-
 class PeerStream:
     """A libp2p stream seen as a trio-style byte stream (what tests replace with memory streams)."""
 
@@ -95,9 +90,6 @@ class PeerStream:
 
     async def send_all(self, data: bytes) -> None:
         await self._stream.write(data)
-
-    async def send_eof(self) -> None:
-        await self._stream.close_write()
 
     async def aclose(self) -> None:
         try:

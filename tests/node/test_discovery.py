@@ -8,7 +8,7 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.net.discovery import Backoff, JoinError, connect_bootstrap, find_provider
+from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
 
 
 @dataclass
@@ -25,16 +25,10 @@ class FlakyDialer:
             raise ConnectionRefusedError("connection refused")
         return "peer-" + maddr[-1]
 
-    async def find_providers(self, key: str, count: int = 20) -> list[object]:
+    async def find_providers(self, key: str, count: int = 20) -> list[PeerAddr]:
         if trio.current_time() < self.provider_at:
             return []
-
-        @dataclass
-        class P:
-            peer_id: str = "learner"
-            addrs: tuple[str, ...] = ()
-
-        return [P()]
+        return [PeerAddr("learner", ())]
 
 
 def run(fn):
