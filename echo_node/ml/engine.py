@@ -112,7 +112,8 @@ class _LlamaStepper:
     def _rms(x: Tensor, norm: torch.nn.Module) -> Tensor:
         var = x.pow(2).mean(-1, keepdim=True)
         weight = cast(Tensor, norm.weight)
-        return weight * (x * torch.rsqrt(var + norm.variance_epsilon))
+        eps = cast(float, norm.variance_epsilon)
+        return weight * (x * torch.rsqrt(var + eps))
 
     @staticmethod
     def _rotate_half(x: Tensor) -> Tensor:
