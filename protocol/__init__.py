@@ -1,5 +1,5 @@
 """echo-node's wire protocol, sans-I/O: messages, bounds, framing, signatures, and the pure rules
-(sequence gaps, staleness) built on them.
+(sequence gaps, staleness; weight manifests, piece bookkeeping, the delta codec) built on them.
 
 Imports only the standard library, msgpack, zstandard and cryptography: never trio, libp2p or
 torch (a test checks it), so everything here is testable without a network or a model, and the
@@ -9,6 +9,7 @@ Errors: a peer's bad bytes raise `RemoteProtocolError` (with a `DropReason` in `
 building something invalid locally raises `LocalProtocolError`.
 """
 
+from protocol.delta import choose_payload, decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.envelope import (
     SIGNATURE_DOMAIN,
@@ -30,6 +31,14 @@ from protocol.identity import (
     peer_id_from_public_key,
     public_key_from_peer_id,
     verify,
+)
+from protocol.manifest import (
+    WeightManifest,
+    build_manifest,
+    choose_piece_size,
+    open_manifest,
+    piece_range,
+    verify_piece,
 )
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -54,6 +63,7 @@ from protocol.messages import (
     kind_of,
     pack_repair_response,
 )
+from protocol.pieces import Cancel, PieceSwarm, Request
 from protocol.sequence import Observation, SequenceTracker
 from protocol.staleness import admissible, judge_group
 
@@ -61,6 +71,7 @@ __all__ = [
     "MESSAGE_TYPES",
     "SCHEMA_VERSION",
     "SIGNATURE_DOMAIN",
+    "Cancel",
     "DropReason",
     "ErrorResponse",
     "Identity",
@@ -70,10 +81,12 @@ __all__ = [
     "LocalProtocolError",
     "Message",
     "Observation",
+    "PieceSwarm",
     "ProtocolError",
     "RemoteProtocolError",
     "RepairRequest",
     "RepairResponse",
+    "Request",
     "RolloutGroup",
     "RunSpec",
     "Sample",
@@ -84,14 +97,20 @@ __all__ = [
     "StatusResponse",
     "SyncMode",
     "VersionAnnounce",
+    "WeightManifest",
     "WeightsHeader",
     "WeightsRequest",
     "WireMessage",
     "admissible",
     "b58decode",
     "b58encode",
+    "build_manifest",
+    "choose_payload",
+    "choose_piece_size",
+    "decode_delta",
     "decode_frame",
     "decode_message",
+    "encode_delta",
     "encode_frame",
     "encode_length_prefixed",
     "encode_message",
@@ -100,10 +119,13 @@ __all__ = [
     "kind_of",
     "load_or_create_key_file",
     "open_envelope",
+    "open_manifest",
     "pack_repair_response",
     "peer_id_from_public_key",
+    "piece_range",
     "public_key_from_peer_id",
     "seal",
     "signing_input",
     "verify",
+    "verify_piece",
 ]

@@ -127,3 +127,18 @@ MAX_TRACKED_PUBLISHERS: Final = 10_000
 # A learner asks each rollout peer for at most this many groups per weight version (flow
 # control); far above any useful demand, it only bounds what a peer will plan for.
 MAX_DEMAND_GROUPS: Final = 4096
+
+# --- Weight dissemination (manifests and pieces) ---------------------------------------------
+
+# Piece sizes are powers of two in [16 KiB, 4 MiB]. DESIGN.md measured 64 KiB relay chunks beating
+# 1 MiB ones (pipeline fill ~ N * chunk / rate), so small pieces must be possible; below 16 KiB the
+# per-piece request and hash overhead dominates. 4 MiB keeps one piece plus its framing within
+# what a peer buffers per request.
+MIN_PIECE_SIZE: Final = 16 * 1024
+MAX_PIECE_SIZE: Final = 4 * 1024 * 1024
+
+# Pieces per manifest. A sealed manifest must fit one gossip frame (MAX_FRAME_BYTES = 256 KiB;
+# SHA-256 digests do not compress: 4096 x 34 B = 136 KiB) and its digest list must fit one
+# msgpack array a decoder accepts (MAX_WIRE_ARRAY). With 4 MiB pieces that is 16 GiB of payload;
+# a 270 MB model (SmolLM2-135M in bf16) needs pieces of at least 128 KiB.
+MAX_PIECES: Final = 4096

@@ -641,6 +641,12 @@ class ErrorResponse(WireMessage):
         _set(self, "message", _str("ErrorResponse.message", self.message, MAX_STR, min_len=0))
 
 
+# WeightManifest lives in manifest.py with its builder and checks; it is imported here, after
+# everything it uses from this module exists, so the registry below can list it. (This makes
+# protocol.messages the first of the two to load: envelope.py, imported first by protocol/__init__,
+# guarantees that.)
+from protocol.manifest import WeightManifest  # noqa: E402
+
 Message: TypeAlias = (
     RunSpec
     | RolloutGroup
@@ -654,6 +660,7 @@ Message: TypeAlias = (
     | RepairRequest
     | RepairResponse
     | ErrorResponse
+    | WeightManifest
 )
 
 # kind string -> class, for every message that travels on its own (not only nested).
@@ -662,6 +669,7 @@ MESSAGE_TYPES: Final[Mapping[str, type[WireMessage]]] = {
     for cls in (
         RunSpec, RolloutGroup, JoinRequest, JoinResponse, StatusRequest, StatusResponse,
         WeightsRequest, WeightsHeader, VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
+        WeightManifest,
     )
     if cls.KIND is not None
 }

@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from protocol.manifest import build_manifest
 from protocol import (
     MESSAGE_TYPES,
     ErrorResponse,
@@ -110,6 +111,7 @@ def group(**overrides: Any) -> RolloutGroup:
 ALL_MESSAGES: list[WireMessage] = [
     spec(),
     group(),
+    build_manifest(run_id="r", version=3, payload=b"x" * 40000, piece_size=16384),
     JoinRequest(run_id="r", peer_id=PEER),
     JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000, token=b"t" * 32),
     StatusRequest(run_id="r"),
