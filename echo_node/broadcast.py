@@ -179,6 +179,11 @@ class Source:
         self.members = members
         self.queue = deque(range(manifest.num_pieces))
         self.stats = Stats()
+        # Set by the owner to hold pieces back until the swarm has gathered (a benchmark starts
+        # its clock then); open by default.
+        self.gate = trio.Event()
+        self.gate.set()
+        self.connected: set[str] = set()
 
     async def serve(self, stream: trio.abc.Stream) -> None:
         async with stream:
@@ -191,6 +196,8 @@ class Source:
                 log.warning("refused a data connection: %s", exc)
                 return
             link = Link(stream, remote, self.stats)
+            self.connected.add(remote)
+            await self.gate.wait()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(link.sender)
                 try:
