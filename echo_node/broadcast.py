@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
@@ -47,6 +48,7 @@ HELLO_TTL_S = 60.0
 # its outbound queues (per link); more would let a slow uplink hoard pieces the others need.
 BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
+SEND_BUFFER_BYTES = 256 * 1024
 ENDGAME_QUIET_S = 0.5
 
 
@@ -103,6 +105,10 @@ class Link:
         # source pull (at most BACKLOG_PIECES waiting) or as answers to our own requests.
         self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes]](math.inf)
         self.queued_pieces = 0
+        if isinstance(stream, trio.SocketStream):
+            # The backlog check only sees our own queue; a multi-MB kernel send buffer would
+            # hide a slow uplink behind it and let that peer keep taking pieces from the source.
+            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
     def send(self, *frame: Any) -> None:
         is_piece = frame[0] == "piece"
