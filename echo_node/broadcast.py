@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 MAX_WIRE_FRAME = 4 * 1024 * 1024 + 1024
 HELLO_DOMAIN = b"echo-node/v1/data-hello\x00"
 HELLO_TTL_S = 60.0
+# What a vanished peer looks like on a data connection: handled as "this link is gone".
+LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 # A peer asks the source for another piece only while fewer than this many piece-pushes wait in
 # its outbound queues (per link); more would let a slow uplink hoard pieces the others need.
 BACKLOG_PIECES = 4
@@ -119,7 +121,7 @@ class Link:
         async for is_piece, data in self._queue:
             try:
                 await write_frame(self.stream, data)
-            except (trio.BrokenResourceError, trio.ClosedResourceError):
+            except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
             if is_piece:
                 self.queued_pieces -= 1
@@ -131,7 +133,7 @@ class Link:
         while True:
             try:
                 data = await read_frame(self.stream, max_len=MAX_WIRE_FRAME)
-            except (RemoteProtocolError, trio.BrokenResourceError, trio.ClosedResourceError):
+            except (RemoteProtocolError, *LINK_ERRORS):
                 return
             try:
                 frame = msgpack.unpackb(data)
@@ -192,13 +194,19 @@ class Source:
         self.connected: set[str] = set()
 
     async def serve(self, stream: trio.abc.Stream) -> None:
+        try:
+            await self._serve(stream)
+        except LINK_ERRORS as exc:
+            log.info("a data connection broke: %s", exc)
+
+    async def _serve(self, stream: trio.abc.Stream) -> None:
         async with stream:
             try:
                 remote = self.members.check(
                     await read_frame(stream, max_len=4096), me=self.identity.peer_id,
                     run_id=self.store.manifest.run_id, version=self.store.manifest.version,
                 )
-            except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+            except RemoteProtocolError as exc:
                 log.warning("refused a data connection: %s", exc)
                 return
             link = Link(stream, remote, self.stats)
@@ -269,14 +277,17 @@ class Receiver:
         m = self.manifest
         try:
             remote = self.members.check(await read_frame(stream, max_len=4096), me=self.identity.peer_id, run_id=m.run_id, version=m.version)
-        except (RemoteProtocolError, trio.BrokenResourceError) as exc:
+        except (RemoteProtocolError, *LINK_ERRORS) as exc:
             log.warning("refused a data connection: %s", exc)
             await stream.aclose()
             return
         await self._run_link(stream, remote)
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
-        link = Link(stream, remote, self.stats, on_sent=self._refill_source)
+        try:
+            link = Link(stream, remote, self.stats, on_sent=self._refill_source)
+        except LINK_ERRORS:
+            return  # gone before the first byte
         self.links[remote] = link
         try:
             async with stream, trio.open_nursery() as nursery:

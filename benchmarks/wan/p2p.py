@@ -88,10 +88,12 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
 
     async with trio.open_nursery() as nursery:
         await nursery.start(partial(trio.serve_tcp, receiver.accept, PORT, host=addr[me.peer_id]))
-        await receiver.dial(nursery, ids[0].peer_id, connect)
+        # Peers first, the learner last: the learner starts handing out pieces once everyone
+        # has reached it, and by then every relay link exists, so no early push is lost.
         dial, _ = split_list([x.peer_id for x in ids[1:]], me.peer_id)
         for other in dial:
             await receiver.dial(nursery, other, connect)
+        await receiver.dial(nursery, ids[0].peer_id, connect)
         with trio.fail_after(a.timeout):
             payload = await receiver.run()
         done = time.time()

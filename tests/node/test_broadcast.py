@@ -40,10 +40,11 @@ async def start_swarm(
         return await trio.open_tcp_stream("127.0.0.1", ports[peer_id])
 
     for pid, r in receivers.items():
-        await r.dial(nursery, source.identity.peer_id, connect)
         dial, _ = split_list(list(receivers), pid)
         for other in dial:
             await r.dial(nursery, other, connect)
+    for r in receivers.values():
+        await r.dial(nursery, source.identity.peer_id, connect)
     return ports
 
 
