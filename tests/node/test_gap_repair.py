@@ -7,7 +7,6 @@ trio memory stream pair, and time is trio's virtual clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -15,12 +14,8 @@ import trio.testing
 
 from echo_node.config import RunConfig
 from echo_node.learner import REPAIR_TIMEOUT_S, Learner
-from echo_node.ml.model import build_model, tiny_llama_config
-from echo_node.ml.tasks import get_task
-from echo_node.ml.tokenizer import CharTokenizer
-from echo_node.policy import Policy
 from echo_node.rollout_peer import RolloutPeer
-from protocol import Identity, seal
+from protocol import seal
 from tests.factories import ALICE, make_group
 
 
@@ -57,16 +52,7 @@ class Link:
         self.penalized.append(peer_id)
 
 
-def make_learner(tmp_path: Path) -> Learner:
-    cfg = RunConfig(run_id="run-1", runs_dir=tmp_path)
-    tok = CharTokenizer()
-    arch = tiny_llama_config(tok.vocab_size)
-    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
-    return Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
-
-
-def test_missing_sequence_numbers_are_repaired_or_given_up(tmp_path: Path) -> None:
-    learner = make_learner(tmp_path)
+def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> None:
     peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
     # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
     sealed = {s: seal(make_group(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
@@ -93,8 +79,7 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(tmp_path: Path) -> No
     assert learner.buffer.ledger.received == 32
 
 
-def test_a_dead_publisher_costs_only_a_bounded_wait(tmp_path: Path) -> None:
-    learner = make_learner(tmp_path)
+def test_a_dead_publisher_costs_only_a_bounded_wait(learner: Learner) -> None:
 
     class Dead:
         async def open_stream(self, peer_id: str, protocol_id: str) -> Any:

@@ -7,28 +7,13 @@ tiny model without warm-up) with the same byte strings a hostile peer could goss
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import pytest
 import trio
 
-from echo_node.config import RunConfig
 from echo_node.learner import Learner
-from echo_node.policy import Policy
-from echo_node.ml.model import build_model, tiny_llama_config
-from echo_node.ml.tasks import get_task
-from echo_node.ml.tokenizer import CharTokenizer
-from protocol import Identity, seal
+from protocol import seal
 from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_group
-
-
-@pytest.fixture
-def learner(tmp_path: Path) -> Learner:
-    cfg = RunConfig(run_id="run-1", runs_dir=tmp_path)
-    tok = CharTokenizer()
-    arch = tiny_llama_config(tok.vocab_size)
-    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
-    return Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
 
 
 def offer(learner: Learner, data: bytes, origin: str, forwarder: str | None = None) -> bool:
