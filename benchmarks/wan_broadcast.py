@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from benchmarks.wan import scenario as sc
@@ -74,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
     s = sc.from_args(p.parse_args(argv))
     t0 = time.monotonic()
     cleanup_stale()
-    with tempfile.TemporaryDirectory() as tmp, s.topology() as topo:
+    with s.topology() as topo:
         cal = measure_goodput(topo, src=1, dst=0, nbytes=16 << 20, src_cpus=s.peer_cpus, dst_cpus=s.learner_cpus)
         eff = cal["efficiency"]
         kill_after = s.resolved_kill_after_s(eff)
-        p2p = run_p2p(topo, s, tag=f"bench-{time.time_ns()}", workdir=Path(tmp), kill_after_s=kill_after,
+        p2p = run_p2p(topo, s, tag=f"bench-{time.time_ns()}", kill_after_s=kill_after,
                       timeout=min(300.0, 60 + 10 * s.bound_s(eff)))
         star = None if args_skip(argv, "--skip-star") else run_star(
             topo, s, kill_after_s=kill_after, timeout=min(540.0, 60 + 3 * s.star_ideal_s(eff)))

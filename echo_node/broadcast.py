@@ -1,4 +1,4 @@
-"""Pipelined peer-to-peer broadcast of one weight payload: the learner uploads each piece ~once.
+"""Pipelined peer-to-peer broadcast of weight versions: the learner uploads each piece ~once.
 
 Scheme (DESIGN.md measured it at 1.03–1.06x of the bound for hand-made relays): the source (the
 learner) hands out pieces from one shared queue to whichever peer asks next; the first receiver
@@ -8,13 +8,18 @@ own outbound backlog is short, so a peer with a slow uplink takes fewer pieces a
 runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
 
 Whatever a peer still lacks once the source's queue is empty (a relay died mid-push, a piece was
-corrupt) is fetched through `protocol.pieces.PieceSwarm`: from the peers that proved they hold it,
-the source only as a last resort, with timeouts and re-requests elsewhere.
+corrupt, a push raced the link's set-up) is fetched through `protocol.pieces.PieceSwarm`: from
+the peers that proved they hold it, the source only as a last resort, with timeouts and
+re-requests elsewhere.
+
+Wire, per version and link (length-prefixed msgpack arrays on plain TCP, never on the libp2p
+loop, DESIGN.md): the dialer's first frame is a signed hello (its peer id, the target, run,
+version, nonce, expiry and its own data address). The source answers with the sealed manifest
+and the current swarm (peer ids and data addresses; updates follow as peers arrive), then
+serves `next`/`get`. Between peers: `piece`, `get`, `none`.
 
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
-that sends a bad piece is penalized and, after `max_bad_pieces`, never asked again. Connections
-open with a signed hello (peer id, target, run, version, nonce, expiry) so only swarm members
-are served. Bulk bytes travel on plain TCP, never on the libp2p loop (DESIGN.md).
+that sends a bad piece is penalized and, after `max_bad_pieces`, never asked again.
 """
 
 from __future__ import annotations
@@ -24,10 +29,10 @@ import math
 import os
 import socket
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgpack
 import trio
@@ -35,13 +40,14 @@ import trio
 from echo_node.net.framing import read_frame, write_frame
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, peer_id_from_public_key, verify
-from protocol.manifest import WeightManifest, piece_range, verify_piece
+from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
 
 log = logging.getLogger(__name__)
 
 # Frames are one piece at most plus a small header; pieces are at most 4 MiB (protocol.limits).
 MAX_WIRE_FRAME = 4 * 1024 * 1024 + 1024
+HELLO_MAX = 1024
 HELLO_DOMAIN = b"echo-node/v1/data-hello\x00"
 HELLO_TTL_S = 60.0
 # What a vanished peer looks like on a data connection: handled as "this link is gone".
@@ -52,40 +58,55 @@ BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
 SEND_BUFFER_BYTES = 256 * 1024
 ENDGAME_QUIET_S = 0.5
+# A connection for a version this node has not started yet waits this long for it (the dialer
+# may have seen the announcement first).
+ROUTE_WAIT_S = 5.0
+MAX_SWARM_ENTRIES = 1024
 
 
-class Membership:
-    """Who may open a data connection: the swarm's peer ids (from the run's join records)."""
+@dataclass(frozen=True, slots=True)
+class Hello:
+    sender: str
+    target: str
+    run_id: str
+    version: int
+    host: str
+    port: int
 
-    def __init__(self, members: Iterable[str]) -> None:
-        self.members = set(members)
-        self._seen_nonces: dict[bytes, float] = {}
 
-    def hello(self, identity: Identity, *, target: str, run_id: str, version: int) -> bytes:
-        expiry = time.time() + HELLO_TTL_S
-        nonce = os.urandom(16)
-        body = msgpack.packb([identity.public_key, target, run_id, version, nonce, expiry])
-        return msgpack.packb([body, identity.sign(HELLO_DOMAIN + body)])
+def make_hello(identity: Identity, *, target: str, run_id: str, version: int, host: str = "", port: int = 0) -> bytes:
+    body = msgpack.packb([identity.public_key, target, run_id, version, os.urandom(16), time.time() + HELLO_TTL_S, host, port])
+    return msgpack.packb([body, identity.sign(HELLO_DOMAIN + body)])
 
-    def check(self, data: bytes, *, me: str, run_id: str, version: int) -> str:
-        """The peer id behind a hello, or RemoteProtocolError. Each nonce is accepted once."""
+
+class HelloChecker:
+    """Verifies hellos addressed to `me` for `run_id`; each nonce is accepted once."""
+
+    def __init__(self, me: str, run_id: str) -> None:
+        self.me = me
+        self.run_id = run_id
+        self._seen: dict[bytes, float] = {}
+
+    def check(self, data: bytes) -> Hello:
         try:
             body, signature = msgpack.unpackb(data)
-            public_key, target, hello_run, hello_version, nonce, expiry = msgpack.unpackb(body)
+            public_key, target, run_id, version, nonce, expiry, host, port = msgpack.unpackb(body)
+            typed = (isinstance(version, int) and isinstance(nonce, bytes) and isinstance(expiry, float)
+                     and isinstance(host, str) and isinstance(port, int) and isinstance(target, str))
         except Exception as exc:
             raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
+        if not typed or not isinstance(public_key, bytes) or not isinstance(signature, bytes) or len(host) > 255:
+            raise RemoteProtocolError("malformed data-channel hello")
         verify(public_key, signature, HELLO_DOMAIN + body)
         sender = peer_id_from_public_key(public_key)
         now = time.time()
-        self._seen_nonces = {n: t for n, t in self._seen_nonces.items() if t > now}
-        if (target, hello_run, hello_version) != (me, run_id, version):
-            raise RemoteProtocolError(f"hello from {sender} is for another target, run or version")
-        if not now <= expiry <= now + 2 * HELLO_TTL_S or nonce in self._seen_nonces:
+        self._seen = {n: t for n, t in self._seen.items() if t > now}
+        if target != self.me or run_id != self.run_id:
+            raise RemoteProtocolError(f"hello from {sender} is for another target or run")
+        if not now <= expiry <= now + 2 * HELLO_TTL_S or nonce in self._seen:
             raise RemoteProtocolError(f"hello from {sender} is expired or replayed")
-        if sender not in self.members:
-            raise RemoteProtocolError(f"{sender} is not a member of this swarm")
-        self._seen_nonces[nonce] = expiry
-        return sender
+        self._seen[nonce] = expiry
+        return Hello(sender, target, run_id, version, host, port)
 
 
 @dataclass
@@ -169,6 +190,9 @@ class PieceStore:
         self.count += 1
         return True
 
+    def get(self, index: int) -> bytes | None:
+        return self.pieces[index] if 0 <= index < len(self.pieces) else None
+
     @property
     def complete(self) -> bool:
         return self.count == len(self.pieces)
@@ -178,51 +202,105 @@ class PieceStore:
         return b"".join(p for p in self.pieces if p is not None)
 
 
-class Source:
-    """The learner's side: serve the shared queue and, in the endgame, any piece asked for."""
+class VersionHandler(Protocol):
+    async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None: ...
 
-    def __init__(self, identity: Identity, manifest: WeightManifest, payload: bytes, members: Membership) -> None:
+
+class DataServer:
+    """One TCP listener per node; routes each verified hello to the handler of its version."""
+
+    def __init__(
+        self, identity: Identity, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0
+    ) -> None:
         self.identity = identity
+        self.run_id = run_id
+        self.bind_host = bind_host
+        self.host = advertise_host or bind_host
+        self.port = port
+        self.checker = HelloChecker(identity.peer_id, run_id)
+        self._handlers: dict[int, VersionHandler] = {}
+        self._registered = trio.Event()
+
+    def register(self, version: int, handler: VersionHandler) -> None:
+        self._handlers[version] = handler
+        self._registered.set()
+        self._registered = trio.Event()
+
+    def unregister(self, version: int) -> None:
+        self._handlers.pop(version, None)
+
+    def hello(self, *, target: str, version: int) -> bytes:
+        return make_hello(self.identity, target=target, run_id=self.run_id, version=version, host=self.host, port=self.port)
+
+    async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(self.port, host=self.bind_host)
+        self.port = listeners[0].socket.getsockname()[1]
+        async with trio.open_nursery() as nursery:
+            task_status.started(self.port)
+            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            with trio.fail_after(10):
+                hello = self.checker.check(await read_frame(stream, max_len=HELLO_MAX))
+            handler = await self._route(hello.version)
+            if handler is None:
+                raise RemoteProtocolError(f"{hello.sender} asked for version {hello.version}, which is not served here")
+            await handler.serve(stream, hello)
+        except (RemoteProtocolError, trio.TooSlowError, *LINK_ERRORS) as exc:
+            log.info("data connection closed: %s", exc)
+            await stream.aclose()
+
+    async def _route(self, version: int) -> VersionHandler | None:
+        with trio.move_on_after(ROUTE_WAIT_S):
+            while version not in self._handlers:
+                await self._registered.wait()
+        return self._handlers.get(version)
+
+
+class Source:
+    """The learner's side for one version: manifest, swarm view, the shared queue, any piece."""
+
+    def __init__(self, identity: Identity, manifest: WeightManifest, sealed_manifest: bytes, payload: bytes, members: Iterable[str]) -> None:
+        self.identity = identity
+        self.sealed_manifest = sealed_manifest
         self.store = PieceStore(manifest, payload)
-        self.members = members
+        self.members = set(members)
         self.queue = deque(range(manifest.num_pieces))
         self.stats = Stats()
-        # Set by the owner to hold pieces back until the swarm has gathered (a benchmark starts
-        # its clock then); open by default.
+        # Set by the owner to hold pieces back until the swarm has gathered (relay links exist);
+        # open by default.
         self.gate = trio.Event()
         self.gate.set()
-        self.connected: set[str] = set()
+        self.swarm: dict[str, tuple[str, int]] = {}
+        self._links: dict[str, Link] = {}
 
-    async def serve(self, stream: trio.abc.Stream) -> None:
-        try:
-            await self._serve(stream)
-        except LINK_ERRORS as exc:
-            log.info("a data connection broke: %s", exc)
-
-    async def _serve(self, stream: trio.abc.Stream) -> None:
-        async with stream:
+    async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
+        if hello.sender not in self.members:
+            raise RemoteProtocolError(f"{hello.sender} is not a member of this run")
+        link = Link(stream, hello.sender, self.stats)
+        async with stream, trio.open_nursery() as nursery:
+            nursery.start_soon(link.sender)
+            link.send("manifest", self.sealed_manifest)
+            link.send("peers", [[p, h, port] for p, (h, port) in self.swarm.items()][:MAX_SWARM_ENTRIES])
+            for other in self._links.values():
+                other.send("peers", [[hello.sender, hello.host, hello.port]])
+            self.swarm[hello.sender] = (hello.host, hello.port)
+            self._links[hello.sender] = link
             try:
-                remote = self.members.check(
-                    await read_frame(stream, max_len=4096), me=self.identity.peer_id,
-                    run_id=self.store.manifest.run_id, version=self.store.manifest.version,
-                )
+                await self.gate.wait()
+                async for frame in link.frames():
+                    if frame[0] == "next":
+                        self._send_next(link)
+                    elif frame[0] == "get" and len(frame) == 2 and isinstance(frame[1], int):
+                        self._send_piece(link, frame[1])
             except RemoteProtocolError as exc:
-                log.warning("refused a data connection: %s", exc)
-                return
-            link = Link(stream, remote, self.stats)
-            self.connected.add(remote)
-            await self.gate.wait()
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(link.sender)
-                try:
-                    async for frame in link.frames():
-                        if frame[0] == "next":
-                            self._send_next(link)
-                        elif frame[0] == "get" and len(frame) == 2 and isinstance(frame[1], int):
-                            self._send_piece(link, frame[1])
-                except RemoteProtocolError as exc:
-                    log.warning("data connection from %s: %s", remote, exc)
+                log.warning("data connection from %s: %s", hello.sender, exc)
+            finally:
+                self._links.pop(hello.sender, None)
+                self.swarm.pop(hello.sender, None)
                 link.close()
+                nursery.cancel_scope.cancel()
 
     def _send_next(self, link: Link) -> None:
         if self.queue:
@@ -231,32 +309,31 @@ class Source:
             link.send("none")
 
     def _send_piece(self, link: Link, index: int) -> None:
-        if 0 <= index < len(self.store.pieces) and (data := self.store.pieces[index]) is not None:
+        data = self.store.get(index)
+        if data is not None:
             link.send("piece", index, data)
 
 
-Connector = Callable[[str], Awaitable[trio.abc.Stream]]
+Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
+
+
+async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
+    return await trio.open_tcp_stream(host, port)
 
 
 class Receiver:
-    """A rollout peer's side: pull from the source, push to peers, repair what is missing."""
+    """A rollout peer's side for one version: pull from the source, push to peers, repair."""
 
-    def __init__(
-        self,
-        identity: Identity,
-        manifest: WeightManifest,
-        members: Membership,
-        *,
-        source_id: str,
-        request_timeout: float = 5.0,
-    ) -> None:
-        self.identity = identity
+    def __init__(self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0) -> None:
+        self.server = server
+        self.identity = server.identity
         self.manifest = manifest
-        self.members = members
         self.source_id = source_id
         self.store = PieceStore(manifest)
         self.stats = Stats()
         self.links: dict[str, Link] = {}
+        self.members: set[str] = {source_id}
+        self._members_changed = trio.Event()
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
         self.done = trio.Event()
@@ -264,24 +341,46 @@ class Receiver:
         self._source_outstanding = 0
         self._last_progress = 0.0
         self._wake = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self.connect: Connector = tcp_connect
 
     # -- connections -------------------------------------------------------------------------
 
-    async def dial(self, nursery: trio.Nursery, peer_id: str, connect: Connector) -> None:
-        stream = await connect(peer_id)
-        m = self.manifest
-        await write_frame(stream, self.members.hello(self.identity, target=peer_id, run_id=m.run_id, version=m.version))
-        nursery.start_soon(self._run_link, stream, peer_id)
+    async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
+        """An incoming link from another peer (routed here by the DataServer)."""
+        with trio.move_on_after(ROUTE_WAIT_S):
+            # The source announces each newcomer; its hello may outrun that announcement.
+            while hello.sender not in self.members:
+                await self._members_changed.wait()
+        if hello.sender not in self.members:
+            raise RemoteProtocolError(f"{hello.sender} is not in this version's swarm")
+        await self._run_link(stream, hello.sender)
 
-    async def accept(self, stream: trio.abc.Stream) -> None:
-        m = self.manifest
+    async def _dial(self, peer_id: str, host: str, port: int) -> None:
         try:
-            remote = self.members.check(await read_frame(stream, max_len=4096), me=self.identity.peer_id, run_id=m.run_id, version=m.version)
-        except (RemoteProtocolError, *LINK_ERRORS) as exc:
-            log.warning("refused a data connection: %s", exc)
-            await stream.aclose()
+            stream = await self.connect(host, port)
+            await write_frame(stream, self.server.hello(target=peer_id, version=self.manifest.version))
+        except LINK_ERRORS as exc:
+            log.info("could not reach %s at %s:%d: %s", peer_id, host, port, exc)
             return
-        await self._run_link(stream, remote)
+        await self._run_link(stream, peer_id)
+
+    def _add_peers(self, entries: Any) -> None:
+        if not isinstance(entries, list):
+            raise RemoteProtocolError("peers frame is not a list")
+        for entry in entries[:MAX_SWARM_ENTRIES]:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                    and isinstance(entry[1], str) and isinstance(entry[2], int)):
+                raise RemoteProtocolError("malformed peers entry")
+            peer_id, host, port = entry
+            if peer_id == self.identity.peer_id or peer_id in self.members:
+                continue
+            self.members.add(peer_id)
+            # One link per pair: the peer with the larger id dials.
+            if peer_id < self.identity.peer_id and self._nursery is not None and port:
+                self._nursery.start_soon(self._dial, peer_id, host, port)
+        self._members_changed.set()
+        self._members_changed = trio.Event()
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
         try:
@@ -313,12 +412,14 @@ class Receiver:
         if kind == "piece" and len(frame) == 3 and isinstance(frame[1], int) and isinstance(frame[2], bytes):
             self._on_piece(link, frame[1], frame[2])
         elif kind == "get" and len(frame) == 2 and isinstance(frame[1], int):
-            i = frame[1]
-            if 0 <= i < len(self.store.pieces) and (data := self.store.pieces[i]) is not None:
-                link.send("piece", i, data)
+            data = self.store.get(frame[1])
+            if data is not None:
+                link.send("piece", frame[1], data)
         elif kind == "none" and link.remote == self.source_id:
             self._source_empty = True
             self._source_outstanding = 0
+        elif kind == "peers" and len(frame) == 2 and link.remote == self.source_id:
+            self._add_peers(frame[1])
         self._wake.set()
 
     def _on_piece(self, link: Link, index: int, data: bytes) -> None:
@@ -361,8 +462,12 @@ class Receiver:
 
     # -- the download loop --------------------------------------------------------------------
 
-    async def run(self) -> bytes:
-        """Until every piece is held and verified; returns the payload."""
+    async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None) -> bytes:
+        """Until every piece is held and verified; returns the payload. Links live in `nursery`,
+        so the peer keeps serving this version after it completes, until the nursery ends."""
+        self._nursery = nursery
+        if source_stream is not None:
+            nursery.start_soon(self._run_link, source_stream, self.source_id)
         self._last_progress = trio.current_time()
         while not self.store.complete:
             if self._source_empty and trio.current_time() - self._last_progress >= ENDGAME_QUIET_S:
@@ -383,7 +488,48 @@ class Receiver:
                 pass  # a late copy is still verified and counted; nothing to tell the sender
 
 
-def split_list(items: list[str], me: str) -> tuple[list[str], list[str]]:
-    """Which peers I dial (those after me) and which dial me, so each pair has one link."""
-    ordered = sorted(items)
-    return [p for p in ordered if p > me], [p for p in ordered if p < me]
+async def fetch_version(
+    server: DataServer,
+    nursery: trio.Nursery,
+    *,
+    learner_id: str,
+    host: str,
+    port: int,
+    version: int,
+    weights_sha256: bytes | None = None,
+    connect: Connector = tcp_connect,
+) -> tuple[WeightManifest, bytes, Receiver]:
+    """Join the broadcast of `version`: manifest from the learner, pieces from the swarm.
+
+    The receiver is registered with `server` (so other peers can fetch from us) and its links
+    live in `nursery`; the caller unregisters it when the version is no longer worth serving.
+    """
+    stream = await connect(host, port)
+    await write_frame(stream, server.hello(target=learner_id, version=version))
+    first = msgpack.unpackb(await read_frame(stream, max_len=MAX_WIRE_FRAME))
+    if not (isinstance(first, list) and len(first) == 2 and first[0] == "manifest" and isinstance(first[1], bytes)):
+        raise RemoteProtocolError("the learner's data channel did not start with a manifest")
+    manifest = open_manifest(first[1], learner_peer_id=learner_id, run_id=server.run_id)
+    if manifest.version != version or (weights_sha256 is not None and manifest.weights_sha256 != weights_sha256):
+        raise RemoteProtocolError(f"manifest for version {manifest.version} does not match the announced version {version}")
+    receiver = Receiver(server, manifest, source_id=learner_id)
+    receiver.connect = connect
+    server.register(version, receiver)
+    payload = await receiver.run(nursery, stream)
+    return manifest, payload, receiver
+
+
+class Served:
+    """The last few versions a node serves (a peer relays; a late joiner catches up)."""
+
+    def __init__(self, server: DataServer, keep: int) -> None:
+        self.server = server
+        self.keep = keep
+        self._scopes: OrderedDict[int, trio.CancelScope] = OrderedDict()
+
+    def add(self, version: int, scope: trio.CancelScope) -> None:
+        self._scopes[version] = scope
+        while len(self._scopes) > self.keep:
+            old, old_scope = self._scopes.popitem(last=False)
+            self.server.unregister(old)
+            old_scope.cancel()

@@ -1,10 +1,10 @@
 """echo-node's P2P broadcast (echo_node/broadcast.py) run as one process per namespace host.
 
-The learner (h0) builds a signed manifest of a random G-byte payload (64 KiB pieces), writes it
-where the peers can read it (in the real system it travels on gossip), and starts handing out
-pieces once every peer has connected; its clock starts then. Each peer dials the learner and
-the peers after it (one link per pair), receives, verifies every piece against the manifest,
-relays, repairs, and reports when the whole payload verifies (the version would go live).
+The learner (h0) builds a signed manifest of a random G-byte payload (64 KiB pieces) and starts
+handing out pieces once every peer has connected; its clock starts then. Each peer dials the
+learner, gets the manifest and the swarm from it, links up with the other peers (one link per
+pair), receives, verifies every piece against the manifest, relays, repairs, and reports when
+the whole payload verifies (the version would go live).
 
     .venv/bin/python -m benchmarks.wan_broadcast      # composes this with the star and the bound
 """
@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -27,10 +26,9 @@ import trio
 from benchmarks.wan import scenario as sc
 from benchmarks.wan.netns import Topology, python_argv
 from benchmarks.wan.wire import JsonLines, cpu_busy, cpu_jiffies, cpu_s, emit, last_json
-from echo_node.broadcast import Membership, Receiver, Source, split_list
+from echo_node.broadcast import DataServer, Source, fetch_version
 from protocol import Identity, seal
-from protocol.envelope import open_envelope
-from protocol.manifest import WeightManifest, build_manifest
+from protocol.manifest import build_manifest
 
 PORT = 5401
 MODULE = "benchmarks.wan.p2p"
@@ -42,23 +40,20 @@ def identity(tag: str, i: int) -> Identity:
     return Identity.from_seed(hashlib.sha256(f"{tag}/{i}".encode()).digest())
 
 
-def members(tag: str, peers: int) -> tuple[list[Identity], Membership]:
-    ids = [identity(tag, i) for i in range(peers + 1)]
-    return ids, Membership(x.peer_id for x in ids)
-
-
 async def source_main(a: argparse.Namespace) -> None:
-    ids, swarm_members = members(a.tag, a.peers)
+    ids = [identity(a.tag, i) for i in range(a.peers + 1)]
     payload = os.urandom(a.bytes)
     manifest = build_manifest(run_id=RUN_ID, version=1, payload=payload, piece_size=PIECE)
-    Path(a.manifest).write_bytes(seal(manifest, ids[0]))
-    source = Source(ids[0], manifest, payload, swarm_members)
+    server = DataServer(ids[0], RUN_ID, bind_host=a.bind, port=PORT)
+    source = Source(ids[0], manifest, seal(manifest, ids[0]), payload, (x.peer_id for x in ids[1:]))
     source.gate = trio.Event()
+    server.register(1, source)
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(trio.serve_tcp, source.serve, PORT, host=a.bind))
+        await nursery.start(server.run)
         emit({"event": "ready"})
         with trio.fail_after(60):
-            while len(source.connected) < a.peers:
+            # Hold pieces back until every peer is in: by then the relay links exist too.
+            while len(source.swarm) < a.peers:
                 await trio.sleep(0.01)
         emit({"event": "start", "wall": time.time()})
         source.gate.set()
@@ -70,32 +65,24 @@ async def source_main(a: argparse.Namespace) -> None:
 
 
 async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
-    ids, swarm_members = members(a.tag, a.peers)
-    me = ids[a.index]
-    sealed = Path(a.manifest).read_bytes()
-    manifest, _ = open_envelope(sealed, expected_kind=WeightManifest, expected_sender=ids[0].peer_id)
-    assert isinstance(manifest, WeightManifest)
-    receiver = Receiver(me, manifest, swarm_members, source_id=ids[0].peer_id)
-    addr = {ids[i].peer_id: a.addrs.split(",")[i] for i in range(a.peers + 1)}
+    learner = identity(a.tag, 0)
+    me = identity(a.tag, a.index)
+    server = DataServer(me, RUN_ID, bind_host=a.bind, port=PORT)
 
-    async def connect(peer_id: str) -> trio.abc.Stream:
+    async def connect(host: str, port: int) -> trio.abc.Stream:
         with trio.fail_after(30):
             while True:
                 try:
-                    return await trio.open_tcp_stream(addr[peer_id], PORT)
+                    return await trio.open_tcp_stream(host, port)
                 except OSError:
                     await trio.sleep(0.05)
 
     async with trio.open_nursery() as nursery:
-        await nursery.start(partial(trio.serve_tcp, receiver.accept, PORT, host=addr[me.peer_id]))
-        # Peers first, the learner last: the learner starts handing out pieces once everyone
-        # has reached it, and by then every relay link exists, so no early push is lost.
-        dial, _ = split_list([x.peer_id for x in ids[1:]], me.peer_id)
-        for other in dial:
-            await receiver.dial(nursery, other, connect)
-        await receiver.dial(nursery, ids[0].peer_id, connect)
+        await nursery.start(server.run)
         with trio.fail_after(a.timeout):
-            payload = await receiver.run()
+            manifest, payload, receiver = await fetch_version(
+                server, nursery, learner_id=learner.peer_id, host=a.source, port=PORT, version=1, connect=connect
+            )
         done = time.time()
         # Keep serving a little: others may still be repairing from us.
         with trio.move_on_after(2.0):
@@ -106,15 +93,13 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
             "bad_pieces": receiver.stats.bad_pieces, "cpu_s": round(cpu_s(), 3)}
 
 
-def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, workdir: Path, kill_after_s: float = 0.0, timeout: float = 300.0) -> dict[str, Any]:
-    manifest = str(workdir / "manifest.bin")
-    addrs = ",".join(topo.addr(i) for i in range(s.peers + 1))
-    common = ["--tag", tag, "--peers", str(s.peers), "--manifest", manifest, "--timeout", str(timeout)]
-    source = topo.run(0, python_argv(MODULE, "--source", "--bind", topo.addr(0), "--bytes", str(s.size_bytes), *common),
+def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, kill_after_s: float = 0.0, timeout: float = 300.0) -> dict[str, Any]:
+    common = ["--tag", tag, "--peers", str(s.peers), "--timeout", str(timeout)]
+    source = topo.run(0, python_argv(MODULE, "--serve", "--bind", topo.addr(0), "--bytes", str(s.size_bytes), *common),
                       cpus=s.learner_cpus, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = JsonLines(source, "p2p learner in h0")
     lines.wait_for("ready", 120)
-    peers = {i: topo.run(i, python_argv(MODULE, "--peer", str(i), "--addrs", addrs, *common),
+    peers = {i: topo.run(i, python_argv(MODULE, "--peer", str(i), "--bind", topo.addr(i), "--source", topo.addr(0), *common),
                          cpus=s.peer_cpus, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
              for i in range(1, s.peers + 1)}
     start = lines.wait_for("start", 120)
@@ -147,17 +132,16 @@ def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, workdir: Path, kill_aft
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--source", action="store_true")
+    p.add_argument("--serve", action="store_true", help="run the learner's side")
     p.add_argument("--peer", type=int, dest="index")
     p.add_argument("--bind")
-    p.add_argument("--addrs")
+    p.add_argument("--source", help="the learner's address (peer side)")
     p.add_argument("--bytes", type=int)
     p.add_argument("--tag", required=True)
     p.add_argument("--peers", type=int, required=True)
-    p.add_argument("--manifest", required=True)
     p.add_argument("--timeout", type=float, default=300.0)
     a = p.parse_args(argv)
-    if a.source:
+    if a.serve:
         trio.run(source_main, a)
     else:
         emit(trio.run(peer_main, a))

@@ -1,18 +1,17 @@
 """P2P weight broadcast on loopback TCP: every peer goes live with verified bytes, the learner
-uploads about one copy, bad pieces are caught before use and their sender penalized, and a
-relay killed mid-transfer costs the others only a re-request."""
+uploads about one copy, bad pieces are caught before use and their sender penalized, a relay
+killed mid-transfer costs the others only re-requests, and only swarm members are served."""
 
 from __future__ import annotations
 
-import hashlib
 import os
-from functools import partial
 
 import pytest
 import trio
+import trio.testing
 
-from echo_node.broadcast import Membership, Receiver, Source, split_list
-from protocol import Identity
+from echo_node.broadcast import DataServer, HelloChecker, Receiver, Source, fetch_version, make_hello
+from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import build_manifest
 
@@ -20,57 +19,59 @@ PIECE = 16 * 1024
 PAYLOAD = os.urandom(64 * PIECE + 123)
 LEARNER = Identity.from_seed(b"\x01" * 32)
 PEERS = [Identity.from_seed(bytes([0x10 + i]) * 32) for i in range(3)]
+MANIFEST = build_manifest(run_id="run-1", version=7, payload=PAYLOAD, piece_size=PIECE)
 
 
-def manifest():
-    return build_manifest(run_id="run-1", version=7, payload=PAYLOAD, piece_size=PIECE)
-
-
-async def start_swarm(
-    nursery: trio.Nursery, receivers: dict[str, Receiver], source: Source
-) -> dict[str, int]:
-    ports: dict[str, int] = {}
-    listeners = await nursery.start(partial(trio.serve_tcp, source.serve, 0, host="127.0.0.1"))
-    ports[source.identity.peer_id] = listeners[0].socket.getsockname()[1]
-    for pid, r in receivers.items():
-        listeners = await nursery.start(partial(trio.serve_tcp, r.accept, 0, host="127.0.0.1"))
-        ports[pid] = listeners[0].socket.getsockname()[1]
-
-    async def connect(peer_id: str) -> trio.abc.Stream:
-        return await trio.open_tcp_stream("127.0.0.1", ports[peer_id])
-
-    for pid, r in receivers.items():
-        dial, _ = split_list(list(receivers), pid)
-        for other in dial:
-            await r.dial(nursery, other, connect)
-    for r in receivers.values():
-        await r.dial(nursery, source.identity.peer_id, connect)
-    return ports
-
-
-def run_broadcast(kill_after: int | None = None):
-    members = Membership([p.peer_id for p in PEERS] + [LEARNER.peer_id])
-    source = Source(LEARNER, manifest(), PAYLOAD, members)
-    receivers = {p.peer_id: Receiver(p, manifest(), members, source_id=LEARNER.peer_id, request_timeout=2.0) for p in PEERS}
+def run_broadcast(*, peers: list[Identity] = PEERS, kill_after: int | None = None, gather: bool = True):
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, (p.peer_id for p in PEERS))
     results: dict[str, bytes] = {}
+    receivers: dict[str, Receiver] = {}
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await start_swarm(nursery, receivers, source)
+            learner = DataServer(LEARNER, "run-1")
+            learner.register(7, source)
+            await nursery.start(learner.run)
+            if gather:
+                source.gate = trio.Event()
+            servers = {p.peer_id: DataServer(p, "run-1") for p in peers}
+            for server in servers.values():
+                await nursery.start(server.run)
+
+            async def fetch(p: Identity) -> None:
+                async with trio.open_nursery() as links:
+                    _, payload, receivers[p.peer_id] = await fetch_version(
+                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port, version=7
+                    )
+                    results[p.peer_id] = payload
+                    await trio.sleep(1)  # keep relaying for the others
+                    links.cancel_scope.cancel()
+
+            async def kill(p: Identity) -> None:
+                # The victim vanishes (every link drops at once) right after its 10th piece,
+                # while the others may still need what it was relaying.
+                with trio.CancelScope() as scope:
+                    original = Receiver._on_piece
+
+                    def on_piece(self: Receiver, link: object, index: int, data: bytes) -> None:
+                        original(self, link, index, data)  # type: ignore[arg-type]
+                        if self.identity.peer_id == p.peer_id and self.store.count >= (kill_after or 0):
+                            scope.cancel()
+
+                    Receiver._on_piece = on_piece  # type: ignore[method-assign]
+                    try:
+                        await fetch(p)
+                    finally:
+                        Receiver._on_piece = original  # type: ignore[method-assign]
+
             with trio.fail_after(30):
                 async with trio.open_nursery() as inner:
-                    for pid, r in receivers.items():
-                        async def fetch(pid: str = pid, r: Receiver = r) -> None:
-                            results[pid] = await r.run()
-                        if kill_after is not None and pid == PEERS[0].peer_id:
-                            async def killer(r: Receiver = r) -> None:
-                                while r.store.count < kill_after:
-                                    await trio.sleep(0.001)
-                                for link in list(r.links.values()):
-                                    await link.stream.aclose()
-                            inner.start_soon(killer)
-                            continue
-                        inner.start_soon(fetch)
+                    for i, p in enumerate(peers):
+                        inner.start_soon(kill if (kill_after is not None and i == 0) else fetch, p)
+                    if gather:
+                        while len(source.swarm) < len(peers):
+                            await trio.sleep(0.001)
+                        source.gate.set()
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -79,26 +80,37 @@ def run_broadcast(kill_after: int | None = None):
 
 def test_all_peers_go_live_and_the_learner_uploads_about_one_copy() -> None:
     source, receivers, results = run_broadcast()
-    assert all(hashlib.sha256(v).digest() == hashlib.sha256(PAYLOAD).digest() for v in results.values())
-    assert len(results) == 3
-    # Three full copies in a star; here each piece leaves the learner about once.
+    assert sorted(results) == sorted(p.peer_id for p in PEERS)
+    assert all(v == PAYLOAD for v in results.values())
+    # A star would upload three full copies; here each piece leaves the learner about once.
     assert source.stats.bytes_up < 1.2 * len(PAYLOAD)
     assert sum(r.stats.bytes_up for r in receivers.values()) >= 1.5 * len(PAYLOAD)
 
 
-def test_a_corrupt_relay_is_caught_before_use_and_penalized() -> None:
-    # A relay (or the learner) whose bytes do not match the signed manifest.
-    members = Membership([p.peer_id for p in PEERS] + [LEARNER.peer_id])
-    r = Receiver(PEERS[1], manifest(), members, source_id=LEARNER.peer_id)
+def test_a_relay_killed_mid_transfer_costs_only_re_requests() -> None:
+    _, _, results = run_broadcast(kill_after=10)
+    survivors = [p.peer_id for p in PEERS[1:]]
+    assert sorted(results) == sorted(survivors)
+    assert all(results[p] == PAYLOAD for p in survivors)
 
-    class FakeLink:
+
+def test_a_late_joiner_catches_up() -> None:
+    _, _, results = run_broadcast(peers=PEERS[:1], gather=False)
+    assert results == {PEERS[0].peer_id: PAYLOAD}
+
+
+def test_a_corrupt_piece_is_refused_before_use_and_its_sender_penalized() -> None:
+    server = DataServer(PEERS[1], "run-1")
+    r = Receiver(server, MANIFEST, source_id=LEARNER.peer_id)
+
+    class Relay:
         remote = PEERS[0].peer_id
 
-        def send(self, *a):  # type: ignore[no-untyped-def]
-            pass
+        def send(self, *frame: object) -> None:
+            raise AssertionError("a bad piece must never be relayed")
 
     async def main() -> None:
-        r._on_piece(FakeLink(), 3, b"\0" * PIECE)  # type: ignore[arg-type]
+        r._on_piece(Relay(), 3, b"\0" * PIECE)  # type: ignore[arg-type]
 
     trio.run(main)
     assert r.store.pieces[3] is None
@@ -106,24 +118,26 @@ def test_a_corrupt_relay_is_caught_before_use_and_penalized() -> None:
     assert r.swarm.penalties[PEERS[0].peer_id] == 1
 
 
-def test_a_relay_killed_mid_transfer_costs_only_re_requests() -> None:
-    source, receivers, results = run_broadcast(kill_after=10)
-    survivors = [p.peer_id for p in PEERS[1:]]
-    assert sorted(results) == sorted(survivors)
-    assert all(results[p] == PAYLOAD for p in survivors)
-
-
-def test_membership_rejects_strangers_replays_and_wrong_targets() -> None:
-    members = Membership([PEERS[0].peer_id])
-    hello = members.hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=7)
-    assert members.check(hello, me=LEARNER.peer_id, run_id="run-1", version=7) == PEERS[0].peer_id
+def test_hellos_from_strangers_replays_and_other_targets_are_refused() -> None:
+    checker = HelloChecker(LEARNER.peer_id, "run-1")
+    hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=7, host="10.0.0.2", port=4000)
+    parsed = checker.check(hello)
+    assert (parsed.sender, parsed.version, parsed.host, parsed.port) == (PEERS[0].peer_id, 7, "10.0.0.2", 4000)
     with pytest.raises(RemoteProtocolError, match="replayed"):
-        members.check(hello, me=LEARNER.peer_id, run_id="run-1", version=7)
-    stranger = members.hello(PEERS[1], target=LEARNER.peer_id, run_id="run-1", version=7)
-    with pytest.raises(RemoteProtocolError, match="not a member"):
-        members.check(stranger, me=LEARNER.peer_id, run_id="run-1", version=7)
-    other = members.hello(PEERS[0], target=PEERS[2].peer_id, run_id="run-1", version=7)
+        checker.check(hello)
     with pytest.raises(RemoteProtocolError, match="another target"):
-        members.check(other, me=LEARNER.peer_id, run_id="run-1", version=7)
+        checker.check(make_hello(PEERS[0], target=PEERS[2].peer_id, run_id="run-1", version=7))
+    with pytest.raises(RemoteProtocolError, match="another target or run"):
+        checker.check(make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-2", version=7))
     with pytest.raises(RemoteProtocolError):
-        members.check(b"garbage", me=LEARNER.peer_id, run_id="run-1", version=7)
+        checker.check(b"garbage")
+    # A member list is enforced by the version's handler: the learner serves only joined peers.
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, [PEERS[0].peer_id])
+    stranger = checker.check(make_hello(PEERS[1], target=LEARNER.peer_id, run_id="run-1", version=7))
+
+    async def main() -> None:
+        a, _ = trio.testing.memory_stream_pair()
+        with pytest.raises(RemoteProtocolError, match="not a member"):
+            await source.serve(a, stranger)
+
+    trio.run(main)
