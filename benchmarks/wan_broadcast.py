@@ -36,7 +36,7 @@ def delta_ratio(model: Any) -> float:
     import torch
     from safetensors.torch import save
 
-    from protocol.delta import encode_delta
+    from protocol.delta import decode_delta, encode_delta
 
     torch.manual_seed(0)
     params = list(model.parameters())
@@ -47,7 +47,10 @@ def delta_ratio(model: Any) -> float:
     loss.backward()
     opt.step()
     after = snapshot()
-    return len(encode_delta(after, before)) / len(after)
+    delta = encode_delta(after, before)
+    if decode_delta(delta, before, max_size=len(before)) != after:  # a ratio only counts if lossless
+        raise AssertionError("delta round trip is not bit-exact")
+    return len(delta) / len(after)
 
 
 def delta_ratios() -> dict[str, float]:

@@ -156,3 +156,191 @@ def test_dissemination_modules_import_no_numpy_or_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == ""
+
+
+# --- Sparse coding (first byte 0x01) vs plain (a zstd frame), and the choice between them --------
+
+
+def bf16_after_step(n: int, *, fraction: float, seed: int) -> tuple[bytes, bytes]:
+    """bf16 bit patterns before/after a step that moves a `fraction` of the weights by 1-2 ulp."""
+    rng = random.Random(seed)
+    old = array.array("H", (rng.getrandbits(16) & 0xBFFF for _ in range(n)))  # no NaN/inf exponents
+    new = array.array("H", old)
+    for i in rng.sample(range(n), int(n * fraction)):
+        new[i] = (old[i] + rng.choice((1, -1, 1, 2, -2))) & 0xFFFF
+    return new.tobytes(), old.tobytes()
+
+
+def test_sparse_changes_use_the_sparse_form_and_beat_plain() -> None:
+    new, base = bf16_after_step(50_000, fraction=0.05, seed=11)
+    delta = round_trip(new, base)
+    assert delta[0] == 0x01
+    plain = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(xor_bytes(new, base))
+    assert len(delta) < len(plain) * 0.7
+    assert len(delta) < 0.035 * len(base)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1e-4, 0.01, 0.3, 0.5, 1.0])
+@pytest.mark.parametrize("extra", [b"", b"\x7f"])  # even and odd lengths (an odd last byte is not a lane)
+def test_round_trips_at_every_density(fraction: float, extra: bytes) -> None:
+    new, base = bf16_after_step(20_000, fraction=fraction, seed=12)
+    round_trip(new + extra, base + extra)
+    round_trip(new + b"\x01", base + b"\x00")  # the odd last byte itself changed
+
+
+def test_identical_and_tiny_inputs() -> None:
+    for n in range(0, 6):
+        a = bytes(range(n))
+        round_trip(a, a)
+        round_trip(bytes(n), a)
+    delta = round_trip(bytes(1 << 20), bytes(1 << 20))
+    assert len(delta) < 100
+
+
+def test_random_bytes_round_trip_and_fall_back_to_plain() -> None:
+    rng = random.Random(13)
+    a, b = rng.randbytes(100_001), rng.randbytes(100_001)
+    delta = round_trip(a, b)
+    assert delta.startswith(b"\x28\xb5\x2f\xfd")  # dense: the plain zstd frame
+    assert len(delta) <= max_delta_size(len(a))
+
+
+def test_dense_structured_change_picks_the_smaller() -> None:
+    base = bytes(range(256)) * 400
+    new = bytearray(base)
+    new[1000:3000] = bytes(2000)  # one contiguous changed region
+    delta = round_trip(bytes(new), base)
+    plain = zstandard.ZstdCompressor(level=3, write_content_size=True).compress(xor_bytes(bytes(new), base))
+    assert len(delta) <= len(plain)
+
+
+def test_large_gaps_need_wide_gap_planes() -> None:
+    n = 300_000  # lanes; a change at each end: one gap of ~2**18 lanes needs 3 bytes
+    base = bytes(2 * n)
+    new = bytearray(base)
+    new[0] = 1
+    new[-1] = 0x80
+    round_trip(bytes(new), base)  # two changes: the plain frame is smaller
+    delta = forced_sparse(bytes(new), base)
+    assert delta[0] == 0x01 and delta[9] == 3
+    assert decode_delta(delta, base, max_size=len(base)) == new
+
+
+def test_fp32_sparse_round_trip() -> None:
+    old = fp32_weights(21)
+    round_trip(perturbed(old, rel=1e-6, fraction=0.02, seed=22).tobytes(), old.tobytes())
+
+
+def forced_sparse(new: bytes, base: bytes) -> bytes:
+    """The sparse form even where the plain one is smaller (what a peer may legally send)."""
+    from protocol import delta as d
+
+    mn, mb = memoryview(new), memoryview(base)
+    _, gaps = d._scan(mn, mb, 3)
+    assert gaps is not None
+    return d._encode_sparse(mn, mb, gaps, 3)
+
+
+def test_forced_sparse_round_trips_where_plain_wins() -> None:
+    for new, base in [(b"", b""), (b"a", b"b"), (b"abc", b"abd"), (bytes(10), bytes(10)), (b"\xff" * 9, b"\x00" + b"\xff" * 8)]:
+        delta = forced_sparse(new, base)
+        assert delta[0] == 0x01
+        assert decode_delta(delta, base, max_size=len(base)) == new
+
+
+def _sparse_fixture() -> tuple[bytes, bytes, bytes]:
+    new, base = bf16_after_step(4_000, fraction=0.05, seed=14)
+    delta = encode_delta(new, base)
+    assert delta[0] == 0x01
+    return new, base, delta
+
+
+def _sparse_parts(delta: bytes) -> tuple[int, int, list[bytes]]:
+    import struct
+
+    _, k, w = struct.unpack_from("<BQB", delta)
+    sizes = struct.unpack_from(f"<{w + 2}Q", delta, 10)
+    frames, pos = [], 10 + 8 * (w + 2)
+    for s in sizes:
+        frames.append(delta[pos : pos + s])
+        pos += s
+    return k, w, frames
+
+
+def _sparse_build(k: int, w: int, frames: list[bytes], *, tail: bytes = b"") -> bytes:
+    import struct
+
+    return struct.pack("<BQB", 1, k, w) + tail + struct.pack(f"<{len(frames)}Q", *map(len, frames)) + b"".join(frames)
+
+
+def test_bad_sparse_deltas_are_remote_errors() -> None:
+    new, base, good = _sparse_fixture()
+    k, w, frames = _sparse_parts(good)
+    assert _sparse_build(k, w, frames) == good
+    z = zstandard.ZstdCompressor(write_content_size=True)
+    lanes = len(base) // 2
+    past_end = (lanes - k + 1).to_bytes(2, "little") + bytes(2 * (k - 1))  # last change at lane `lanes`
+    wide = [z.compress(past_end[0::2]), z.compress(past_end[1::2]), *frames[w:]]
+    just_fits = (lanes - k).to_bytes(2, "little") + bytes(2 * (k - 1))  # last change at the last lane
+    assert decode_delta(_sparse_build(k, 2, [z.compress(just_fits[0::2]), z.compress(just_fits[1::2]), *frames[w:]]), base, max_size=len(base))
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "header only": good[:10],
+        "tag only": good[:1],
+        "trailing byte": good + b"\x00",
+        "missing byte": good[:-1],
+        "width 0": _sparse_build(k, 0, frames[2:]),
+        "width 9": _sparse_build(k, 9, frames + [frames[0]] * 7),
+        "too many changes": _sparse_build(len(base), w, frames),
+        "k mismatch": _sparse_build(k - 1, w, frames),
+        "frame not zstd": _sparse_build(k, w, [b"\x00" * len(frames[0]), *frames[1:]]),
+        "frame without size": _sparse_build(k, w, [zstandard.ZstdCompressor(write_content_size=False).compress(bytes(k)), *frames[1:]]),
+        "frame wrong size": _sparse_build(k, w, [z.compress(bytes(k + 1)), *frames[1:]]),
+        "frame with trailing": _sparse_build(k, w, [frames[0] + b"\x00", *frames[1:]]),
+        "position past the end": _sparse_build(k, 2, wide),  # RemoteProtocolError "past the"
+        "all gaps max": _sparse_build(k, w, [z.compress(b"\xff" * k)] * w + frames[w:]),
+    }
+    for name, delta in cases.items():
+        with pytest.raises(RemoteProtocolError):
+            decode_delta(delta, base, max_size=len(base))
+            pytest.fail(name)
+    corrupted = bytearray(good)
+    corrupted[-5] ^= 0xFF  # may or may not be caught by zstd; never crashes, never a wrong length
+    try:
+        out = decode_delta(bytes(corrupted), base, max_size=len(base))
+    except RemoteProtocolError:
+        pass
+    else:
+        assert len(out) == len(base)
+
+
+def test_sparse_bombs_are_refused_before_allocating() -> None:
+    base = bytes(64 * 1024)
+    z = zstandard.ZstdCompressor(write_content_size=True)
+    huge = 64 * 1024 * 1024
+    bomb = z.compress(bytes(huge))
+    # A header claiming many changes is refused on k * (w + 2) > len(base) before any frame.
+    with pytest.raises(RemoteProtocolError, match="do not fit"):
+        decode_delta(_sparse_build(huge, 1, [bomb] * 3), base, max_size=len(base))
+    # Frames that declare more than k bytes are refused on the declared size.
+    with pytest.raises(RemoteProtocolError, match="declares 67108864 B"):
+        decode_delta(_sparse_build(16, 1, [bomb] * 3), base, max_size=len(base))
+    # A length field far past the delta's end is refused without reading.
+    with pytest.raises(RemoteProtocolError, match="do not fill"):
+        decode_delta(b"\x01" + (16).to_bytes(8, "little") + b"\x01" + (1 << 62).to_bytes(8, "little") * 3, base, max_size=len(base))
+
+
+def test_random_garbage_never_escapes_as_another_exception() -> None:
+    rng = random.Random(15)
+    new, base, good = _sparse_fixture()
+    for i in range(300):
+        data = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.getrandbits(8)
+        if i % 3 == 0:
+            data = data[: rng.randrange(len(data))]
+        try:
+            out = decode_delta(bytes(data), base, max_size=len(base))
+        except RemoteProtocolError:
+            continue
+        assert len(out) == len(base)
