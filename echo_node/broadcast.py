@@ -337,6 +337,8 @@ class Receiver:
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
         self.done = trio.Event()
+        # Pieces the source handed to us first: ours to relay, also to links that come up late.
+        self.relaying: list[int] = []
         self._source_empty = False
         self._source_outstanding = 0
         self._last_progress = 0.0
@@ -393,6 +395,9 @@ class Receiver:
                 nursery.start_soon(link.sender)
                 if remote == self.source_id:
                     self._refill_source()
+                else:
+                    for index in self.relaying:  # what this peer missed before the link existed
+                        link.send("piece", index, self.store.pieces[index])
                 try:
                     async for frame in link.frames():
                         self._on_frame(link, frame)
@@ -442,6 +447,7 @@ class Receiver:
             self._last_progress = now
             if from_source:
                 # First receiver of a piece the source handed out: relay it to everyone now.
+                self.relaying.append(index)
                 for other in list(self.links.values()):
                     if other.remote != self.source_id:
                         other.send("piece", index, data)
