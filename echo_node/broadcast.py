@@ -265,7 +265,9 @@ class Source:
         self.identity = identity
         self.sealed_manifest = sealed_manifest
         self.store = PieceStore(manifest, payload)
-        self.members = set(members)
+        # A live set (the learner's joined peers) is kept by reference, so a peer that joins
+        # after the version was published can still fetch it.
+        self.members = members if isinstance(members, set) else set(members)
         self.queue = deque(range(manifest.num_pieces))
         self.stats = Stats()
         # Set by the owner to hold pieces back until the swarm has gathered (relay links exist);
@@ -526,16 +528,20 @@ async def fetch_version(
 
 
 class Served:
-    """The last few versions a node serves (a peer relays; a late joiner catches up)."""
+    """The last `keep` versions a node serves (peers relay them; late joiners catch up)."""
 
     def __init__(self, server: DataServer, keep: int) -> None:
         self.server = server
         self.keep = keep
-        self._scopes: OrderedDict[int, trio.CancelScope] = OrderedDict()
+        self._scopes: OrderedDict[int, trio.CancelScope | None] = OrderedDict()
 
-    def add(self, version: int, scope: trio.CancelScope) -> None:
+    def add(self, version: int, scope: trio.CancelScope | None = None) -> None:
         self._scopes[version] = scope
         while len(self._scopes) > self.keep:
             old, old_scope = self._scopes.popitem(last=False)
             self.server.unregister(old)
-            old_scope.cancel()
+            if old_scope is not None:
+                old_scope.cancel()
+
+    def __contains__(self, version: object) -> bool:
+        return version in self._scopes

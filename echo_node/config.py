@@ -39,6 +39,8 @@ class NetConfig:
     repair_interval_s: float = 2.0
     # A rollout peer keeps this many of its last published messages to answer repair requests.
     repair_history: int = 512
+    # Weight versions each node keeps serving on the data channel (relaying, late joiners).
+    keep_versions: int = 4
 
 
 @dataclass(kw_only=True, slots=True)

@@ -28,15 +28,16 @@ from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, read
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import save_checkpoint, state_to_bytes
 from echo_node.net import rpc
-from echo_node.net.datachannel import WeightServer
+from echo_node.broadcast import DataServer, Served, Source
 from echo_node.net.discovery import Backoff, connect_bootstrap
-from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
+from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.envelope import open_envelope, seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
+from protocol.manifest import build_manifest, choose_piece_size
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
@@ -94,9 +95,10 @@ class Learner:
         self.node = P2PNode(
             identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host, app_score=self.peers.score)
         )
-        self.weights = WeightServer(
-            cfg.run_id, bind_host=_bind_host(cfg.net.listen), advertise_host=self.node.advertise_host
-        )
+        self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
+        self.served = Served(self.data, cfg.net.keep_versions)
+        self.sources: dict[int, Source] = {}
+        self.bytes_served = 0
         self.optimizer = PolicyOptimizer(
             policy.model,
             lr=cfg.rl.lr,
@@ -123,11 +125,11 @@ class Learner:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
         self.metrics = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
-        self.weights.publish(0, state_to_bytes(self.policy.model))
+        self._offer_version(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.node.run)
-                await nursery.start(self.weights.run)
+                await nursery.start(self.data.run)
                 if self.cfg.net.bootstrap:
                     await connect_bootstrap(
                         self.node,
@@ -186,21 +188,19 @@ class Learner:
         self.peers.joined.add(remote)
         self.peers.last_seen[remote] = trio.current_time()
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
-        token = self.weights.issue_token(remote)
-        return JoinResponse(spec=self.spec(), data_host=self.weights.advertise_host, data_port=self.weights.port, token=token)
+        return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
 
     async def _on_status(self, request: Any, remote: str) -> StatusResponse:
         if not isinstance(request, StatusRequest):
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
         self.peers.last_seen[remote] = trio.current_time()
-        snap = self.weights.latest()
-        assert snap is not None, "version 0 is published before any handler runs"
+        manifest = self.sources[self.version].store.manifest
         return StatusResponse(
             run_id=self.cfg.run_id,
-            version=snap.version,
-            weights_size=len(snap.data),
-            weights_sha256=snap.sha256,
+            version=self.version,
+            weights_size=manifest.weights_size,
+            weights_sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
         )
 
@@ -347,15 +347,33 @@ class Learner:
                 if self.version % self.cfg.checkpoint.every_versions == 0:
                     await trio.to_thread.run_sync(self._checkpoint)
 
+    def _offer_version(self, version: int, blob: bytes) -> Source:
+        """Make `version` fetchable: a signed manifest and a broadcast source on the data server."""
+        manifest = build_manifest(run_id=self.cfg.run_id, version=version, payload=blob, piece_size=choose_piece_size(len(blob)))
+        source = Source(self.identity, manifest, seal(manifest, self.identity), blob, self.peers.joined)
+        self.sources[version] = source
+        self.data.register(version, source)
+        self.served.add(version)
+        for old in [v for v in self.sources if v not in self.served]:
+            self.bytes_served += self.sources.pop(old).stats.bytes_up
+        return source
+
     async def _publish_version(self, blob: bytes) -> None:
         self.version += 1
-        snap = self.weights.publish(self.version, blob)
+        manifest = self._offer_version(self.version, blob).store.manifest
         # Anything that just fell out of the staleness window is counted now, not at exit.
         self.buffer.evict_stale(self.version)
         announce = VersionAnnounce(
-            run_id=self.cfg.run_id, version=self.version, size=len(blob), sha256=snap.sha256, demand_groups=self.demand_groups()
+            run_id=self.cfg.run_id,
+            version=self.version,
+            size=manifest.weights_size,
+            sha256=manifest.weights_sha256,
+            demand_groups=self.demand_groups(),
         )
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
+
+    def learner_bytes_up(self) -> int:
+        return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         staleness = [self.version - 1 - g.min_version for g in groups]
@@ -379,7 +397,7 @@ class Learner:
                 "dropped": dict(ledger.dropped),
                 "buffered": self.buffer.buffered_rollouts,
                 "peers": len(self.peers.joined),
-                "bytes_served": self.weights.bytes_sent,
+                "learner_bytes_up": self.learner_bytes_up(),
                 "lost_messages": self.lost_messages,
                 **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
             }
@@ -409,6 +427,7 @@ class Learner:
             "learner_idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
             "penalties": dict(self.peers.penalties),
             "lost_messages": self.lost_messages,
+            "learner_bytes_up": self.learner_bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }
@@ -427,8 +446,3 @@ def _train_group(g: RolloutGroup) -> TrainGroup:
         rewards=[s.reward for s in g.samples],
     )
 
-
-def _bind_host(maddr: str) -> str:
-    """The data channel listens where libp2p does (/ip4/H/...)."""
-    parts = maddr.split("/")
-    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"

@@ -28,9 +28,9 @@ from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import load_state_bytes
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.net.datachannel import fetch_weights
+from echo_node.broadcast import DataServer, Served, fetch_version
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
-from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
+from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.envelope import open_envelope, seal
@@ -52,6 +52,8 @@ from protocol.messages import (
 
 log = logging.getLogger(__name__)
 
+# A version that does not arrive (and verify) within this is abandoned and asked for again.
+FETCH_TIMEOUT_S = 60.0
 # Status checks double as a liveness probe of the learner in async mode.
 STATUS_INTERVAL_S = 5.0
 # A peer that met the learner's demand for its version waits this long for the next version,
@@ -74,6 +76,9 @@ class RolloutPeer:
         self.identity = identity
         self.model_path = model_path
         self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host))
+        self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
+        self.served = Served(self.data, cfg.net.keep_versions)
+        self._nursery: trio.Nursery | None = None
         # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
         # the learner would take a fresh count from 0 for duplicates of messages it has seen.
         self.seq = time.time_ns() // 1_000_000
@@ -97,7 +102,9 @@ class RolloutPeer:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._t0 = time.monotonic()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             await nursery.start(self.node.run)
+            await nursery.start(self.data.run)
             await self._join_run()
             assert self.spec is not None
             self.node.set_stream_handler(rpc.REPAIR, self._serve_repair)
@@ -160,20 +167,36 @@ class RolloutPeer:
         target = target or await self._status()
         if target.version <= self.engine.version:
             return
-        join = self._join
-        with trio.fail_after(60):
-            blob = await fetch_weights(
-                join.data_host,
-                join.data_port,
-                join.token,
-                run_id=self.cfg.run_id,
-                version=target.version,
-                size=target.size,
-                sha256=target.sha256,
-            )
+        with trio.fail_after(FETCH_TIMEOUT_S):
+            blob = await self._nursery_start(target)
+        # The version goes live only now, with every piece verified; the swap is one call
+        # between generation batches, so no batch ever mixes two versions' weights.
         await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
         self._produced = 0
         log.debug("now on version %d", target.version)
+
+    async def _nursery_start(self, target: Target) -> bytes:
+        assert self._nursery is not None
+        blob: bytes = await self._nursery.start(self._serve_version, target)
+        return blob
+
+    async def _serve_version(self, target: Target, *, task_status: trio.TaskStatus[bytes] = trio.TASK_STATUS_IGNORED) -> None:
+        """Fetch `target` from the swarm, then keep relaying it until it is K versions old."""
+        assert self._join is not None and self.learner is not None
+        with trio.CancelScope() as scope:
+            async with trio.open_nursery() as links:
+                _, payload, _ = await fetch_version(
+                    self.data,
+                    links,
+                    learner_id=self.learner.peer_id,
+                    host=self._join.data_host,
+                    port=self._join.data_port,
+                    version=target.version,
+                    weights_sha256=target.sha256,
+                )
+                self.served.add(target.version, scope)
+                task_status.started(payload)
+                await trio.sleep_forever()
 
     def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
         assert self.spec is not None
@@ -298,3 +321,4 @@ class RolloutPeer:
         found = [self.history[s] for s in request.seqs if s in self.history]
         unavailable = [s for s in request.seqs if s not in self.history]
         return pack_repair_response(found, unavailable=unavailable)
+

@@ -109,7 +109,6 @@ ED25519_SEED_BYTES: Final = 32
 ED25519_PUBLIC_KEY_BYTES: Final = 32
 ED25519_SIGNATURE_BYTES: Final = 64
 SHA256_BYTES: Final = 32
-TOKEN_BYTES: Final = 32  # one-time data-channel token: 256 bits, unguessable
 
 # --- Repair and gap tracking -----------------------------------------------------------------
 

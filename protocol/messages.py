@@ -60,7 +60,6 @@ from protocol.limits import (
     MIN_INT64,
     RUN_ID_PATTERN,
     SHA256_BYTES,
-    TOKEN_BYTES,
 )
 
 __all__ = [
@@ -81,8 +80,6 @@ __all__ = [
     "StatusResponse",
     "SyncMode",
     "VersionAnnounce",
-    "WeightsHeader",
-    "WeightsRequest",
     "WireMessage",
     "check_schema",
     "decode_message",
@@ -473,7 +470,7 @@ class JoinRequest(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinResponse(WireMessage):
-    """The learner's answer: the run spec and where/how to fetch weights on the data channel."""
+    """The learner's answer: the run spec and where its data channel listens (echo_node/broadcast.py)."""
 
     KIND: ClassVar[str | None] = "join_response"
     _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {"spec": RunSpec}
@@ -481,7 +478,6 @@ class JoinResponse(WireMessage):
     spec: RunSpec
     data_host: str
     data_port: int
-    token: bytes  # one-time, 32 random bytes; presented on the data channel (WeightsRequest)
 
     def __post_init__(self) -> None:
         w = "JoinResponse"
@@ -492,7 +488,6 @@ class JoinResponse(WireMessage):
             _fail(f"{w}.data_host", f"{_short(host)} is not a host name or address")
         _set(self, "data_host", host)
         _set(self, "data_port", _int(f"{w}.data_port", self.data_port, 1, 65535))
-        _set(self, "token", _bytes(f"{w}.token", self.token, exact=TOKEN_BYTES))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -526,38 +521,6 @@ class StatusResponse(WireMessage):
     def __post_init__(self) -> None:
         _check_version_fields(self, "StatusResponse", "weights_size", "weights_sha256")
         _set(self, "demand_groups", _int("StatusResponse.demand_groups", self.demand_groups, 1, MAX_DEMAND_GROUPS))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WeightsRequest(WireMessage):
-    """First message a peer sends on the (not libp2p-authenticated) data channel."""
-
-    KIND: ClassVar[str | None] = "weights_request"
-
-    run_id: str
-    version: int
-    token: bytes  # the one-time token from JoinResponse
-
-    def __post_init__(self) -> None:
-        w = "WeightsRequest"
-        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
-        _set(self, "version", _int(f"{w}.version", self.version, 0, MAX_VERSION))
-        _set(self, "token", _bytes(f"{w}.token", self.token, exact=TOKEN_BYTES))
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class WeightsHeader(WireMessage):
-    """What the data channel sends before `size` raw bytes; check them against `sha256`."""
-
-    KIND: ClassVar[str | None] = "weights_header"
-
-    run_id: str
-    version: int
-    size: int
-    sha256: bytes
-
-    def __post_init__(self) -> None:
-        _check_version_fields(self, "WeightsHeader", "size", "sha256")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -654,8 +617,6 @@ Message: TypeAlias = (
     | JoinResponse
     | StatusRequest
     | StatusResponse
-    | WeightsRequest
-    | WeightsHeader
     | VersionAnnounce
     | RepairRequest
     | RepairResponse
@@ -668,7 +629,7 @@ MESSAGE_TYPES: Final[Mapping[str, type[WireMessage]]] = {
     cls.KIND: cls
     for cls in (
         RunSpec, RolloutGroup, JoinRequest, JoinResponse, StatusRequest, StatusResponse,
-        WeightsRequest, WeightsHeader, VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
+        VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
         WeightManifest,
     )
     if cls.KIND is not None

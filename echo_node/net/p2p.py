@@ -133,10 +133,15 @@ class P2PSettings:
     advertise_host: str | None = None
 
 
+def listen_host(listen: str) -> str:
+    """The IPv4 host of a listen multiaddr like /ip4/H/tcp/P (where the data channel binds too)."""
+    parts = listen.split("/")
+    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"
+
+
 def advertised_host(listen: str, advertise: str | None) -> str:
     """The IPv4 address to tell peers for a listen multiaddr like /ip4/H/tcp/P."""
-    parts = listen.split("/")
-    host = parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"
+    host = listen_host(listen)
     if host != "0.0.0.0":
         return host
     return advertise or socket.gethostbyname(socket.gethostname())

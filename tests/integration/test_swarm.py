@@ -102,11 +102,11 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     assert (cluster.run_dir(run_id) / "reward.png").stat().st_size > 0
 
 
-def test_pull_swarm_trains_on_policy(cluster: Cluster) -> None:
+def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> None:
     run_id = "it-pull"
     cluster.start_bootstrap()
     learner, _ = cluster.start_learner(run_id, "--mode", "pull", "--seconds", str(SECONDS))
-    for i in range(2):
+    for i in range(3):
         cluster.start_peer(f"peer{i}", run_id)
     assert learner.proc.wait(SECONDS + 90) == 0
     s = summary(cluster, run_id)
@@ -114,8 +114,14 @@ def test_pull_swarm_trains_on_policy(cluster: Cluster) -> None:
     assert s["reward_last"] >= s["reward_first"] + 0.1, s
     records = train_records(cluster, run_id)
     assert len(records) >= 20
-    # Echo's sequential pull: every trained rollout came from the learner's current version.
+    # Echo's sequential pull: every trained rollout came from the learner's current version,
+    # so all three peers went live on every version they sampled from.
     assert all(r["staleness_max"] == 0 for r in records)
+    assert s["rollout_peers"] == 3
+    # Weights travel peer to peer: the learner uploads about one copy per version, where a
+    # star would upload three.
+    snapshot = (cluster.run_dir(run_id) / "checkpoint.safetensors").stat().st_size
+    assert int(s["learner_bytes_up"]) < 1.5 * (int(s["versions"]) + 1) * snapshot
 
 
 def test_join_without_a_reachable_bootstrap_fails_in_one_line(tmp_path: Path) -> None:

@@ -27,8 +27,6 @@ from protocol import (
     StatusRequest,
     StatusResponse,
     VersionAnnounce,
-    WeightsHeader,
-    WeightsRequest,
     WireMessage,
     decode_message,
     encode_message,
@@ -113,11 +111,9 @@ ALL_MESSAGES: list[WireMessage] = [
     group(),
     build_manifest(run_id="r", version=3, payload=b"x" * 40000, piece_size=16384),
     JoinRequest(run_id="r", peer_id=PEER),
-    JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000, token=b"t" * 32),
+    JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000),
     StatusRequest(run_id="r"),
     StatusResponse(run_id="r", version=3, weights_size=123, weights_sha256=SHA, demand_groups=8),
-    WeightsRequest(run_id="r", version=3, token=b"t" * 32),
-    WeightsHeader(run_id="r", version=3, size=0, sha256=SHA),
     VersionAnnounce(run_id="r", version=MAX_VERSION, size=MAX_WEIGHTS_BYTES, sha256=SHA, demand_groups=MAX_DEMAND_GROUPS),
     RepairRequest(run_id="r", peer_id=PEER, seqs=(1, 5, 9)),
     RepairResponse(envelopes=(b"frame-1", b"frame-2"), unavailable=(3,)),
@@ -255,8 +251,8 @@ def test_bound_at_limit_accepted_over_rejected(name: str, factory: Any, at: dict
 @pytest.mark.parametrize(
     ("factory", "kwargs"),
     [
-        (lambda **k: JoinResponse(**{"spec": spec(), "data_host": "h", "data_port": 1, "token": b"t" * 32, **k}),
-         [{"data_port": 0}, {"data_port": 65536}, {"token": b"t" * 31}, {"token": b"t" * 33},
+        (lambda **k: JoinResponse(**{"spec": spec(), "data_host": "h", "data_port": 1, **k}),
+         [{"data_port": 0}, {"data_port": 65536},
           {"data_host": ""}, {"data_host": "h" * (MAX_HOST_LEN + 1)}, {"data_host": "a b"}, {"spec": sampling()}]),
         (lambda **k: StatusResponse(**{"run_id": "r", "version": 0, "weights_size": 0, "weights_sha256": SHA, "demand_groups": 1, **k}),
          [{"weights_size": MAX_WEIGHTS_BYTES + 1}, {"weights_size": -1}, {"weights_sha256": SHA[:31]},
@@ -281,7 +277,7 @@ def test_other_bounds(factory: Any, kwargs: list[dict[str, Any]]) -> None:
 def test_other_bounds_at_limit() -> None:
     RepairRequest(run_id="r", peer_id=PEER, seqs=tuple(range(MAX_REPAIR_SEQS)))
     RepairResponse(envelopes=(b"x" * MAX_FRAME_BYTES,) * 2, unavailable=tuple(range(MAX_REPAIR_SEQS)))
-    JoinResponse(spec=spec(), data_host="h" * MAX_HOST_LEN, data_port=65535, token=b"t" * 32)
+    JoinResponse(spec=spec(), data_host="h" * MAX_HOST_LEN, data_port=65535)
     ErrorResponse(code="a" * 64, message="m" * MAX_STR)
 
 
