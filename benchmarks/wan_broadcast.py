@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         "learner_upload_copies": round(p2p["learner_bytes_up"] / s.size_bytes, 3),
         "p2p_all_verified": p2p["all_verified"],
         "p2p_per_peer_s": p2p["per_peer_s"],
+        # CPU a peer spends from its first hello to the version verifying, per GiB it received
+        # (each peer also uploads about (N-1)/N of a copy while relaying).
         "p2p_cpu_s_per_gib_per_peer": round(
             p2p["peers_cpu_s"] / max(1, len(s.survivors)) / (s.size_bytes / (1 << 30)), 2),
         "p2p_cpu_busy": p2p["cpu_busy"],
