@@ -28,7 +28,7 @@ from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import load_state_bytes
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.broadcast import DataServer, Served, fetch_version
+from echo_node.broadcast import LINK_ERRORS, DataServer, Served, fetch_version
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
 from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy, peer_policy
@@ -242,7 +242,7 @@ class RolloutPeer:
                     await self._refresh()  # Echo's sequential pull: newest weights, every batch
                 elif self._newest is not None and self._newest.version > self.engine.version:
                     await self._refresh(self._newest)
-            except (OSError, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
+            except (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
                 log.warning("weight refresh failed: %s; retrying", exc)
                 self._check_learner_alive()
                 await trio.sleep(1.0)
