@@ -134,9 +134,12 @@ class Link:
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
     def send(self, *frame: Any) -> None:
-        is_piece = frame[0] == "piece"
+        self.send_packed(frame[0] == "piece", msgpack.packb(list(frame)))
+
+    def send_packed(self, is_piece: bool, data: bytes) -> None:
+        """Queue an already encoded frame (a relayed piece is encoded once for all links)."""
         self.queued_pieces += is_piece
-        self._send.send_nowait((is_piece, msgpack.packb(list(frame))))
+        self._send.send_nowait((is_piece, data))
 
     async def sender(self) -> None:
         async for is_piece, data in self._queue:
@@ -450,9 +453,10 @@ class Receiver:
             if from_source:
                 # First receiver of a piece the source handed out: relay it to everyone now.
                 self.relaying.append(index)
+                frame = msgpack.packb(["piece", index, data])
                 for other in list(self.links.values()):
                     if other.remote != self.source_id:
-                        other.send("piece", index, data)
+                        other.send_packed(True, frame)
             if self.store.complete:
                 self.done.set()
         if from_source:
