@@ -58,6 +58,8 @@ BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
 SEND_BUFFER_BYTES = 256 * 1024
 ENDGAME_QUIET_S = 0.5
+# No new piece for this long, whatever the source says: repair from whoever has what we lack.
+STALL_S = 3.0
 # A connection for a version this node has not started yet waits this long for it (the dialer
 # may have seen the announcement first).
 ROUTE_WAIT_S = 5.0
@@ -482,7 +484,11 @@ class Receiver:
             nursery.start_soon(self._run_link, source_stream, self.source_id)
         self._last_progress = trio.current_time()
         while not self.store.complete:
-            if self._source_empty and trio.current_time() - self._last_progress >= ENDGAME_QUIET_S:
+            # Events that free our relay backlog (a dead link removed) must also reopen the
+            # pull from the source, or a peer waits on pushes that will never come.
+            self._refill_source()
+            quiet = trio.current_time() - self._last_progress
+            if (self._source_empty and quiet >= ENDGAME_QUIET_S) or quiet >= STALL_S:
                 self._repair(trio.current_time())
             self._wake = trio.Event()
             with trio.move_on_after(0.1):

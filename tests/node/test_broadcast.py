@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.broadcast import DataServer, HelloChecker, Receiver, Source, fetch_version, make_hello
+from echo_node.broadcast import BACKLOG_PIECES, DataServer, HelloChecker, Receiver, Source, fetch_version, make_hello
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import build_manifest
@@ -141,3 +141,31 @@ def test_hellos_from_strangers_replays_and_other_targets_are_refused() -> None:
             await source.serve(a, stranger)
 
     trio.run(main)
+
+
+def test_a_freed_relay_backlog_reopens_the_pull_from_the_source() -> None:
+    """A relay link dies with our pushes queued: nothing arrives any more to trigger a refill,
+    so the download loop itself must ask the source again (it once waited forever here)."""
+    r = Receiver(DataServer(PEERS[1], "run-1"), MANIFEST, source_id=LEARNER.peer_id)
+    sent: list[tuple[str, tuple[object, ...]]] = []
+
+    class FakeLink:
+        def __init__(self, remote: str, queued: int = 0) -> None:
+            self.remote, self.queued_pieces = remote, queued
+
+        def send(self, *frame: object) -> None:
+            sent.append((self.remote, frame))
+
+    r.links = {LEARNER.peer_id: FakeLink(LEARNER.peer_id), PEERS[0].peer_id: FakeLink(PEERS[0].peer_id, BACKLOG_PIECES)}  # type: ignore[dict-item]
+    r._refill_source()
+    assert sent == []  # our uplink to the relay is full: do not take more from the source
+    del r.links[PEERS[0].peer_id]  # the relay died
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            with trio.move_on_after(0.05):
+                await r.run(nursery)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sent[:2] == [(LEARNER.peer_id, ("next",)), (LEARNER.peer_id, ("next",))]
