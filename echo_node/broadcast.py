@@ -66,18 +66,24 @@ ROUTE_WAIT_S = 5.0
 MAX_SWARM_ENTRIES = 1024
 
 
+FULL = -1  # the `base` of a full snapshot (a delta names the version it applies to)
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
     sender: str
     target: str
     run_id: str
     version: int
+    base: int
     host: str
     port: int
 
 
-def make_hello(identity: Identity, *, target: str, run_id: str, version: int, host: str = "", port: int = 0) -> bytes:
-    body = msgpack.packb([identity.public_key, target, run_id, version, os.urandom(16), time.time() + HELLO_TTL_S, host, port])
+def make_hello(
+    identity: Identity, *, target: str, run_id: str, version: int, base: int = FULL, host: str = "", port: int = 0
+) -> bytes:
+    body = msgpack.packb([identity.public_key, target, run_id, version, base, os.urandom(16), time.time() + HELLO_TTL_S, host, port])
     return msgpack.packb([body, identity.sign(HELLO_DOMAIN + body)])
 
 
@@ -92,8 +98,8 @@ class HelloChecker:
     def check(self, data: bytes) -> Hello:
         try:
             body, signature = msgpack.unpackb(data)
-            public_key, target, run_id, version, nonce, expiry, host, port = msgpack.unpackb(body)
-            typed = (isinstance(version, int) and isinstance(nonce, bytes) and isinstance(expiry, float)
+            public_key, target, run_id, version, base, nonce, expiry, host, port = msgpack.unpackb(body)
+            typed = (isinstance(version, int) and isinstance(base, int) and isinstance(nonce, bytes) and isinstance(expiry, float)
                      and isinstance(host, str) and isinstance(port, int) and isinstance(target, str))
         except Exception as exc:
             raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
@@ -108,7 +114,7 @@ class HelloChecker:
         if not now <= expiry <= now + 2 * HELLO_TTL_S or nonce in self._seen:
             raise RemoteProtocolError(f"hello from {sender} is expired or replayed")
         self._seen[nonce] = expiry
-        return Hello(sender, target, run_id, version, host, port)
+        return Hello(sender, target, run_id, version, base, host, port)
 
 
 @dataclass
@@ -223,19 +229,22 @@ class DataServer:
         self.host = advertise_host or bind_host
         self.port = port
         self.checker = HelloChecker(identity.peer_id, run_id)
-        self._handlers: dict[int, VersionHandler] = {}
+        self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
 
-    def register(self, version: int, handler: VersionHandler) -> None:
-        self._handlers[version] = handler
+    def register(self, version: int, handler: VersionHandler, *, base: int = FULL) -> None:
+        self._handlers[(version, base)] = handler
         self._registered.set()
         self._registered = trio.Event()
 
     def unregister(self, version: int) -> None:
-        self._handlers.pop(version, None)
+        for key in [k for k in self._handlers if k[0] == version]:
+            del self._handlers[key]
 
-    def hello(self, *, target: str, version: int) -> bytes:
-        return make_hello(self.identity, target=target, run_id=self.run_id, version=version, host=self.host, port=self.port)
+    def hello(self, *, target: str, version: int, base: int = FULL) -> bytes:
+        return make_hello(
+            self.identity, target=target, run_id=self.run_id, version=version, base=base, host=self.host, port=self.port
+        )
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.bind_host)
@@ -248,19 +257,23 @@ class DataServer:
         try:
             with trio.fail_after(10):
                 hello = self.checker.check(await read_frame(stream, max_len=HELLO_MAX))
-            handler = await self._route(hello.version)
+            handler = await self._route(hello.version, hello.base)
             if handler is None:
-                raise RemoteProtocolError(f"{hello.sender} asked for version {hello.version}, which is not served here")
+                # "unavailable" lets a peer asking for a delta fall back to the full snapshot at
+                # once instead of waiting out a timeout.
+                await write_frame(stream, msgpack.packb(["unavailable"]))
+                raise RemoteProtocolError(f"{hello.sender} asked for {hello.version}/{hello.base}, which is not served here")
             await handler.serve(stream, hello)
         except (RemoteProtocolError, trio.TooSlowError, *LINK_ERRORS) as exc:
             log.info("data connection closed: %s", exc)
             await stream.aclose()
 
-    async def _route(self, version: int) -> VersionHandler | None:
+    async def _route(self, version: int, base: int) -> VersionHandler | None:
+        """The handler for (version, base); waits a little for a version not started yet."""
         with trio.move_on_after(ROUTE_WAIT_S):
-            while version not in self._handlers:
+            while not any(k[0] == version for k in self._handlers):
                 await self._registered.wait()
-        return self._handlers.get(version)
+        return self._handlers.get((version, base))
 
 
 class Source:
@@ -368,7 +381,8 @@ class Receiver:
     async def _dial(self, peer_id: str, host: str, port: int) -> None:
         try:
             stream = await self.connect(host, port)
-            await write_frame(stream, self.server.hello(target=peer_id, version=self.manifest.version))
+            base = FULL if self.manifest.base_version is None else self.manifest.base_version
+            await write_frame(stream, self.server.hello(target=peer_id, version=self.manifest.version, base=base))
         except LINK_ERRORS as exc:
             log.info("could not reach %s at %s:%d: %s", peer_id, host, port, exc)
             return
@@ -514,6 +528,7 @@ async def fetch_version(
     host: str,
     port: int,
     version: int,
+    base: int = FULL,
     weights_sha256: bytes | None = None,
     connect: Connector = tcp_connect,
 ) -> tuple[WeightManifest, bytes, Receiver]:
@@ -522,19 +537,48 @@ async def fetch_version(
     The receiver is registered with `server` (so other peers can fetch from us) and its links
     live in `nursery`; the caller unregisters it when the version is no longer worth serving.
     """
+    manifest, stream = await open_version(
+        server, learner_id=learner_id, host=host, port=port, version=version, base=base,
+        weights_sha256=weights_sha256, connect=connect,
+    )
+    receiver = Receiver(server, manifest, source_id=learner_id)
+    receiver.connect = connect
+    server.register(version, receiver, base=base)
+    payload = await receiver.run(nursery, stream)
+    return manifest, payload, receiver
+
+
+async def open_version(
+    server: DataServer,
+    *,
+    learner_id: str,
+    host: str,
+    port: int,
+    version: int,
+    base: int = FULL,
+    weights_sha256: bytes | None = None,
+    connect: Connector = tcp_connect,
+) -> tuple[WeightManifest, trio.abc.Stream]:
+    """The handshake with the learner: our hello, its signed manifest (checked) or `Unavailable`."""
     stream = await connect(host, port)
-    await write_frame(stream, server.hello(target=learner_id, version=version))
+    await write_frame(stream, server.hello(target=learner_id, version=version, base=base))
     first = msgpack.unpackb(await read_frame(stream, max_len=MAX_WIRE_FRAME))
+    if first == ["unavailable"]:
+        await stream.aclose()
+        raise Unavailable(f"the learner does not offer version {version} against base {base}")
     if not (isinstance(first, list) and len(first) == 2 and first[0] == "manifest" and isinstance(first[1], bytes)):
         raise RemoteProtocolError("the learner's data channel did not start with a manifest")
     manifest = open_manifest(first[1], learner_peer_id=learner_id, run_id=server.run_id)
-    if manifest.version != version or (weights_sha256 is not None and manifest.weights_sha256 != weights_sha256):
-        raise RemoteProtocolError(f"manifest for version {manifest.version} does not match the announced version {version}")
-    receiver = Receiver(server, manifest, source_id=learner_id)
-    receiver.connect = connect
-    server.register(version, receiver)
-    payload = await receiver.run(nursery, stream)
-    return manifest, payload, receiver
+    manifest_base = FULL if manifest.base_version is None else manifest.base_version
+    if (manifest.version, manifest_base) != (version, base) or (
+        weights_sha256 is not None and manifest.weights_sha256 != weights_sha256
+    ):
+        raise RemoteProtocolError(f"manifest for {manifest.version}/{manifest_base} does not match the announced {version}/{base}")
+    return manifest, stream
+
+
+class Unavailable(Exception):
+    """The learner does not offer this (version, base); ask for the full snapshot instead."""
 
 
 class Served:

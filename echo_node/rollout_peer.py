@@ -19,6 +19,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -28,12 +29,13 @@ from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import load_state_bytes
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.broadcast import LINK_ERRORS, DataServer, Served, fetch_version
+from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
 from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.envelope import open_envelope, seal
+from protocol.delta import decode_delta
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.messages import (
@@ -54,6 +56,8 @@ log = logging.getLogger(__name__)
 
 # A version that does not arrive (and verify) within this is abandoned and asked for again.
 FETCH_TIMEOUT_S = 60.0
+# After the learner said it has no delta for a version, ask only for full snapshots this long.
+DELTA_BACKOFF_VERSIONS = 20
 # Status checks double as a liveness probe of the learner in async mode.
 STATUS_INTERVAL_S = 5.0
 # A peer that met the learner's demand for its version waits this long for the next version,
@@ -79,6 +83,10 @@ class RolloutPeer:
         self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
         self.served = Served(self.data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
+        # The weights the engine runs, as bytes: the base a delta applies to.
+        self._blob: bytes | None = None
+        self._delta_from = 0
+        self.deltas_used = 0
         # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
         # the learner would take a fresh count from 0 for duplicates of messages it has seen.
         self.seq = time.time_ns() // 1_000_000
@@ -168,32 +176,58 @@ class RolloutPeer:
         if target.version <= self.engine.version:
             return
         with trio.fail_after(FETCH_TIMEOUT_S):
-            blob = await self._nursery_start(target)
+            blob = await self._fetch_delta(target) or await self._nursery_start(target, FULL)
         # The version goes live only now, with every piece verified; the swap is one call
         # between generation batches, so no batch ever mixes two versions' weights.
         await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
+        self._blob = blob
         self._produced = 0
         log.debug("now on version %d", target.version)
 
-    async def _nursery_start(self, target: Target) -> bytes:
-        assert self._nursery is not None
-        blob: bytes = await self._nursery.start(self._serve_version, target)
+    async def _fetch_delta(self, target: Target) -> bytes | None:
+        """The new weights via a delta against the ones we run, if the learner offers one."""
+        assert self.engine is not None
+        base = self.engine.version
+        if self._blob is None or base != target.version - 1 or target.version < self._delta_from:
+            return None
+        try:
+            delta = await self._nursery_start(target, base)
+        except Unavailable:
+            self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
+            return None
+        blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
+        if hashlib.sha256(blob).digest() != target.sha256:
+            raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
+        self.deltas_used += 1
         return blob
 
-    async def _serve_version(self, target: Target, *, task_status: trio.TaskStatus[bytes] = trio.TASK_STATUS_IGNORED) -> None:
-        """Fetch `target` from the swarm, then keep relaying it until it is K versions old."""
+    async def _nursery_start(self, target: Target, base: int) -> bytes:
+        assert self._nursery is not None
+        payload: bytes = await self._nursery.start(self._serve_version, target, base)
+        return payload
+
+    async def _serve_version(
+        self, target: Target, base: int, *, task_status: trio.TaskStatus[bytes] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Fetch `target` (full, or a delta on `base`) from the swarm, then keep relaying it
+        until it is K versions old."""
         assert self._join is not None and self.learner is not None
+        # The handshake runs outside the links' nursery, so its errors (Unavailable, a bad
+        # manifest) reach the caller as themselves, not wrapped in an exception group.
+        manifest, stream = await open_version(
+            self.data,
+            learner_id=self.learner.peer_id,
+            host=self._join.data_host,
+            port=self._join.data_port,
+            version=target.version,
+            base=base,
+            weights_sha256=target.sha256,
+        )
+        receiver = Receiver(self.data, manifest, source_id=self.learner.peer_id)
+        self.data.register(target.version, receiver, base=base)
         with trio.CancelScope() as scope:
             async with trio.open_nursery() as links:
-                _, payload, _ = await fetch_version(
-                    self.data,
-                    links,
-                    learner_id=self.learner.peer_id,
-                    host=self._join.data_host,
-                    port=self._join.data_port,
-                    version=target.version,
-                    weights_sha256=target.sha256,
-                )
+                payload = await receiver.run(links, stream)
                 self.served.add(target.version, scope)
                 task_status.started(payload)
                 await trio.sleep_forever()

@@ -10,8 +10,18 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.broadcast import BACKLOG_PIECES, DataServer, HelloChecker, Receiver, Source, fetch_version, make_hello
+from echo_node.broadcast import (
+    BACKLOG_PIECES,
+    DataServer,
+    HelloChecker,
+    Receiver,
+    Source,
+    Unavailable,
+    fetch_version,
+    make_hello,
+)
 from protocol import Identity, seal
+from protocol.delta import decode_delta, encode_delta
 from protocol.errors import RemoteProtocolError
 from protocol.manifest import build_manifest
 
@@ -169,3 +179,47 @@ def test_a_freed_relay_backlog_reopens_the_pull_from_the_source() -> None:
 
     trio.run(main)
     assert sent[:2] == [(LEARNER.peer_id, ("next",)), (LEARNER.peer_id, ("next",))]
+
+
+def test_a_peer_holding_the_base_fetches_the_delta_and_others_fall_back_to_full() -> None:
+    # Two versions of 16-bit weights where 2% of the elements moved by one unit.
+    old = bytearray(os.urandom(32 * PIECE))
+    new = bytearray(old)
+    for i in range(0, len(new) - 1, 100):
+        new[i] = (new[i] + 1) % 256
+    old_b, new_b = bytes(old), bytes(new)
+    full = build_manifest(run_id="run-1", version=8, payload=new_b, piece_size=PIECE)
+    delta = encode_delta(new_b, old_b)
+    assert len(delta) < 0.3 * len(new_b)
+    delta_manifest = build_manifest(
+        run_id="run-1", version=8, payload=delta, codec="xor-zstd", base_version=7,
+        weights_size=len(new_b), weights_sha256=full.weights_sha256, piece_size=PIECE,
+    )
+    members = [p.peer_id for p in PEERS]
+    got: dict[str, bytes] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner = DataServer(LEARNER, "run-1")
+            learner.register(8, Source(LEARNER, full, seal(full, LEARNER), new_b, members))
+            learner.register(8, Source(LEARNER, delta_manifest, seal(delta_manifest, LEARNER), delta, members), base=7)
+            await nursery.start(learner.run)
+            peer = DataServer(PEERS[0], "run-1")
+            await nursery.start(peer.run)
+            with trio.fail_after(10):
+                async with trio.open_nursery() as links:
+                    m, payload, _ = await fetch_version(peer, links, learner_id=LEARNER.peer_id, host="127.0.0.1",
+                                                        port=learner.port, version=8, base=7, weights_sha256=full.weights_sha256)
+                    assert m.codec == "xor-zstd" and len(payload) == len(delta)
+                    got["delta"] = decode_delta(payload, old_b, max_size=len(new_b))
+                    # Nobody offers a delta against version 5: refused at once, not timed out.
+                    start = trio.current_time()
+                    with pytest.raises(Unavailable):
+                        await fetch_version(peer, links, learner_id=LEARNER.peer_id, host="127.0.0.1",
+                                            port=learner.port, version=8, base=5)
+                    assert trio.current_time() - start < 1.0
+                    links.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert got["delta"] == new_b
