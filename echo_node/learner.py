@@ -346,15 +346,23 @@ class Learner:
                 await self._wait_for_batch()
                 t1 = time.monotonic()
                 groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
-                stats = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
-                self.buffer.mark_trained(groups)
-                self.trained_rewards += [s.reward for g in groups for s in g.samples]
-                blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model)
-                t2 = time.monotonic()
-                self.idle_s += t1 - t0
-                self.train_s += t2 - t1
-                await self._publish_version(blob)
-                self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
+                # One update is all or nothing: a deadline arriving between `take` and the step
+                # once lost a whole batch from the ledger, and one arriving after the step would
+                # leave trained weights under the old version number.
+                with trio.CancelScope(shield=True):
+                    try:
+                        stats = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
+                    except BaseException:
+                        self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
+                        raise
+                    self.buffer.mark_trained(groups)
+                    self.trained_rewards += [s.reward for g in groups for s in g.samples]
+                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model)
+                    t2 = time.monotonic()
+                    self.idle_s += t1 - t0
+                    self.train_s += t2 - t1
+                    await self._publish_version(blob)
+                    self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
                 if self.version % self.cfg.checkpoint.every_versions == 0:
                     await trio.to_thread.run_sync(self._checkpoint)
 

@@ -98,6 +98,10 @@ class ReplayBuffer:
         self._groups = kept
         return evicted
 
+    def restore(self, groups: list[RolloutGroup]) -> None:
+        """Put back groups taken for a step that did not happen, oldest first as they were."""
+        self._groups.extendleft(reversed(groups))
+
     def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
         self.ledger.trained += sum(len(g.samples) for g in groups)
 

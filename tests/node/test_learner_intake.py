@@ -81,3 +81,36 @@ def test_demand_is_split_among_active_peers(learner: Learner) -> None:
 
     # groups_per_step=8 with 1.5x slack: 12 for a lone peer, 3 each for four.
     assert trio.run(go) == [12, 3]
+
+
+def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The run's deadline can fall right after a batch left the buffer: the update completes
+    and is counted (this once dropped 64 rollouts from the ledger at the end of a demo)."""
+    from echo_node.metrics import MetricsWriter
+
+    learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
+    for seq in range(8):
+        assert offer(learner, seal(make_group(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(learner.data.run)
+            with trio.CancelScope() as scope:
+                take = learner.buffer.take
+
+                def take_then_deadline(n: int, version: int):  # type: ignore[no-untyped-def]
+                    scope.cancel()
+                    return take(n, version)
+
+                learner.buffer.take = take_then_deadline  # type: ignore[method-assign]
+                await learner._train_loop()
+            nursery.cancel_scope.cancel()
+
+    learner._offer_version(0, b"\0" * 100)
+    try:
+        trio.run(main)
+    finally:
+        learner.metrics.close()
+    learner.buffer.close()
+    learner.buffer.check()
+    assert learner.buffer.ledger.trained == 64 and learner.version == 1

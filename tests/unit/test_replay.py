@@ -65,3 +65,16 @@ def test_rejects_and_exit_are_counted() -> None:
 def test_capacity_must_be_positive() -> None:
     with pytest.raises(ValueError):
         ReplayBuffer(mode="async", staleness=1, capacity_groups=0)
+
+
+def test_restored_groups_go_back_in_order_and_stay_counted() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
+    for seq in range(4):
+        buf.offer(make_group(seq=seq), current_version=0)
+    batch = buf.take(2, 0)
+    buf.restore(batch)  # the step never ran
+    again = buf.take(4, 0)
+    assert [g.seq for g in again] == [0, 1, 2, 3]
+    buf.mark_trained(again)
+    buf.check()
+    assert buf.ledger.trained == 32
