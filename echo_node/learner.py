@@ -23,21 +23,21 @@ from typing import Any, TextIO
 
 import trio
 
+from echo_node.broadcast import FULL, DataServer, Served, Source
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, read_metrics
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import save_checkpoint, state_to_bytes
 from echo_node.net import rpc
-from echo_node.broadcast import FULL, DataServer, Served, Source
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
+from protocol.delta import encode_delta
 from protocol.envelope import open_envelope, seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
-from protocol.delta import encode_delta
 from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
 from protocol.messages import (
     JoinRequest,

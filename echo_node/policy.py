@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-
 from transformers import PreTrainedModel
 
 from echo_node.config import RunConfig

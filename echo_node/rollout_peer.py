@@ -24,18 +24,17 @@ from typing import Any
 
 import trio
 
+from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version
 from echo_node.config import RunConfig
 from echo_node.ml.engine import TorchEngine
-from echo_node.ml.model import load_state_bytes
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
 from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
-from protocol.envelope import open_envelope, seal
 from protocol.delta import decode_delta
+from protocol.envelope import open_envelope, seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.messages import (

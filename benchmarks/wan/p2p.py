@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from functools import partial
 from typing import Any
 
 import trio

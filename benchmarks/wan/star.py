@@ -30,8 +30,7 @@ from typing import Any
 from benchmarks.wan import scenario as sc
 from benchmarks.wan.calibrate import measure_goodput
 from benchmarks.wan.netns import Topology, cleanup_stale, python_argv
-from benchmarks.wan.wire import (CHUNK, JsonLines, connect_retry, cpu_busy, cpu_jiffies, cpu_s, emit,
-                                 last_json, listen, recv_exact)
+from benchmarks.wan.wire import CHUNK, JsonLines, connect_retry, cpu_busy, cpu_jiffies, cpu_s, emit, last_json, listen, recv_exact
 
 PORT = 5301
 HELLO = struct.Struct("!I")  # peer index

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import resource
+import select
 import socket
 import subprocess
 import time

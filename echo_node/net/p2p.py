@@ -24,9 +24,8 @@ import hashlib
 import logging
 import math
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
 
 import multiaddr
 import trio
@@ -39,9 +38,9 @@ from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
+from libp2p.pubsub import pubsub as _pubsub_module
 from libp2p.pubsub.gossipsub import GossipSub
 from libp2p.pubsub.pb import rpc_pb2
-from libp2p.pubsub import pubsub as _pubsub_module
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams

@@ -10,8 +10,8 @@ from echo_node.ml.model import (
     load_state_bytes,
     save_checkpoint,
     state_to_bytes,
-    tiny_llama_config,
     tensors_to_bytes,
+    tiny_llama_config,
 )
 
 torch.set_num_threads(1)

@@ -9,7 +9,6 @@ from typing import Any
 import msgpack
 import pytest
 
-from protocol.manifest import build_manifest
 from protocol import (
     MESSAGE_TYPES,
     ErrorResponse,
@@ -35,10 +34,10 @@ from protocol import (
 )
 from protocol.limits import (
     MAX_ABS_REWARD,
-    MAX_DEMAND_GROUPS,
     MAX_CONFIG_ITEMS,
     MAX_CONFIG_KEYS,
     MAX_CONFIG_LIST,
+    MAX_DEMAND_GROUPS,
     MAX_FRAME_BYTES,
     MAX_GROUP_SIZE,
     MAX_HOST_LEN,
@@ -54,6 +53,7 @@ from protocol.limits import (
     MAX_VOCAB,
     MAX_WEIGHTS_BYTES,
 )
+from protocol.manifest import build_manifest
 
 PEER = Identity.from_seed(b"\x02" * 32).peer_id
 LEARNER = Identity.from_seed(b"\x03" * 32).peer_id
