@@ -224,12 +224,18 @@ class RolloutPeer:
         )
         receiver = Receiver(self.data, manifest, source_id=self.learner.peer_id)
         self.data.register(target.version, receiver, base=base)
-        with trio.CancelScope() as scope:
-            async with trio.open_nursery() as links:
-                payload = await receiver.run(links, stream)
-                self.served.add(target.version, scope)
-                task_status.started(payload)
-                await trio.sleep_forever()
+        served = False
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as links:
+                    payload = await receiver.run(links, stream)
+                    self.served.add(target.version, scope)
+                    served = True
+                    task_status.started(payload)
+                    await trio.sleep_forever()
+        finally:
+            if not served:  # abandoned before it verified: stop routing peers to it
+                self.data.unregister(target.version)
 
     def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
         assert self.spec is not None
