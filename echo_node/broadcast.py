@@ -69,6 +69,11 @@ MAX_SWARM_ENTRIES = 1024
 FULL = -1  # the `base` of a full snapshot (a delta names the version it applies to)
 
 
+def base_of(manifest: WeightManifest) -> int:
+    """The routing base of a manifest: FULL, or the version its delta applies to."""
+    return FULL if manifest.base_version is None else manifest.base_version
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
     sender: str
@@ -381,8 +386,8 @@ class Receiver:
     async def _dial(self, peer_id: str, host: str, port: int) -> None:
         try:
             stream = await self.connect(host, port)
-            base = FULL if self.manifest.base_version is None else self.manifest.base_version
-            await write_frame(stream, self.server.hello(target=peer_id, version=self.manifest.version, base=base))
+            hello = self.server.hello(target=peer_id, version=self.manifest.version, base=base_of(self.manifest))
+            await write_frame(stream, hello)
         except LINK_ERRORS as exc:
             log.info("could not reach %s at %s:%d: %s", peer_id, host, port, exc)
             return
@@ -541,11 +546,24 @@ async def fetch_version(
         server, learner_id=learner_id, host=host, port=port, version=version, base=base,
         weights_sha256=weights_sha256, connect=connect,
     )
+    payload, receiver = await receive_version(server, nursery, manifest, stream, learner_id=learner_id, connect=connect)
+    return manifest, payload, receiver
+
+
+async def receive_version(
+    server: DataServer,
+    nursery: trio.Nursery,
+    manifest: WeightManifest,
+    source_stream: trio.abc.Stream,
+    *,
+    learner_id: str,
+    connect: Connector = tcp_connect,
+) -> tuple[bytes, Receiver]:
+    """After `open_version`: register a receiver for the manifest and download the payload."""
     receiver = Receiver(server, manifest, source_id=learner_id)
     receiver.connect = connect
-    server.register(version, receiver, base=base)
-    payload = await receiver.run(nursery, stream)
-    return manifest, payload, receiver
+    server.register(manifest.version, receiver, base=base_of(manifest))
+    return await receiver.run(nursery, source_stream), receiver
 
 
 async def open_version(
@@ -569,7 +587,7 @@ async def open_version(
     if not (isinstance(first, list) and len(first) == 2 and first[0] == "manifest" and isinstance(first[1], bytes)):
         raise RemoteProtocolError("the learner's data channel did not start with a manifest")
     manifest = open_manifest(first[1], learner_peer_id=learner_id, run_id=server.run_id)
-    manifest_base = FULL if manifest.base_version is None else manifest.base_version
+    manifest_base = base_of(manifest)
     if (manifest.version, manifest_base) != (version, base) or (
         weights_sha256 is not None and manifest.weights_sha256 != weights_sha256
     ):

@@ -23,7 +23,7 @@ from typing import Any, TextIO
 
 import trio
 
-from echo_node.broadcast import FULL, DataServer, Served, Source
+from echo_node.broadcast import FULL, DataServer, Served, Source, base_of
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, read_metrics
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
@@ -377,7 +377,7 @@ class Learner:
 
     def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
         source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.peers.joined)
-        base = FULL if manifest.base_version is None else manifest.base_version
+        base = base_of(manifest)
         self.sources[(manifest.version, base)] = source
         self.data.register(manifest.version, source, base=base)
         return source

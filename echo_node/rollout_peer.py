@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version
+from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from echo_node.config import RunConfig
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
@@ -222,13 +222,11 @@ class RolloutPeer:
             base=base,
             weights_sha256=target.sha256,
         )
-        receiver = Receiver(self.data, manifest, source_id=self.learner.peer_id)
-        self.data.register(target.version, receiver, base=base)
         served = False
         try:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as links:
-                    payload = await receiver.run(links, stream)
+                    payload, _ = await receive_version(self.data, links, manifest, stream, learner_id=self.learner.peer_id)
                     self.served.add(target.version, scope)
                     served = True
                     task_status.started(payload)
