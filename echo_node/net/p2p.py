@@ -96,11 +96,6 @@ class PeerStream:
         except Exception:  # the peer may have reset it already; closing is best effort
             log.debug("closing stream to %s failed", self.remote_peer_id, exc_info=True)
 
-    async def reset(self) -> None:
-        try:
-            await self._stream.reset()
-        except Exception:
-            log.debug("resetting stream to %s failed", self.remote_peer_id, exc_info=True)
 
 
 StreamHandler = Callable[[PeerStream], Awaitable[None]]
