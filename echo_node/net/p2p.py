@@ -97,7 +97,6 @@ class PeerStream:
             log.debug("closing stream to %s failed", self.remote_peer_id, exc_info=True)
 
 
-
 StreamHandler = Callable[[PeerStream], Awaitable[None]]
 # (forwarder peer id, originator peer id, payload) -> accept?
 GossipValidator = Callable[[str, str, bytes], bool]
