@@ -39,6 +39,7 @@ import trio
 
 from echo_node.net.framing import read_frame, write_frame
 from protocol.errors import RemoteProtocolError
+from protocol.framing import encode_length_prefixed
 from protocol.identity import Identity, peer_id_from_public_key, verify
 from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
@@ -129,6 +130,11 @@ class Stats:
     bad_pieces: dict[str, int] = field(default_factory=dict)
 
 
+def encode_frame(*frame: Any) -> bytes:
+    """A length-prefixed msgpack array, ready for the wire."""
+    return encode_length_prefixed(msgpack.packb(list(frame)), max_len=MAX_WIRE_FRAME)
+
+
 class Link:
     """One data connection; frames are msgpack arrays, sent by one task so they never interleave."""
 
@@ -147,17 +153,17 @@ class Link:
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
     def send(self, *frame: Any) -> None:
-        self.send_packed(frame[0] == "piece", msgpack.packb(list(frame)))
+        self.send_packed(frame[0] == "piece", encode_frame(*frame))
 
     def send_packed(self, is_piece: bool, data: bytes) -> None:
-        """Queue an already encoded frame (a relayed piece is encoded once for all links)."""
+        """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
         self.queued_pieces += is_piece
         self._send.send_nowait((is_piece, data))
 
     async def sender(self) -> None:
         async for is_piece, data in self._queue:
             try:
-                await write_frame(self.stream, data)
+                await self.stream.send_all(data)
             except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
             if is_piece:
@@ -185,37 +191,43 @@ class Link:
 
 
 class PieceStore:
+    """A version's pieces, assembled in place: each verified piece is copied into its slot as it
+    arrives, so completing costs nothing. (Joining 64 MiB at the end cost 30-40 ms per peer, and
+    eight peers finishing at once on one core serialised that into 0.3 s of the broadcast.)"""
+
     def __init__(self, manifest: WeightManifest, payload: bytes | None = None) -> None:
         self.manifest = manifest
         n = manifest.num_pieces
-        self.pieces: list[bytes | None] = [None] * n
-        if payload is not None:
-            for i in range(n):
-                off, size = piece_range(manifest, i)
-                self.pieces[i] = payload[off : off + size]
-        self.count = sum(p is not None for p in self.pieces)
+        self._buffer = memoryview(bytearray(manifest.payload_size) if payload is None else payload)
+        self._held = [payload is not None] * n
+        self.count = n if payload is not None else 0
 
     def put(self, index: int, data: bytes) -> bool:
         """Verify and store; False if already held. RemoteProtocolError if it does not verify."""
-        if not 0 <= index < len(self.pieces):
-            raise RemoteProtocolError(f"piece index {index} out of range")
         verify_piece(self.manifest, index, data)
-        if self.pieces[index] is not None:
+        if self._held[index]:
             return False
-        self.pieces[index] = data
+        off, size = piece_range(self.manifest, index)
+        self._buffer[off : off + size] = data
+        self._held[index] = True
         self.count += 1
         return True
 
-    def get(self, index: int) -> bytes | None:
-        return self.pieces[index] if 0 <= index < len(self.pieces) else None
+    def get(self, index: int) -> memoryview | None:
+        """A read-only view of a held piece (msgpack packs views without a copy)."""
+        if not (0 <= index < len(self._held) and self._held[index]):
+            return None
+        off, size = piece_range(self.manifest, index)
+        return self._buffer[off : off + size].toreadonly()
 
     @property
     def complete(self) -> bool:
-        return self.count == len(self.pieces)
+        return self.count == len(self._held)
 
-    def payload(self) -> bytes:
+    def payload(self) -> memoryview:
+        """The whole version, read-only, without a copy."""
         assert self.complete
-        return b"".join(p for p in self.pieces if p is not None)
+        return self._buffer.toreadonly()
 
 
 class VersionHandler(Protocol):
@@ -423,7 +435,7 @@ class Receiver:
                     self._refill_source()
                 else:
                     for index in self.relaying:  # what this peer missed before the link existed
-                        link.send("piece", index, self.store.pieces[index])
+                        link.send("piece", index, self.store.get(index))
                 try:
                     async for frame in link.frames():
                         self._on_frame(link, frame)
@@ -474,7 +486,7 @@ class Receiver:
             if from_source:
                 # First receiver of a piece the source handed out: relay it to everyone now.
                 self.relaying.append(index)
-                frame = msgpack.packb(["piece", index, data])
+                frame = encode_frame("piece", index, data)
                 for other in list(self.links.values()):
                     if other.remote != self.source_id:
                         other.send_packed(True, frame)
@@ -495,7 +507,7 @@ class Receiver:
 
     # -- the download loop --------------------------------------------------------------------
 
-    async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None) -> bytes:
+    async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None) -> memoryview:
         """Until every piece is held and verified; returns the payload. Links live in `nursery`,
         so the peer keeps serving this version after it completes, until the nursery ends."""
         self._nursery = nursery
@@ -536,7 +548,7 @@ async def fetch_version(
     base: int = FULL,
     weights_sha256: bytes | None = None,
     connect: Connector = tcp_connect,
-) -> tuple[WeightManifest, bytes, Receiver]:
+) -> tuple[WeightManifest, memoryview, Receiver]:
     """Join the broadcast of `version`: manifest from the learner, pieces from the swarm.
 
     The receiver is registered with `server` (so other peers can fetch from us) and its links
@@ -558,7 +570,7 @@ async def receive_version(
     *,
     learner_id: str,
     connect: Connector = tcp_connect,
-) -> tuple[bytes, Receiver]:
+) -> tuple[memoryview, Receiver]:
     """After `open_version`: register a receiver for the manifest and download the payload."""
     receiver = Receiver(server, manifest, source_id=learner_id)
     receiver.connect = connect

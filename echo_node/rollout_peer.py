@@ -83,7 +83,7 @@ class RolloutPeer:
         self.served = Served(self.data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
         # The weights the engine runs, as bytes: the base a delta applies to.
-        self._blob: bytes | None = None
+        self._blob: bytes | memoryview | None = None
         self._delta_from = 0
         self.deltas_used = 0
         # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
@@ -175,7 +175,9 @@ class RolloutPeer:
         if target.version <= self.engine.version:
             return
         with trio.fail_after(FETCH_TIMEOUT_S):
-            blob = await self._fetch_delta(target) or await self._nursery_start(target, FULL)
+            blob = await self._fetch_delta(target)
+            if blob is None:
+                blob = await self._nursery_start(target, FULL)
         # The version goes live only now, with every piece verified; the swap is one call
         # between generation batches, so no batch ever mixes two versions' weights.
         await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
@@ -200,13 +202,13 @@ class RolloutPeer:
         self.deltas_used += 1
         return blob
 
-    async def _nursery_start(self, target: Target, base: int) -> bytes:
+    async def _nursery_start(self, target: Target, base: int) -> memoryview:
         assert self._nursery is not None
-        payload: bytes = await self._nursery.start(self._serve_version, target, base)
+        payload: memoryview = await self._nursery.start(self._serve_version, target, base)
         return payload
 
     async def _serve_version(
-        self, target: Target, base: int, *, task_status: trio.TaskStatus[bytes] = trio.TASK_STATUS_IGNORED
+        self, target: Target, base: int, *, task_status: trio.TaskStatus[memoryview] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Fetch `target` (full, or a delta on `base`) from the swarm, then keep relaying it
         until it is K versions old."""

@@ -123,7 +123,7 @@ def test_a_corrupt_piece_is_refused_before_use_and_its_sender_penalized() -> Non
         r._on_piece(Relay(), 3, b"\0" * PIECE)  # type: ignore[arg-type]
 
     trio.run(main)
-    assert r.store.pieces[3] is None
+    assert r.store.get(3) is None
     assert r.stats.bad_pieces == {PEERS[0].peer_id: 1}
     assert r.swarm.penalties[PEERS[0].peer_id] == 1
 
