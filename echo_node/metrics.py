@@ -1,4 +1,7 @@
-"""Run metrics: one JSON object per line in `metrics.jsonl`, a summary, and a reward-curve PNG.
+"""Run metrics: one JSON object per line in `metrics.jsonl`, a summary, and PNG plots.
+
+`summarize_run` and `plot_run` read only `train` records and skip any key a record lacks, so a
+file written before a key existed still summarizes and plots.
 
 Lines are flushed as they are written so that `echo-node demo` (and a researcher's `tail -f`)
 can follow a live run; a reader must tolerate a partial last line.
@@ -8,9 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 class MetricsWriter:
@@ -47,6 +53,118 @@ def first_last_mean(values: Sequence[float], fraction: float = 0.1) -> tuple[flo
     return sum(values[:k]) / k, sum(values[-k:]) / k
 
 
+def _train_steps(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if r.get("event") == "train"]
+
+
+def _num(record: dict[str, Any], key: str) -> float | None:
+    """`record[key]` as a finite float, or None when absent, non-numeric or not finite.
+
+    json.dumps writes NaN/inf as bare tokens and json.loads reads them back, and the learner can
+    produce them (an empty token mask makes `is_weight_max` -inf), so every reader filters here.
+    """
+    v = record.get(key)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        return None
+    f = float(v)
+    return f if math.isfinite(f) else None
+
+
+def _update_idle(record: dict[str, Any]) -> float | None:
+    """wait_s / (wait_s + train_s) of one update; None when either is missing or both are 0."""
+    wait, train = _num(record, "wait_s"), _num(record, "train_s")
+    if wait is None or train is None or wait + train <= 0:
+        return None
+    return wait / (wait + train)
+
+
+def _staleness_hist(record: dict[str, Any]) -> dict[int, float]:
+    raw = record.get("staleness_hist")
+    out: dict[int, float] = {}
+    if not isinstance(raw, dict):
+        return out
+    for k in raw:
+        try:
+            age = int(k)
+        except (TypeError, ValueError):
+            continue
+        n = _num(raw, k)
+        if n is not None and age >= 0:
+            out[age] = out.get(age, 0.0) + n
+    return out
+
+
+def _token_weighted(steps: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Mean of a per-update token mean over the run, each update weighted by its `tokens`.
+
+    An update's `key` is already a mean over its tokens, so weighting by tokens gives the mean
+    over every token of the run. Updates without `tokens` (the learner omits it when it skips an
+    update) carry no weight.
+    """
+    num = den = 0.0
+    for r in steps:
+        v, w = _num(r, key), _num(r, "tokens")
+        if v is not None and w is not None and w > 0:
+            num += v * w
+            den += w
+    return num / den if den > 0 else None
+
+
+def _summed_staleness_hist(steps: Sequence[dict[str, Any]]) -> dict[int, float]:
+    hist: dict[int, float] = {}
+    for r in steps:
+        for k, n in _staleness_hist(r).items():
+            hist[k] = hist.get(k, 0.0) + n
+    return dict(sorted(hist.items()))
+
+
+def summarize_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The aggregates behind `plot_run`, from `train` records only (other events are ignored).
+
+    Keys (a key absent from every record gives an empty dict, 0, or None, never an error):
+    - `updates`: number of train records;
+    - `tokens_total`: sum of `tokens`;
+    - `staleness_hist`: {k: trained tokens k versions behind}, summed over the run, sorted by k;
+    - `staleness_token_mean`: mean k over those tokens, or None;
+    - `idle_ratio_update_mean`: mean over updates of wait_s / (wait_s + train_s), or None;
+    - `idle_ratio_final`: the last cumulative `idle_ratio`, or None;
+    - `dropped`: the last cumulative `dropped` dict (reason -> rollouts), sorted by reason;
+    - `is_weight_mean`, `is_truncated_frac`: over the run's tokens (see `_token_weighted`), or None;
+    - `is_weight_min`, `is_weight_max`: extremes over the run, or None.
+    """
+    steps = _train_steps(records)
+    hist = _summed_staleness_hist(steps)
+    hist_tokens = sum(hist.values())
+    idles = [x for x in map(_update_idle, steps) if x is not None]
+    cumulative_idle = [x for x in (_num(r, "idle_ratio") for r in steps) if x is not None]
+    drops = [r["dropped"] for r in steps if isinstance(r.get("dropped"), dict)]
+    mins = [x for x in (_num(r, "is_weight_min") for r in steps) if x is not None]
+    maxs = [x for x in (_num(r, "is_weight_max") for r in steps) if x is not None]
+    return {
+        "updates": len(steps),
+        "tokens_total": sum(x for x in (_num(r, "tokens") for r in steps) if x is not None),
+        "staleness_hist": hist,
+        "staleness_token_mean": sum(k * n for k, n in hist.items()) / hist_tokens if hist_tokens > 0 else None,
+        "idle_ratio_update_mean": sum(idles) / len(idles) if idles else None,
+        "idle_ratio_final": cumulative_idle[-1] if cumulative_idle else None,
+        "dropped": dict(sorted(drops[-1].items())) if drops else {},
+        "is_weight_mean": _token_weighted(steps, "is_weight_mean"),
+        "is_truncated_frac": _token_weighted(steps, "is_truncated_frac"),
+        "is_weight_min": min(mins) if mins else None,
+        "is_weight_max": max(maxs) if maxs else None,
+    }
+
+
+_DARK, _LIGHT, _ACCENT = "#1f4e79", "#9bb7d4", "#c55a11"
+
+
+def _moving_mean(ys: Sequence[float]) -> tuple[list[float], int]:
+    """Trailing mean over a tenth of the series, so a curve's trend reads at any run length."""
+    window = max(1, len(ys) // 10)
+    out = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
+    return out, window
+
+
 def plot_rewards(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
     import matplotlib
 
@@ -58,10 +176,9 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path, *, title: str) -
     if steps:
         xs = [r["version"] for r in steps]
         ys = [r["reward_mean"] for r in steps]
-        ax.plot(xs, ys, color="#9bb7d4", linewidth=1, label="per update")
-        window = max(1, len(ys) // 10)
-        smooth = [sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1]) for i in range(len(ys))]
-        ax.plot(xs, smooth, color="#1f4e79", linewidth=2, label=f"moving mean ({window})")
+        ax.plot(xs, ys, color=_LIGHT, linewidth=1, label="per update")
+        smooth, window = _moving_mean(ys)
+        ax.plot(xs, smooth, color=_DARK, linewidth=2, label=f"moving mean ({window})")
     ax.set_xlabel("policy version")
     ax.set_ylabel("mean sampled reward of trained rollouts")
     ax.set_ylim(-0.02, 1.02)
@@ -72,3 +189,146 @@ def plot_rewards(records: Sequence[dict[str, Any]], path: Path, *, title: str) -
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _series(steps: Sequence[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
+    """(x, y) pairs of the records that carry both keys as finite numbers."""
+    pairs = [(_num(r, x), _num(r, y)) for r in steps]
+    kept = [(a, b) for a, b in pairs if a is not None and b is not None]
+    return [a for a, _ in kept], [b for _, b in kept]
+
+
+# Per-update series carry "." markers: a line through a single point draws nothing.
+
+
+def _draw_idle(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    pairs = [(t, x) for t, x in ((_num(r, "t"), _update_idle(r)) for r in steps) if t is not None and x is not None]
+    ts, cum = _series(steps, "t", "idle_ratio")
+    if pairs:
+        label = "per update: wait / (wait + train)"
+        ax.plot([t for t, _ in pairs], [x for _, x in pairs], color=_LIGHT, linewidth=1, marker=".", label=label)
+    if ts:
+        ax.plot(ts, cum, color=_DARK, linewidth=2, label="cumulative idle_ratio")
+    if pairs or ts:
+        ax.legend(loc="best", fontsize="small")
+    ax.set_xlabel("seconds since learner start")
+    ax.set_ylabel("learner idle share")
+    ax.set_ylim(-0.02, 1.02)
+    return bool(pairs or ts)
+
+
+def _draw_staleness(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    from matplotlib.ticker import MaxNLocator
+
+    hist = _summed_staleness_hist(steps)
+    if hist:
+        ax.bar(list(hist), list(hist.values()), color=_DARK, width=0.8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("staleness k (versions behind the version trained on)")
+    ax.set_ylabel("trained tokens, summed over the run")
+    return bool(hist)
+
+
+def _draw_tokens(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    xs, ys = _series(steps, "version", "tokens")
+    if xs:
+        smooth, window = _moving_mean(ys)
+        ax.plot(xs, ys, color=_LIGHT, linewidth=1, marker=".", label="per update")
+        ax.plot(xs, smooth, color=_DARK, linewidth=2, label=f"moving mean ({window})")
+        ax.legend(loc="best", fontsize="small")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("tokens trained in the update")
+    return bool(xs)
+
+
+def _draw_is_weights(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    lines = (
+        ("is_weight_max", "max", _LIGHT, 1.0, "--"),
+        ("is_weight_mean", "mean", _DARK, 2.0, "-"),
+        ("is_weight_min", "min", _LIGHT, 1.0, ":"),
+    )
+    drawn: list[float] = []
+    for key, label, color, width, style in lines:
+        xs, ys = _series(steps, "version", key)
+        if xs:
+            ax.plot(xs, ys, color=color, linewidth=width, linestyle=style, marker=".", label=f"weight {label} (before cap)")
+            drawn.extend(ys)
+    # A weight is a probability ratio: 2 and 0.5 are equally far off-policy, which a log axis shows.
+    if drawn and min(drawn) > 0:
+        ax.set_yscale("log")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("importance weight pi_learner / pi_behaviour")
+    xs, ys = _series(steps, "version", "is_truncated_frac")
+    if xs:
+        right = ax.twinx()
+        right.plot(xs, ys, color=_ACCENT, linewidth=1, marker=".", label="truncated share (right)")
+        right.set_ylim(-0.02, 1.02)
+        right.set_ylabel("share of tokens truncated at the cap", color=_ACCENT)
+        handles, labels = ax.get_legend_handles_labels()
+        more_h, more_l = right.get_legend_handles_labels()
+        # One legend for both axes; a second one would draw over the first.
+        right.legend(handles + more_h, labels + more_l, loc="best", fontsize="small")
+    elif drawn:
+        ax.legend(loc="best", fontsize="small")
+    return bool(drawn or xs)
+
+
+def _draw_drops(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    rows = [(t, r["dropped"]) for r in steps if (t := _num(r, "t")) is not None and isinstance(r.get("dropped"), dict)]
+    reasons = sorted({k for _, d in rows for k in d})
+    for reason in reasons:
+        # The dict is cumulative and a reason first appears with its first drop: absent means 0.
+        counts = [_num(d, reason) or 0.0 for _, d in rows]
+        ax.plot([t for t, _ in rows], counts, linewidth=1.5, marker=".", label=reason)
+    if reasons:
+        ax.legend(loc="upper left", fontsize="small")
+    ax.set_xlabel("seconds since learner start")
+    ax.set_ylabel("rollouts dropped (cumulative)")
+    return bool(reasons)
+
+
+_RUN_FIGURES: tuple[tuple[str, str, Callable[[Axes, Sequence[dict[str, Any]]], bool]], ...] = (
+    ("idle.png", "learner idle", _draw_idle),
+    ("staleness.png", "staleness of trained tokens", _draw_staleness),
+    ("tokens.png", "tokens per update", _draw_tokens),
+    ("is_weights.png", "importance weights", _draw_is_weights),
+    ("drops.png", "drops by reason", _draw_drops),
+)
+
+
+def plot_run(records: Sequence[dict[str, Any]], run_dir: Path, *, title: str) -> list[Path]:
+    """Write the run's diagnostic PNGs into `run_dir` (next to reward.png); return their paths.
+
+    Files, always all five so a researcher finds the same set after every run:
+    - `idle.png`: learner idle share per update (wait_s / (wait_s + train_s)) and the cumulative
+      `idle_ratio`, against seconds since start;
+    - `staleness.png`: trained tokens per staleness k, summed over the run;
+    - `tokens.png`: tokens trained per update, against policy version;
+    - `is_weights.png`: importance-weight mean/min/max before the cap (log axis) and the
+      truncated share (right axis), against policy version;
+    - `drops.png`: cumulative dropped rollouts, one line per reason, against seconds since start.
+    A figure whose keys are absent from the records (an older metrics.jsonl) says "no data".
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = _train_steps(records)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    for name, what, draw in _RUN_FIGURES:
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        try:
+            if not draw(ax, steps):
+                ax.text(0.5, 0.5, "no data in these records", transform=ax.transAxes, ha="center", va="center", color="gray")
+            ax.set_title(f"{title}: {what}")
+            ax.grid(alpha=0.3)
+            ax.set_axisbelow(True)  # the grid behind the staleness bars, not across them
+            fig.tight_layout()
+            path = run_dir / name
+            fig.savefig(path)
+            written.append(path)
+        finally:
+            plt.close(fig)
+    return written
