@@ -60,8 +60,8 @@ def _train_steps(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 def _num(record: dict[str, Any], key: str) -> float | None:
     """`record[key]` as a finite float, or None when absent, non-numeric or not finite.
 
-    json.dumps writes NaN/inf as bare tokens and json.loads reads them back, and the learner can
-    produce them (an empty token mask makes `is_weight_max` -inf), so every reader filters here.
+    json.dumps writes NaN/inf as bare tokens and json.loads reads them back, so one diverged update
+    (a NaN loss or log-prob) would otherwise poison a run-wide sum or a plot's axis limits.
     """
     v = record.get(key)
     if isinstance(v, bool) or not isinstance(v, int | float):
