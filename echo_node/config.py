@@ -20,6 +20,7 @@ from typing import Any, Literal
 from echo_node.ml import defaults as ml_defaults
 
 SyncMode = Literal["pull", "async"]
+Correction = Literal["tis", "decoupled", "none"]
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -68,6 +69,12 @@ class RLConfig:
     lr: float = ml_defaults.RL.lr
     clip_eps: float = ml_defaults.RL.clip_eps
     max_grad_norm: float = ml_defaults.RL.max_grad_norm
+    # Off-policy correction (echo_node/ml/grpo.py): truncated IS, AReaL's decoupled PPO, or none.
+    correction: Correction = "tis"
+    # Importance weights pi_learner / pi_behaviour are truncated at this cap.
+    is_cap: float = 2.0
+    # Optimizer steps per update (decoupled PPO's clip only matters from the second one on).
+    minibatches: int = 1
     # Replay-buffer capacity in groups; on overflow the oldest group is dropped as "overload".
     buffer_groups: int = 256
 
@@ -137,6 +144,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("rl.groups_per_step must be >= 1 and <= rl.buffer_groups")
     if not rl.lr > 0 or not 0 < rl.clip_eps < 1:
         raise ValueError("rl.lr must be > 0 and rl.clip_eps in (0, 1)")
+    if not rl.is_cap > 0 or rl.minibatches < 1:
+        raise ValueError(f"rl.is_cap must be > 0 and rl.minibatches >= 1, got {rl.is_cap} and {rl.minibatches}")
     s = cfg.sampling
     if not s.temperature > 0 or not 0 < s.top_p <= 1 or s.max_new_tokens < 1:
         raise ValueError("sampling needs temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1")

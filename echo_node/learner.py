@@ -25,7 +25,7 @@ import trio
 
 from echo_node.broadcast import FULL, DataServer, Served, Source, base_of
 from echo_node.config import RunConfig, to_dict
-from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, read_metrics
+from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import save_checkpoint, state_to_bytes
 from echo_node.net import rpc
@@ -115,6 +115,9 @@ class Learner:
             temperature=cfg.sampling.temperature,
             max_grad_norm=cfg.rl.max_grad_norm,
             pad_id=policy.tokenizer.pad_id,
+            correction=cfg.rl.correction,
+            is_cap=cfg.rl.is_cap,
+            minibatches=cfg.rl.minibatches,
         )
         self.trained_rewards: list[float] = []
         # Messages seen missing from a publisher's sequence and never recovered by repair. They
@@ -417,7 +420,12 @@ class Learner:
         return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
+        # Trained on version - 1 (self.version is already the one the update produced).
         staleness = [self.version - 1 - g.min_version for g in groups]
+        hist: Counter[int] = Counter()
+        for g in groups:
+            for sample in g.samples:
+                hist.update(self.version - 1 - v for v in sample.token_versions)
         ledger = self.buffer.ledger
         assert self.metrics is not None
         self.metrics.write(
@@ -430,6 +438,7 @@ class Learner:
                 "groups": len(groups),
                 "staleness_mean": sum(staleness) / len(staleness),
                 "staleness_max": max(staleness),
+                "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
                 "wait_s": round(wait_s, 4),
                 "train_s": round(train_s, 4),
                 "idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
@@ -476,7 +485,10 @@ class Learner:
         self.metrics.write({"event": "summary", **{k: v for k, v in summary.items() if k != "config"}})
         self.metrics.close()
         (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        plot_rewards(read_metrics(self.metrics.path), self.cfg.run_dir / "reward.png", title=f"{self.cfg.run_id} ({self.cfg.rl.mode})")
+        records = read_metrics(self.metrics.path)
+        title = f"{self.cfg.run_id} ({self.cfg.rl.mode})"
+        plot_rewards(records, self.cfg.run_dir / "reward.png", title=title)
+        plot_run(records, self.cfg.run_dir, title=title)
         return summary
 
 

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from echo_node.ml.grpo import PolicyOptimizer, TrainGroup, group_advantages, grpo_loss, sequence_logprobs
+from echo_node.ml.grpo import (
+    PolicyOptimizer,
+    TrainGroup,
+    group_advantages,
+    grpo_loss,
+    importance_weights,
+    sequence_logprobs,
+    tis_loss,
+)
 from echo_node.ml.model import build_model, tiny_llama_config
 
 torch.set_num_threads(1)
@@ -57,7 +65,9 @@ def test_one_step_raises_probability_of_rewarded_completion() -> None:
     group = TrainGroup(prompt, [good, bad], [lp[0].tolist(), lp[1].tolist()], [1.0, 0.0])
     opt = PolicyOptimizer(model, lr=1e-3, pad_id=0)
     stats = opt.step([group])
-    assert stats["groups_used"] == 1.0 and stats["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
+    # On-policy data: the learner's recomputation equals the engine's, so every weight is 1.
+    assert stats["groups_used"] == 1.0 and stats["is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert stats["is_truncated_frac"] == 0.0
     with torch.no_grad():
         after = sequence_logprobs(model, [prompt, prompt], [good, bad], 0)[0].sum(-1)
     assert after[0] > before[0] and after[1] < before[1]
@@ -72,3 +82,102 @@ def test_train_group_validates_shapes() -> None:
     with pytest.raises(ValueError):
         TrainGroup([1], [[3]], [[-0.1]], [1.0, 0.0])
     assert math.isfinite(-0.1)
+
+
+def test_importance_weights_truncate_by_hand() -> None:
+    # pi_prox / mu per token: [0.5, 1.0, 3.0] and [8.0, (masked)]
+    mu = torch.log(torch.tensor([[0.4, 0.2, 0.1], [0.05, 0.5, 0.5]]))
+    prox = torch.log(torch.tensor([[0.2, 0.2, 0.3], [0.4, 0.9, 0.9]]))
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    w, stats = importance_weights(prox, mu, mask, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[0.5, 1.0, 2.0], [2.0, 0.0, 0.0]]))
+    assert stats["is_weight_mean"] == pytest.approx((0.5 + 1.0 + 3.0 + 8.0) / 4)
+    assert stats["is_weight_max"] == pytest.approx(8.0) and stats["is_weight_min"] == pytest.approx(0.5)
+    assert stats["is_truncated_frac"] == pytest.approx(2 / 4)
+    with pytest.raises(ValueError):
+        importance_weights(prox, mu, mask, cap=0.0)
+
+
+def test_tis_loss_gradient_is_weight_times_advantage() -> None:
+    new = torch.log(torch.tensor([[0.5, 0.25], [0.1, 0.9]])).requires_grad_()
+    mask = torch.tensor([[True, True], [True, False]])
+    w = torch.tensor([[1.0, 2.0], [0.5, 7.0]])
+    loss, stats = tis_loss(new, torch.tensor([1.0, -2.0]), mask, w)
+    assert float(loss.detach()) == pytest.approx(-(1.0 + 2.0 - 2.0 * 0.5) / 3)  # the ratio is 1 forward
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-1.0, -2.0], [1.0, 0.0]]) / 3)
+    assert stats["tokens"] == 3.0
+
+
+def test_grpo_loss_weights_scale_each_token() -> None:
+    new = torch.zeros(1, 2, requires_grad=True)
+    loss, _ = grpo_loss(new, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2, dtype=torch.bool),
+                        weights=torch.tensor([[0.5, 2.0]]))
+    loss.backward()
+    torch.testing.assert_close(new.grad, torch.tensor([[-0.25, -1.0]]))
+
+
+def _tiny_setup() -> tuple[dict, list[int], list[int], list[int]]:
+    arch = {**tiny_llama_config(16), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 2}
+    return arch, [1, 5, 6], [7, 8, 2], [9, 10, 2]
+
+
+def _step(correction: str, behaviour_shift: float, *, minibatches: int = 1) -> tuple[torch.Tensor, dict[str, float]]:
+    """One update on stale-looking data (behaviour log-probs shifted): parameter change, stats."""
+    arch, prompt, good, bad = _tiny_setup()
+    model = build_model(arch, seed=0)
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, [prompt, prompt], [good, bad], 0)
+    rows = [[x + behaviour_shift for x in lp[i].tolist()] for i in range(2)]
+    before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+    opt = PolicyOptimizer(model, lr=1e-3, pad_id=0, correction=correction, is_cap=2.0, minibatches=minibatches)  # type: ignore[arg-type]
+    stats = opt.step([TrainGroup(prompt, [good, bad], rows, [1.0, 0.0])])
+    return torch.nn.utils.parameters_to_vector(model.parameters()) - before, stats
+
+
+def test_corrections_on_stale_data() -> None:
+    # Behaviour log-probs 0.3 nats below the learner's: pi_prox / mu = e^0.3 = 1.35 per token.
+    none_fresh, none_stale = _step("none", 0.0)[0], _step("none", -0.3)[0]
+    torch.testing.assert_close(none_fresh, none_stale)  # "none" never reads the behaviour log-probs
+    # With one minibatch, decoupled PPO (ratio to pi_prox = 1, clip inactive) equals TIS.
+    torch.testing.assert_close(_step("tis", -0.3)[0], _step("decoupled", -0.3)[0])
+    # TIS on fresh data is the plain on-policy step.
+    torch.testing.assert_close(_step("tis", 0.0)[0], none_fresh)
+    _, stale = _step("tis", -0.3)
+    assert stale["is_weight_mean"] == pytest.approx(math.exp(0.3), rel=1e-4) and stale["is_truncated_frac"] == 0.0
+    _, far = _step("tis", -5.0)
+    assert far["is_weight_min"] == pytest.approx(math.exp(5.0), rel=1e-4) and far["is_truncated_frac"] == 1.0
+
+
+def test_truncation_bounds_a_far_off_completion() -> None:
+    """One completion sampled by a policy far from the learner's: untruncated it would outweigh
+    the other e^5 : 1; truncated at 2 the update stays close to the on-policy one."""
+    arch, prompt, good, bad = _tiny_setup()
+    deltas = {}
+    for cap in (2.0, 1e6):
+        model = build_model(arch, seed=0)
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(model, [prompt, prompt], [good, bad], 0)
+        rows = [[x - 5.0 for x in lp[0].tolist()], lp[1].tolist()]
+        before = torch.nn.utils.parameters_to_vector(model.parameters()).clone()
+        PolicyOptimizer(model, lr=1e-3, pad_id=0, is_cap=cap).step([TrainGroup(prompt, [good, bad], rows, [1.0, 0.0])])
+        deltas[cap] = torch.nn.utils.parameters_to_vector(model.parameters()) - before
+    on_policy = _step("none", 0.0)[0]
+    cos = torch.nn.functional.cosine_similarity
+    assert cos(deltas[2.0], on_policy, dim=0) > cos(deltas[1e6], on_policy, dim=0) + 0.01
+
+
+def test_minibatches_take_several_optimizer_steps() -> None:
+    arch, prompt, good, bad = _tiny_setup()
+    model = build_model(arch, seed=0)
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, [prompt] * 4, [good, bad, good, bad], 0)
+    group = TrainGroup(prompt, [good, bad, good, bad], [lp[i].tolist() for i in range(4)], [1.0, 0.0, 1.0, 0.0])
+    opt = PolicyOptimizer(model, lr=1e-2, pad_id=0, correction="decoupled", minibatches=2)
+    stats = opt.step([group])
+    assert opt.opt.state[next(model.parameters())]["step"] == 2  # two AdamW steps in one update
+    # The second minibatch sees pi_theta != pi_prox: its ratios moved off 1.
+    assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
+    with pytest.raises(ValueError):
+        PolicyOptimizer(model, lr=1e-3, correction="bogus")  # type: ignore[arg-type]
