@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from echo_node.demo import Swarm, _is_ready, _wait_line
+from benchmarks.swarm import metrics_path, start_learner, start_peer
+from echo_node.demo import Swarm
 from echo_node.metrics import read_metrics
 from protocol import Identity, RolloutGroup, Sample, seal
 from protocol.identity import load_or_create_key_file
@@ -57,22 +58,13 @@ def main() -> None:
         root = Path(tmp)
         swarm = Swarm(root)
         try:
-            boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(root / "boot.key")], cpus={0})
-            addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
-            common = ["--bootstrap", addr, "--run-id", "join-bench"]
-            learner = swarm.spawn(
-                "learner",
-                ["learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), "--seconds", "3600"],
-                cpus={0},
-            )
-            _wait_line(learner, _is_ready, 300, "ready")
+            common, _ = start_learner(swarm, root, "join-bench", ["--seconds", "3600"], cpus={0})
             started: dict[str, float] = {}
             for i in range(args.peers):
-                key = root / f"peer{i}.key"
-                peer_id = load_or_create_key_file(key).peer_id
+                peer_id = load_or_create_key_file(root / f"peer{i}.key").peer_id
                 started[peer_id] = time.time()
-                swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(key)], cpus={1})
-            metrics = root / "runs" / "join-bench" / "metrics.jsonl"
+                start_peer(swarm, root, common, i, cpus={1})
+            metrics = metrics_path(root, "join-bench")
             deadline = time.monotonic() + args.timeout
             first: dict[str, float] = {}
             while len(first) < args.peers and time.monotonic() < deadline:

@@ -1,0 +1,36 @@
+"""A swarm of real `echo-node` processes on loopback for benchmarks: bootstrap, learner, peers.
+
+Every process is pinned (DESIGN.md: oversubscribing the two cores is the largest slowdown here)
+and stopped by `Swarm.stop_all` (peers, then the learner with SIGINT so it writes its summary).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from echo_node.demo import Child, Swarm, _is_ready, _wait_line
+
+
+def start_learner(
+    swarm: Swarm, root: Path, run_id: str, learner_args: list[str], *, cpus: set[int], ready_timeout: float = 300.0
+) -> tuple[list[str], Child]:
+    """Bootstrap and learner on `cpus`; returns the arguments a peer needs to join, and the learner."""
+    boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(root / "boot.key")], cpus=cpus)
+    addr = _wait_line(boot, lambda line: "/p2p/" in line, 30, "its address").strip()
+    common = ["--bootstrap", addr, "--run-id", run_id]
+    learner = swarm.spawn(
+        "learner",
+        ["learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), *learner_args],
+        cpus=cpus,
+    )
+    _wait_line(learner, _is_ready, ready_timeout, "ready")
+    return common, learner
+
+
+def start_peer(swarm: Swarm, root: Path, common: list[str], index: int, *, cpus: set[int], args: list[str] | None = None) -> Child:
+    key = root / f"peer{index}.key"
+    return swarm.spawn(f"peer{index}", ["join", *common, "--key-file", str(key), *(args or [])], cpus=cpus)
+
+
+def metrics_path(root: Path, run_id: str) -> Path:
+    return root / "runs" / run_id / "metrics.jsonl"
