@@ -248,6 +248,9 @@ class DataServer:
         self.checker = HelloChecker(identity.peer_id, run_id)
         self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
+        # Asked for a (version, base) that is not registered while the version is: the owner may
+        # make it now (the learner cuts a delta against an older base) or answer None.
+        self.resolve: Callable[[int, int], Awaitable[VersionHandler | None]] | None = None
 
     def register(self, version: int, handler: VersionHandler, *, base: int = FULL) -> None:
         self._handlers[(version, base)] = handler
@@ -290,7 +293,10 @@ class DataServer:
         with trio.move_on_after(ROUTE_WAIT_S):
             while not any(k[0] == version for k in self._handlers):
                 await self._registered.wait()
-        return self._handlers.get((version, base))
+        handler = self._handlers.get((version, base))
+        if handler is None and base != FULL and self.resolve is not None and any(k[0] == version for k in self._handlers):
+            handler = await self.resolve(version, base)
+        return handler
 
 
 class Source:

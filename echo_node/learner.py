@@ -17,7 +17,7 @@ import logging
 import math
 import sys
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -106,8 +106,13 @@ class Learner:
         self.sources: dict[tuple[int, int], Source] = {}
         self.bytes_served = 0
         self.deltas_offered = 0
-        self._previous_blob: bytes | None = None
+        # The weights of every version still served, oldest first: the bases deltas are cut
+        # against (a peer that skipped versions names the newest one it holds).
+        self._blobs: OrderedDict[int, bytes] = OrderedDict()
+        self._no_delta: set[tuple[int, int]] = set()
+        self._building: dict[tuple[int, int], trio.Event] = {}
         self._next_delta_try = 1
+        self.data.resolve = self._delta_on_demand
         self.optimizer = PolicyOptimizer(
             policy.model,
             lr=cfg.rl.lr,
@@ -137,9 +142,7 @@ class Learner:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
         self.metrics = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
-        blob0 = state_to_bytes(self.policy.model)
-        self._offer_version(0, blob0)
-        self._previous_blob = blob0
+        self._offer_version(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.node.run)
@@ -374,8 +377,12 @@ class Learner:
         manifest = build_manifest(run_id=self.cfg.run_id, version=version, payload=blob, piece_size=choose_piece_size(len(blob)))
         source = self._offer(manifest, blob)
         self.served.add(version)
-        for old in [k for k in self.sources if k[0] not in self.served]:
-            self.bytes_served += self.sources.pop(old).stats.bytes_up
+        self._blobs[version] = blob
+        for old in [v for v in self._blobs if v not in self.served]:
+            del self._blobs[old]
+        for key in [k for k in self.sources if k[0] not in self.served]:
+            self.bytes_served += self.sources.pop(key).stats.bytes_up
+        self._no_delta = {k for k in self._no_delta if k[0] in self.served}
         return source
 
     def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
@@ -385,26 +392,41 @@ class Learner:
         self.data.register(manifest.version, source, base=base)
         return source
 
-    async def _offer_delta(self, blob: bytes, full: WeightManifest) -> None:
-        """Also offer this version as a delta against the previous one, when that pays."""
-        previous, self._previous_blob = self._previous_blob, blob
-        if previous is None or len(previous) != len(blob) or self.version < self._next_delta_try:
-            return
+    async def _offer_delta(self, version: int, base: int) -> Source | None:
+        """Offer `version` as a delta against `base` if both are kept and the delta pays."""
+        blob, previous = self._blobs.get(version), self._blobs.get(base)
+        if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
+            return None
         delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
-        if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob):
-            self._next_delta_try = self.version + DELTA_RETRY_VERSIONS
-            return
+        if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
+            self._no_delta.add((version, base))
+            return None
+        full = self.sources[(version, FULL)].store.manifest
         manifest = build_manifest(
-            run_id=self.cfg.run_id, version=self.version, payload=delta, codec="xor-zstd", base_version=self.version - 1,
+            run_id=self.cfg.run_id, version=version, payload=delta, codec="xor-zstd", base_version=base,
             weights_size=full.weights_size, weights_sha256=full.weights_sha256, piece_size=choose_piece_size(len(delta)),
         )
-        self._offer(manifest, delta)
         self.deltas_offered += 1
+        return self._offer(manifest, delta)
+
+    async def _delta_on_demand(self, version: int, base: int) -> Source | None:
+        """The data server's resolver: a peer asked for `version` against an older `base` than
+        the one offered up front. Cut once, then served to every peer that asks (and relayed)."""
+        key = (version, base)
+        if key in self.sources:
+            return self.sources[key]
+        building = self._building.get(key)
+        if building is not None:
+            await building.wait()
+            return self.sources.get(key)
+        self._building[key] = trio.Event()
+        try:
+            return await self._offer_delta(version, base)
+        finally:
+            self._building.pop(key).set()
 
     async def _publish_version(self, blob: bytes) -> None:
-        self.version += 1
-        manifest = self._offer_version(self.version, blob).store.manifest
-        await self._offer_delta(blob, manifest)
+        manifest = await self._offer_new_version(blob)
         # Anything that just fell out of the staleness window is counted now, not at exit.
         self.buffer.evict_stale(self.version)
         announce = VersionAnnounce(
@@ -415,6 +437,16 @@ class Learner:
             demand_groups=self.demand_groups(),
         )
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
+
+    async def _offer_new_version(self, blob: bytes) -> WeightManifest:
+        """The next version, full and (up front, when it pays) as a delta against the previous
+        one, which most peers hold. Returns the full snapshot's manifest."""
+        self.version += 1
+        manifest = self._offer_version(self.version, blob).store.manifest
+        if self.version >= self._next_delta_try and await self._offer_delta(self.version, self.version - 1) is None:
+            # Deltas do not pay now (early training moves every weight): stop cutting them a while.
+            self._next_delta_try = self.version + DELTA_RETRY_VERSIONS
+        return manifest
 
     def learner_bytes_up(self) -> int:
         return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())

@@ -1,0 +1,69 @@
+"""The learner cuts deltas against any version it still keeps, on demand, and refuses the rest."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import trio
+
+from echo_node.broadcast import DataServer, Unavailable, open_version, receive_version
+from echo_node.learner import Learner
+from echo_node.ml.model import state_to_bytes
+from protocol import Identity
+from protocol.delta import decode_delta
+
+PEER = Identity.from_seed(b"\x07" * 32)
+
+
+def next_weights(learner: Learner, step: int) -> bytes:
+    """A small update to one tensor, like one optimizer step at a low learning rate."""
+    with torch.no_grad():
+        param = list(learner.policy.model.parameters())[step % 3]
+        param.view(-1)[:64].add_(1e-3)
+    return state_to_bytes(learner.policy.model)
+
+
+def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
+    learner.peers.joined.add(PEER.peer_id)
+    blobs: list[bytes] = []
+
+    async def fetch(peer: DataServer, version: int, base: int) -> tuple[int | None, bytes]:
+        manifest, stream = await open_version(
+            peer, learner_id=learner.identity.peer_id, host="127.0.0.1", port=learner.data.port, version=version, base=base
+        )
+        async with trio.open_nursery() as links:
+            payload, _ = await receive_version(peer, links, manifest, stream, learner_id=learner.identity.peer_id)
+            links.cancel_scope.cancel()
+        peer.unregister(version)
+        return manifest.base_version, bytes(payload)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(learner.data.run)
+            peer = DataServer(PEER, learner.cfg.run_id)
+            await nursery.start(peer.run)
+            blobs.append(state_to_bytes(learner.policy.model))
+            learner._offer_version(0, blobs[0])
+            for step in range(1, 4):
+                blobs.append(next_weights(learner, step))
+                await learner._offer_new_version(blobs[-1])
+            offered_up_front = learner.deltas_offered
+            with trio.fail_after(10):
+                base, payload = await fetch(peer, 3, 1)
+            assert base == 1 and decode_delta(payload, blobs[1], max_size=len(blobs[3])) == blobs[3]
+            assert len(payload) < 0.05 * len(blobs[3])
+            assert learner.deltas_offered == offered_up_front + 1  # cut once, on demand
+            with trio.fail_after(10):
+                again, _ = await fetch(peer, 3, 1)
+            assert again == 1 and learner.deltas_offered == offered_up_front + 1  # reused
+            # Two more versions: with keep_versions = 4 the learner keeps 2..5, so base 0 is gone.
+            for step in range(4, 6):
+                blobs.append(next_weights(learner, step))
+                await learner._offer_new_version(blobs[-1])
+            with trio.fail_after(10), pytest.raises(Unavailable):
+                await fetch(peer, 5, 0)
+            base, payload = await fetch(peer, 5, 2)
+            assert decode_delta(payload, blobs[2], max_size=len(blobs[5])) == blobs[5]
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
