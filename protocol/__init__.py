@@ -9,7 +9,7 @@ Errors: a peer's bad bytes raise `RemoteProtocolError` (with a `DropReason` in `
 building something invalid locally raises `LocalProtocolError`.
 """
 
-from protocol.delta import choose_payload, decode_delta, encode_delta
+from protocol.delta import decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.envelope import (
     SIGNATURE_DOMAIN,
@@ -101,7 +101,6 @@ __all__ = [
     "b58decode",
     "b58encode",
     "build_manifest",
-    "choose_payload",
     "choose_piece_size",
     "decode_delta",
     "decode_frame",

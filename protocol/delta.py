@@ -49,7 +49,6 @@ import struct
 import sys
 from array import array
 from collections import deque
-from collections.abc import Mapping, Set
 from itertools import accumulate, islice, repeat
 from operator import add
 
@@ -59,7 +58,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import _frame_end  # the same strict one-frame walk the gossip frames use
 from protocol.limits import MAX_WEIGHTS_BYTES
 
-__all__ = ["choose_payload", "decode_delta", "encode_delta", "max_delta_size", "xor_bytes"]
+__all__ = ["decode_delta", "encode_delta", "max_delta_size", "xor_bytes"]
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # RFC 8878 §3.1.1; also the plain format's first bytes
 _TAG_SPARSE = 0x01  # first byte of a sparse delta (never the first byte of a zstd frame)
@@ -380,20 +379,3 @@ def _decode_sparse(data: bytes, base: memoryview) -> bytes:
         out_bytes.append(base[-1] ^ data[_SPARSE_HEAD.size])
         return bytes(out_bytes)
     return out.tobytes()
-
-
-def choose_payload(peer_versions: Set[int], available_bases: Mapping[int, int], full_size: int) -> int | None:
-    """The base version to send a peer a delta against, or None to send the full weights.
-
-    `peer_versions`: versions the peer holds; `available_bases`: base version -> size of the delta
-    we have encoded against it. Picks the smallest delta among bases the peer holds, and only if
-    it is smaller than `full_size`; ties go to the newest base (the one the peer is likeliest to
-    keep). Deterministic, so every replica of the rule agrees.
-    """
-    best: int | None = None
-    for base, size in available_bases.items():
-        if base not in peer_versions or size >= full_size:
-            continue
-        if best is None or (size, -base) < (available_bases[best], -best):
-            best = base
-    return best

@@ -8,7 +8,7 @@ import random
 import pytest
 import zstandard
 
-from protocol.delta import choose_payload, decode_delta, encode_delta, max_delta_size, xor_bytes
+from protocol.delta import decode_delta, encode_delta, max_delta_size, xor_bytes
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 N_PARAMS = 32_768  # small enough to keep the module well under a second
@@ -134,16 +134,6 @@ def test_zstd_bombs_are_refused_before_allocating() -> None:
         decode_delta(declared, big_base, max_size=len(big_base))
     with pytest.raises(RemoteProtocolError, match="does not declare"):
         decode_delta(undeclared, big_base, max_size=len(big_base))
-
-
-def test_choose_payload() -> None:
-    bases = {3: 500, 4: 300, 5: 300, 6: 100}
-    assert choose_payload({3, 4, 5}, bases, 1000) == 5  # smallest; tie goes to the newest base
-    assert choose_payload({6, 1}, bases, 1000) == 6
-    assert choose_payload({3}, bases, 1000) == 3
-    assert choose_payload({3}, bases, 500) is None  # a delta no smaller than the full weights
-    assert choose_payload({1, 2}, bases, 1000) is None  # the peer holds no base we encoded against
-    assert choose_payload(set(), {}, 1000) is None
 
 
 def test_dissemination_modules_import_no_numpy_or_torch() -> None:
