@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
 from echo_node.ml.model import load_state_bytes, load_state_tensors
+
+if TYPE_CHECKING:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+# What `load_weights` accepts: our safetensors blob (as received, possibly a view) or tensors.
+WeightState = bytes | bytearray | memoryview | dict[str, Tensor]
 
 
 @dataclass(slots=True)
@@ -38,7 +44,7 @@ class Generation:
 class Engine(Protocol):
     version: int
 
-    def load_weights(self, state: bytes | dict[str, Tensor], version: int) -> None: ...
+    def load_weights(self, state: WeightState, version: int) -> None: ...
 
     def generate(
         self,
@@ -68,16 +74,95 @@ def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
+def _prefill_mask(key_mask: Tensor) -> Tensor:
+    """Additive causal mask [B, 1, T, T] over left-padded rows (T = key_mask's width).
+
+    Query i sees slots <= i that are not padding; each slot also sees itself, so a padding query
+    never has an all-masked row (SDPA would give NaN there, and NaN in a padding slot's K/V would
+    leak through 0-weight products). Additive float: measured ~7% faster in CPU SDPA than boolean.
+    """
+    width = key_mask.shape[1]
+    slots = torch.arange(width)
+    allowed = (slots.unsqueeze(0) <= slots.unsqueeze(1)).unsqueeze(0) & key_mask[:, None, :]
+    allowed |= torch.eye(width, dtype=torch.bool).unsqueeze(0)
+    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+class _Stepper(Protocol):
+    def start(self, key_mask: Tensor, position_ids: Tensor) -> None:
+        """Begin a sequence batch: `key_mask` [B, S] is False on left padding, `position_ids`
+        [B, S] the position of every slot; S bounds the sequence. Drops any cache."""
+
+    def forward(self, input_ids: Tensor, rows: Tensor | None = None) -> Tensor:
+        """Append `input_ids` [b, T] at the next T slots; return last-position logits [b, V].
+
+        `rows`: on the first forward only, the batch rows `input_ids` stand for (b < B); the
+        cache then holds those rows until `expand` maps them back onto the whole batch.
+        """
+
+    def expand(self, index: Tensor) -> None:
+        """Row r of the batch becomes cache row `index[r]` (after a forward with `rows`)."""
+
+
+class _LayerWeights(NamedTuple):
+    """One Llama decoder layer's weights as plain tensors, q/k/v and gate/up concatenated (one
+    matmul each instead of three and two); the step loop then makes no module calls."""
+
+    norm1: tuple[Tensor, float]
+    qkv: Tensor
+    qkv_bias: Tensor | None
+    o: Tensor
+    o_bias: Tensor | None
+    norm2: tuple[Tensor, float]
+    gate_up: Tensor
+    gate_up_bias: Tensor | None
+    down: Tensor
+    down_bias: Tensor | None
+
+    @classmethod
+    def of(cls, layer: LlamaDecoderLayer) -> _LayerWeights:
+        a, m = layer.self_attn, layer.mlp
+        qkv, qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj])
+        gate_up, gate_up_bias = _concat([m.gate_proj, m.up_proj])
+        return cls(
+            norm1=_norm(layer.input_layernorm),
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            o=a.o_proj.weight,
+            o_bias=a.o_proj.bias,
+            norm2=_norm(layer.post_attention_layernorm),
+            gate_up=gate_up,
+            gate_up_bias=gate_up_bias,
+            down=m.down_proj.weight,
+            down_bias=m.down_proj.bias,
+        )
+
+
+def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    biases = [lin.bias for lin in linears]
+    bias = None if biases[0] is None else torch.cat([cast(Tensor, b).detach() for b in biases])
+    return weight, bias
+
+
+def _norm(norm: torch.nn.Module) -> tuple[Tensor, float]:
+    return cast(Tensor, norm.weight), cast(float, norm.variance_epsilon)
+
+
 class _LlamaStepper:
-    """A lean forward pass for Llama-architecture HF models, reading the model's own modules.
+    """A lean forward pass for Llama-architecture HF models over the model's own weights.
 
     Why: per decode step HF's forward spends more time in Python wrappers, mask construction and
     DynamicCache concatenation than in the matmuls for a model this small. This stepper keeps a
-    preallocated KV buffer (written in place, no torch.cat), computes rotary tables once per call
-    with the model's own rotary module, and builds one boolean mask per call. The arithmetic is
-    the same ops in the same order as HF's Llama (RMSNorm, rotate-half RoPE, SDPA, SwiGLU), so
-    greedy output matches `generate` token for token (tested); weights are read live from the
-    modules on every call, so in-place training or `load_weights` is always seen.
+    preallocated KV buffer (written in place, no torch.cat), takes the rotary tables and masks
+    for the whole call once in `start`, calls functional ops on plain tensors (no module calls),
+    and runs q/k/v (and gate/up) as one matmul each against concatenated weights. The arithmetic
+    is otherwise HF's Llama (RMSNorm, rotate-half RoPE, SDPA, SwiGLU) in the same order: on our
+    CPU build its logits are HF's bit for bit, and greedy output matches `generate` token for
+    token (tested). The concatenated weights are rebuilt whenever a source parameter changed (its
+    version counter moved: `load_weights`, `load_state_dict`, an optimizer step) or was replaced,
+    so `start` always sees the model's current weights — except writes through `param.data`,
+    which bypass the version counter.
     """
 
     def __init__(self, model: PreTrainedModel) -> None:
@@ -87,6 +172,10 @@ class _LlamaStepper:
         self.n_kv = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
+        self._key: tuple[int, ...] = ()
+        self._layers: list[_LayerWeights] = []
+        self._embed = self._lm_head = torch.empty(0)
+        self._final_norm = (torch.empty(0), 0.0)
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
@@ -94,74 +183,99 @@ class _LlamaStepper:
 
         return type(model) is LlamaForCausalLM and getattr(model.config, "hidden_act", "") == "silu"
 
-    def start(self, batch: int, total_len: int, key_mask: Tensor, position_ids: Tensor) -> None:
-        """Allocate the KV buffers and per-call tables for sequences of up to `total_len`."""
-        layers = self.model.model.layers
-        shape = (batch, self.n_kv, total_len, self.head_dim)
-        self.k = [torch.zeros(shape) for _ in layers]
-        self.v = [torch.zeros(shape) for _ in layers]
-        self.key_mask = key_mask.bool()  # [B, total_len], False on left padding
-        # cos/sin for every position a row can reach, from the model's own rotary module.
-        max_pos = int(position_ids.max()) + total_len + 1
-        all_pos = torch.arange(max_pos).unsqueeze(0)
-        cos, sin = self.model.model.rotary_emb(self.k[0], all_pos)
-        self.cos, self.sin = cos[0], sin[0]  # [max_pos, head_dim]
+    def _refresh(self) -> None:
+        """Take the model's weights as plain tensors, unless no parameter changed since last time."""
+        params = list(self.model.parameters())
+        key = tuple(x for p in params for x in (p.data_ptr(), p._version))
+        if key == self._key:
+            return
+        inner = self.model.model
+        self._layers = [_LayerWeights.of(layer) for layer in inner.layers]
+        self._embed = inner.embed_tokens.weight
+        self._final_norm = (inner.norm.weight, cast(float, inner.norm.variance_epsilon))
+        self._lm_head = self.model.lm_head.weight
+        self._key = key
+
+    def start(self, key_mask: Tensor, position_ids: Tensor) -> None:
+        self._refresh()
+        self.key_mask = key_mask
+        self.padded = not bool(key_mask.all())
+        # A decode query sits on a real token, so its mask row is just "not padding".
+        self.decode_mask = (
+            torch.zeros(key_mask.shape).masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+            if self.padded
+            else None
+        )
+        # Rotary tables for every slot of the call, from the model's own rotary module, laid out
+        # [B, S, 1, hd] to broadcast over the heads of a [B, T, heads, hd] projection.
+        cos, sin = self.model.model.rotary_emb(self.model.model.embed_tokens.weight, position_ids)
+        half = self.head_dim // 2
+        self.cos = cos.unsqueeze(2)
+        # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi], bit for bit (negation is exact).
+        self.sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(2)
+        self.k: list[Tensor] = []
+        self.v: list[Tensor] = []
         self.filled = 0
 
     @staticmethod
-    def _rms(x: Tensor, norm: torch.nn.Module) -> Tensor:
+    def _rms(x: Tensor, norm: tuple[Tensor, float]) -> Tensor:
+        weight, eps = norm
         var = x.pow(2).mean(-1, keepdim=True)
-        weight = cast(Tensor, norm.weight)
-        eps = cast(float, norm.variance_epsilon)
         return weight * (x * torch.rsqrt(var + eps))
 
-    @staticmethod
-    def _rotate_half(x: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        """Append `input_ids` [B, T] at the next T cache slots; return last-position logits [B, V]."""
+    def forward(self, input_ids: Tensor, rows: Tensor | None = None) -> Tensor:
         bsz, q_len = input_ids.shape
         start, end = self.filled, self.filled + q_len
-        cos = self.cos[position_ids].unsqueeze(1)  # [B, 1, T, hd]
-        sin = self.sin[position_ids].unsqueeze(1)
-        # Query i (cache slot start+i) sees slots <= start+i that are not padding; each slot also
-        # sees itself, so a padding query never has an all-masked row (SDPA would give NaN there,
-        # and NaN in a padding slot's K/V would leak through 0-weight products).
-        slots = torch.arange(end)
-        causal = slots.unsqueeze(0) <= (start + torch.arange(q_len)).unsqueeze(1)  # [T, end]
-        mask = causal.unsqueeze(0) & self.key_mask[:, None, :end]
-        mask |= (slots.unsqueeze(0) == (start + torch.arange(q_len)).unsqueeze(1)).unsqueeze(0)
-        # Additive float mask: measured ~7% faster in CPU SDPA than a boolean one, same values.
-        mask = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf")).unsqueeze(1)  # [B,1,T,end]
+        cos, sin, key_mask = self.cos, self.sin, self.key_mask
+        if start == 0:
+            if rows is not None:
+                cos, sin, key_mask = cos[rows], sin[rows], key_mask[rows]
+            shape = (bsz, self.n_kv, key_mask.shape[1], self.head_dim)
+            self.k = [torch.empty(shape) for _ in self._layers]
+            self.v = [torch.empty(shape) for _ in self._layers]
+        cos, sin = cos[:, start:end], sin[:, start:end]
+        if q_len > 1:
+            # Only the first forward (the prefill) is ever longer than one token.
+            assert start == 0
+            mask = _prefill_mask(key_mask[:, :end]) if self.padded else None
+        else:
+            mask = None if self.decode_mask is None else self.decode_mask[..., :end]
+        causal = mask is None and q_len > 1
 
-        h = self.model.model.embed_tokens(input_ids)
-        for i, layer in enumerate(self.model.model.layers):
-            attn = layer.self_attn
-            x = self._rms(h, layer.input_layernorm)
-            q = attn.q_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-            k = attn.k_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-            v = attn.v_proj(x).view(bsz, q_len, -1, self.head_dim).transpose(1, 2)
-            q = q * cos + self._rotate_half(q) * sin
-            k = k * cos + self._rotate_half(k) * sin
-            self.k[i][:, :, start:end] = k
-            self.v[i][:, :, start:end] = v
+        n_q, n_kv, hd = self.n_heads, self.n_kv, self.head_dim
+        half = hd // 2
+        linear = torch.nn.functional.linear
+        h = torch.nn.functional.embedding(input_ids, self._embed)
+        for i, w in enumerate(self._layers):
+            qkv = linear(self._rms(h, w.norm1), w.qkv, w.qkv_bias).view(bsz, q_len, n_q + 2 * n_kv, hd)
+            # RoPE on q and k at once: they are adjacent heads of the fused projection.
+            qk = qkv[:, :, : n_q + n_kv]
+            qk = qk * cos + qk.roll(half, dims=-1) * sin
+            q = qk[:, :, :n_q].transpose(1, 2)
+            self.k[i][:, :, start:end] = qk[:, :, n_q:].transpose(1, 2)
+            self.v[i][:, :, start:end] = qkv[:, :, n_q + n_kv :].transpose(1, 2)
             keys, values = self.k[i][:, :, :end], self.v[i][:, :, :end]
-            if self.n_kv != self.n_heads:
-                rep = self.n_heads // self.n_kv
-                keys = keys.repeat_interleave(rep, dim=1)
-                values = values.repeat_interleave(rep, dim=1)
+            if n_kv != n_q:
+                keys = keys.repeat_interleave(n_q // n_kv, dim=1)
+                values = values.repeat_interleave(n_q // n_kv, dim=1)
             o = torch.nn.functional.scaled_dot_product_attention(
-                q, keys, values, attn_mask=mask, scale=self.scale
+                q, keys, values, attn_mask=mask, is_causal=causal, scale=self.scale
             )
-            h = h + attn.o_proj(o.transpose(1, 2).reshape(bsz, q_len, -1))
-            x = self._rms(h, layer.post_attention_layernorm)
-            mlp = layer.mlp
-            h = h + mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+            if i == len(self._layers) - 1 and q_len > 1:
+                # Only the last position's logits are wanted, so after the last attention the
+                # other positions are dead work (~1/6 of a prefill here). A row subset of a
+                # matmul gives the same bits on our CPU build; attention itself stays whole, as
+                # SDPA's kernel for one query rounds differently from its kernel for many.
+                o, h = o[:, :, -1:], h[:, -1:]
+            h = h + linear(o.transpose(1, 2).reshape(h.shape[0], h.shape[1], -1), w.o, w.o_bias)
+            gate, up = linear(self._rms(h, w.norm2), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+            h = h + linear(torch.nn.functional.silu(gate) * up, w.down, w.down_bias)
         self.filled = end
-        h = self._rms(h[:, -1:, :], self.model.model.norm)
-        return self.model.lm_head(h)[:, -1, :]
+        return linear(self._rms(h[:, -1, :], self._final_norm), self._lm_head)
+
+    def expand(self, index: Tensor) -> None:
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
 
 
 class _HFStepper:
@@ -171,17 +285,21 @@ class _HFStepper:
         self.model = model
         self.cache_kw = cache_kwarg(model)
 
-    def start(self, batch: int, total_len: int, key_mask: Tensor, position_ids: Tensor) -> None:
-        self.mask = key_mask
+    def start(self, key_mask: Tensor, position_ids: Tensor) -> None:
+        self.mask = key_mask.long()
+        self.position_ids = position_ids
         self.cache = DynamicCache(config=self.model.config)
         self.filled = 0
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
-        end = self.filled + input_ids.shape[1]
+    def forward(self, input_ids: Tensor, rows: Tensor | None = None) -> Tensor:
+        start, end = self.filled, self.filled + input_ids.shape[1]
+        mask, pos = self.mask, self.position_ids
+        if rows is not None:
+            mask, pos = mask[rows], pos[rows]
         out = self.model(
             input_ids=input_ids,
-            attention_mask=self.mask[:, :end],
-            position_ids=position_ids,
+            attention_mask=mask[:, :end],
+            position_ids=pos[:, start:end],
             use_cache=True,
             logits_to_keep=1,
             **{self.cache_kw: self.cache},
@@ -190,14 +308,33 @@ class _HFStepper:
         self.filled = end
         return out.logits[:, -1, :]
 
+    def expand(self, index: Tensor) -> None:
+        self.cache.reorder_cache(cast(torch.LongTensor, index))
+
+
+def _distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]] | None:
+    """(first row of each distinct prompt, each row's index among them), or None if all differ."""
+    seen: dict[tuple[int, ...], int] = {}
+    index = [seen.setdefault(tuple(p), len(seen)) for p in prompts]
+    if len(seen) == len(prompts):
+        return None
+    first = [0] * len(seen)
+    for row in reversed(range(len(prompts))):
+        first[index[row]] = row
+    return first, index
+
 
 class TorchEngine:
     """A batched KV-cache sampler over an HF causal LM's own weights (CPU, float32).
 
     One prefill over the left-padded batch (attention mask + explicit position ids, as HF generate
-    builds them), then one token per step from the cache. Finished rows keep being fed pad tokens
-    (cheaper than reshaping the cache) and their outputs are ignored; the loop ends when every
-    row is finished. All per-step bookkeeping stays in tensors — no Python loop over the batch.
+    builds them), then one token per step from the cache. A GRPO batch repeats each prompt
+    `group_size` times, so the prefill runs once per distinct prompt and the cache rows are then
+    copied out to the repeats (vLLM's `n` samples per prompt do the same); on our CPU build the
+    logits are the same bits either way, as a matmul's output rows do not depend on its other
+    rows. Finished rows keep being fed pad tokens (cheaper
+    than reshaping the cache) and their outputs are ignored; the loop ends when every row is
+    finished. All per-step bookkeeping stays in tensors — no Python loop over the batch.
     """
 
     def __init__(
@@ -219,11 +356,9 @@ class TorchEngine:
             fast_path = _LlamaStepper.supports(model)
         elif fast_path and not _LlamaStepper.supports(model):
             raise ValueError(f"the fast path supports LlamaForCausalLM only, not {type(model).__name__}")
-        self._stepper: _LlamaStepper | _HFStepper = (
-            _LlamaStepper(model) if fast_path else _HFStepper(model)
-        )
+        self._stepper: _Stepper = _LlamaStepper(model) if fast_path else _HFStepper(model)
 
-    def load_weights(self, state: bytes | dict[str, Tensor], version: int) -> None:
+    def load_weights(self, state: WeightState, version: int) -> None:
         if isinstance(state, (bytes, bytearray, memoryview)):
             load_state_bytes(self.model, bytes(state))
         else:
@@ -253,41 +388,54 @@ class TorchEngine:
         gen = None if seed is None else torch.Generator().manual_seed(seed)
 
         batch = len(prompts)
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
-        # The mask for the whole run, sliced as the sequence grows, so no per-step concatenation.
-        mask = torch.ones((batch, width + max_new_tokens), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-            mask[i, : width - len(p)] = 0
-        # Same position ids as HF generate: count real tokens; pads get a dummy position 1.
-        position_ids = (mask[:, :width].cumsum(-1) - 1).masked_fill_(mask[:, :width] == 0, 1)
-        next_pos = position_ids[:, -1:] + 1
-
+        input_ids, key_mask, position_ids = self._layout(prompts, max_new_tokens)
         tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long)
         logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32)
         finished = torch.zeros(batch, dtype=torch.bool)
         lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
+        step_versions: list[int] = []  # every row of a step samples from the same weights
         stepper = self._stepper
-        stepper.start(batch, width + max_new_tokens, mask, position_ids)
-
-        step_ids, step_pos = input_ids, position_ids
-        n_steps = 0
+        stepper.start(key_mask, position_ids)
+        logits = self._prefill(stepper, prompts, input_ids)
         for t in range(max_new_tokens):
-            logits = stepper.forward(step_ids, step_pos).float()
-            tok, lp = self._sample(logits, temperature, top_p, gen)
+            if t > 0:
+                logits = stepper.forward(tokens[:, t - 1 : t])
+            tok, lp = self._sample(logits.float(), temperature, top_p, gen)
             tok = tok.masked_fill(finished, self.pad_id)
             tokens[:, t] = tok
             logprobs[:, t] = lp
+            step_versions.append(self.version)
             is_eos = (tok == self.eos_id) & ~finished
             lengths = torch.where(is_eos, t + 1, lengths)
             finished |= is_eos
-            n_steps = t + 1
             if bool(finished.all()):
                 break
-            step_ids = tok.unsqueeze(-1)
-            step_pos = next_pos + t
-        return self._to_generations(tokens[:, :n_steps], logprobs[:, :n_steps], lengths)
+        n_steps = len(step_versions)
+        return self._to_generations(tokens[:, :n_steps], logprobs[:, :n_steps], lengths, step_versions)
+
+    def _layout(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Left-padded prompt ids [B, W], and the key mask and position ids of every slot the
+        call can fill [B, W + max_new_tokens], built once and sliced as the sequences grow."""
+        batch, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        key_mask = torch.ones((batch, width + max_new_tokens), dtype=torch.bool)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            key_mask[i, : width - len(p)] = False
+        # Same position ids as HF generate: count real tokens; pads get a dummy position 1.
+        prompt_pos = (key_mask[:, :width].cumsum(-1) - 1).masked_fill_(~key_mask[:, :width], 1)
+        new_pos = prompt_pos[:, -1:] + 1 + torch.arange(max_new_tokens)
+        return input_ids, key_mask, torch.cat((prompt_pos, new_pos), dim=1)
+
+    @staticmethod
+    def _prefill(stepper: _Stepper, prompts: list[list[int]], input_ids: Tensor) -> Tensor:
+        distinct = _distinct_rows(prompts)
+        if distinct is None:
+            return stepper.forward(input_ids)
+        first, index = torch.tensor(distinct[0]), torch.tensor(distinct[1])
+        logits = stepper.forward(input_ids[first], rows=first)
+        stepper.expand(index)
+        return logits[index]
 
     @staticmethod
     def _sample(
@@ -306,11 +454,13 @@ class TorchEngine:
             tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
         return tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
 
-    def _to_generations(self, tokens: Tensor, logprobs: Tensor, lengths: Tensor) -> list[Generation]:
+    @staticmethod
+    def _to_generations(
+        tokens: Tensor, logprobs: Tensor, lengths: Tensor, step_versions: list[int]
+    ) -> list[Generation]:
         # One conversion to Python lists for the whole batch, then slicing.
         tok_rows, lp_rows, lens = tokens.tolist(), logprobs.tolist(), lengths.tolist()
-        v = self.version
         return [
-            Generation(completion_ids=t[:n], logprobs=lp[:n], token_versions=[v] * n)
+            Generation(completion_ids=t[:n], logprobs=lp[:n], token_versions=step_versions[:n])
             for t, lp, n in zip(tok_rows, lp_rows, lens)
         ]

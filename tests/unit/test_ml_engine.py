@@ -3,9 +3,13 @@
 import pytest
 import torch
 
-from echo_node.ml.engine import Engine, TorchEngine
+from echo_node.ml.engine import Engine, Generation, TorchEngine
 from echo_node.ml.grpo import sequence_logprobs
-from echo_node.ml.model import build_model, state_to_bytes, tiny_llama_config
+from echo_node.ml.model import (
+    build_model,
+    state_to_bytes,
+    tiny_llama_config,
+)
 
 torch.set_num_threads(1)
 
@@ -13,10 +17,10 @@ PAD = 0
 PROMPTS = [[1, 3, 4, 5], [1, 6], [1, 7, 8, 9, 10, 11, 12], [1, 4, 4]]
 
 
-def _model(seed: int = 0):
+def _model(seed: int = 0, kv_heads: int = 2):
     # A large init range makes a random model's greedy output vary from step to step.
     arch = {**tiny_llama_config(16), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-            "num_attention_heads": 2, "num_key_value_heads": 2, "initializer_range": 0.5}
+            "num_attention_heads": 2, "num_key_value_heads": kv_heads, "initializer_range": 0.5}
     return build_model(arch, seed=seed)
 
 
@@ -38,14 +42,22 @@ def test_torch_engine_satisfies_the_seam() -> None:
 
 
 @pytest.mark.parametrize("fast_path", [True, False])
-def test_greedy_matches_hf_generate_token_for_token(fast_path: bool) -> None:
-    model = _model()
-    free = TorchEngine(model, eos_id=-1, pad_id=PAD).generate(PROMPTS, max_new_tokens=12, temperature=0.0)
+@pytest.mark.parametrize(
+    ("prompts", "kv_heads"),
+    # Repeated prompts take the prefill-once-per-distinct-prompt path; one KV head, the GQA one.
+    [(PROMPTS, 2), ([p for p in PROMPTS for _ in range(3)], 2), (PROMPTS, 1)],
+    ids=["distinct", "repeated", "gqa"],
+)
+def test_greedy_matches_hf_generate_token_for_token(
+    fast_path: bool, prompts: list[list[int]], kv_heads: int
+) -> None:
+    model = _model(kv_heads=kv_heads)
+    free = TorchEngine(model, eos_id=-1, pad_id=PAD).generate(prompts, max_new_tokens=12, temperature=0.0)
     # Pick as eos a token that row 0 emits mid-way, so rows finish at different steps.
     eos = free[0].completion_ids[3]
     engine = TorchEngine(model, eos_id=eos, pad_id=PAD, fast_path=fast_path)
-    gens = engine.generate(PROMPTS, max_new_tokens=12, temperature=0.0)
-    expected = _hf_greedy(model, PROMPTS, eos, 12)
+    gens = engine.generate(prompts, max_new_tokens=12, temperature=0.0)
+    expected = _hf_greedy(model, prompts, eos, 12)
     assert [g.completion_ids for g in gens] == expected
     lengths = {len(g.completion_ids) for g in gens}
     assert len(lengths) > 1 and gens[0].completion_ids[-1] == eos
@@ -98,11 +110,16 @@ def test_seeded_sampling_is_reproducible_and_top_p_tiny_is_greedy() -> None:
 
 def test_load_weights_sets_version_and_tags_tokens() -> None:
     engine = TorchEngine(_model(seed=0), eos_id=-1, pad_id=PAD)
+    engine.generate(PROMPTS, max_new_tokens=3, temperature=1.0, seed=0)
     other = _model(seed=1)
     engine.load_weights(state_to_bytes(other), version=5)
     assert engine.version == 5
     assert state_to_bytes(engine.model) == state_to_bytes(other)
     gens = engine.generate(PROMPTS, max_new_tokens=3, temperature=1.0, seed=0)
     assert all(g.token_versions == [5, 5, 5] for g in gens)
+    # The fast path's fused weights follow the load (the first call built them for the old ones).
+    fresh = TorchEngine(_model(seed=1), eos_id=-1, pad_id=PAD).generate(PROMPTS, max_new_tokens=3, temperature=1.0, seed=0)
+    assert gens == [Generation(g.completion_ids, g.logprobs, [5, 5, 5]) for g in fresh]
     with pytest.raises(ValueError):
         engine.generate([[]], max_new_tokens=3, temperature=1.0, seed=0)
+
