@@ -11,13 +11,20 @@ Conventions (every engine keeps them):
   when top_p < 1 — exactly what the learner's `sequence_logprobs(..., temperature=T)` recomputes,
   and what vLLM's `logprobs_mode="processed_logprobs"` reports. temperature == 0 means greedy and
   log-probs are then those of T = 1.
-- `token_versions[i]` is the weight version that sampled token i (per-token tags let a future
-  engine continue a partial rollout across a version boundary; this one never switches mid-call).
+- `token_versions[i]` is the weight version that sampled token i. Generation is interruptible
+  (AReaL, PipelineRL): before each decode step (never before the prefill) the engine calls the
+  optional `swap` hook; when it hands over `(state, version)` the engine loads those weights
+  between two steps, in the generating thread (no forward pass sees half-loaded weights), drops
+  its KV cache and re-prefills every row's prompt and tokens so far with the new weights. So
+  token i tagged v was sampled from exactly pi_v given its whole prefix: the learner's
+  recomputation at v reproduces `logprobs[i]`. Rows that finished before a swap keep their
+  tokens and tags; the hook, not the engine, decides which versions are worth taking.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
@@ -32,6 +39,8 @@ if TYPE_CHECKING:
 
 # What `load_weights` accepts: our safetensors blob (as received, possibly a view) or tensors.
 WeightState = bytes | bytearray | memoryview | dict[str, Tensor]
+# Called by the generation loop before each decode step: None to go on, or new weights.
+SwapHook = Callable[[], tuple[WeightState, int] | None]
 
 
 @dataclass(slots=True)
@@ -54,6 +63,7 @@ class Engine(Protocol):
         temperature: float,
         top_p: float,
         seed: int | None,
+        swap: SwapHook | None = None,
     ) -> list[Generation]: ...
 
 
@@ -235,7 +245,7 @@ class _LlamaStepper:
             self.v = [torch.empty(shape) for _ in self._layers]
         cos, sin = cos[:, start:end], sin[:, start:end]
         if q_len > 1:
-            # Only the first forward (the prefill) is ever longer than one token.
+            # Only a first forward (prefill, or re-prefill after a swap) is ever longer than one.
             assert start == 0
             mask = _prefill_mask(key_mask[:, :end]) if self.padded else None
         else:
@@ -374,7 +384,9 @@ class TorchEngine:
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = None,
+        swap: SwapHook | None = None,
     ) -> list[Generation]:
+        """Sample a completion per prompt; `swap` is the in-flight weight hook (module docstring)."""
         if not prompts:
             return []
         if any(len(p) == 0 for p in prompts):
@@ -399,7 +411,7 @@ class TorchEngine:
         logits = self._prefill(stepper, prompts, input_ids)
         for t in range(max_new_tokens):
             if t > 0:
-                logits = stepper.forward(tokens[:, t - 1 : t])
+                logits = self._decode(stepper, swap, input_ids, tokens[:, :t], key_mask, position_ids)
             tok, lp = self._sample(logits.float(), temperature, top_p, gen)
             tok = tok.masked_fill(finished, self.pad_id)
             tokens[:, t] = tok
@@ -436,6 +448,26 @@ class TorchEngine:
         logits = stepper.forward(input_ids[first], rows=first)
         stepper.expand(index)
         return logits[index]
+
+    def _decode(
+        self,
+        stepper: _Stepper,
+        swap: SwapHook | None,
+        input_ids: Tensor,
+        generated: Tensor,
+        key_mask: Tensor,
+        position_ids: Tensor,
+    ) -> Tensor:
+        """Next-token logits after `generated` [B, t], taking new weights first if `swap` has any."""
+        update = None if swap is None else swap()
+        if update is None:
+            return stepper.forward(generated[:, -1:])
+        self.load_weights(*update)
+        # The old cache holds K/V of the old weights: keeping it would make the next token a
+        # sample from neither policy. Re-prefill instead (AReaL), so it is exactly pi_new's.
+        # Finished rows are re-fed as well; as on every step, their outputs are ignored.
+        stepper.start(key_mask, position_ids)
+        return stepper.forward(torch.cat((input_ids, generated), dim=1))
 
     @staticmethod
     def _sample(

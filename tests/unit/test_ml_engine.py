@@ -1,12 +1,14 @@
-"""TorchEngine: HF-generate parity (greedy, left-padded batch), log-probs, eos, top_p, versions."""
+"""TorchEngine: HF-generate parity (greedy, left-padded batch), log-probs, eos, top_p, versions,
+and weights swapped in mid-generation."""
 
 import pytest
 import torch
 
-from echo_node.ml.engine import Engine, Generation, TorchEngine
+from echo_node.ml.engine import Engine, Generation, SwapHook, TorchEngine, WeightState
 from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.model import (
     build_model,
+    canonical_state,
     state_to_bytes,
     tiny_llama_config,
 )
@@ -123,3 +125,99 @@ def test_load_weights_sets_version_and_tags_tokens() -> None:
     with pytest.raises(ValueError):
         engine.generate([[]], max_new_tokens=3, temperature=1.0, seed=0)
 
+
+class _SwapAt:
+    """A swap hook that hands over `state` as `version` on its `step`-th call (before step `step`)."""
+
+    def __init__(self, step: int, state: WeightState | None, version: int) -> None:
+        self.step, self.state, self.version = step, state, version
+        self.calls = 0
+
+    def __call__(self) -> tuple[WeightState, int] | None:
+        self.calls += 1
+        if self.calls != self.step or self.state is None:
+            return None
+        return self.state, self.version
+
+
+def _recompute(model, prompts: list[list[int]], gens: list[Generation], temperature: float) -> torch.Tensor:
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, prompts, [g.completion_ids for g in gens], PAD, temperature=temperature)
+    return lp
+
+
+SWAP_STEP = 3  # the hook's third call comes before decode step 3: tokens 0..2 are old, 3.. new
+
+
+def _swapped_run(fast_path: bool, temperature: float) -> tuple[list[Generation], int]:
+    """A sampled run (eos set so some rows end before the swap) that swaps in _model(1) as v7."""
+    prompts = PROMPTS * 2
+    free = TorchEngine(_model(0), eos_id=-1, pad_id=PAD).generate(
+        prompts, max_new_tokens=8, temperature=temperature, seed=4
+    )
+    # Until the swap the run is the free run (same weights, same seed): an eos that row 0
+    # samples at step 1 ends some rows before the swap.
+    eos = free[0].completion_ids[1]
+    engine = TorchEngine(_model(0), eos_id=eos, pad_id=PAD, fast_path=fast_path)
+    gens = engine.generate(
+        prompts, max_new_tokens=8, temperature=temperature, seed=4,
+        swap=_SwapAt(SWAP_STEP, state_to_bytes(_model(1)), 7),
+    )
+    assert engine.version == 7
+    return gens, eos
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_swap_tags_tokens_from_the_swap_step_with_the_new_version(fast_path: bool) -> None:
+    gens, eos = _swapped_run(fast_path, temperature=1.0)
+    ended_before = [g for g in gens if len(g.completion_ids) <= SWAP_STEP]
+    ran_on = [g for g in gens if len(g.completion_ids) > SWAP_STEP]
+    assert ended_before and ran_on
+    for g in ended_before:
+        assert g.completion_ids[-1] == eos and g.token_versions == [0] * len(g.completion_ids)
+    for g in ran_on:
+        assert g.token_versions == [0] * SWAP_STEP + [7] * (len(g.completion_ids) - SWAP_STEP)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_swap_logprobs_are_those_of_the_weights_that_sampled_each_token(fast_path: bool) -> None:
+    temperature = 0.7
+    gens, _ = _swapped_run(fast_path, temperature)
+    old = _recompute(_model(0), PROMPTS * 2, gens, temperature)
+    new = _recompute(_model(1), PROMPTS * 2, gens, temperature)
+    # rtol as well as the usual atol: _model(1) at T = 0.7 samples tokens of log-prob ~ -3.5,
+    # where float32 round-off between a cached and an uncached forward reaches ~1.7e-5.
+    for i, g in enumerate(gens):
+        lp = torch.tensor(g.logprobs)
+        n_old = min(SWAP_STEP, len(lp))
+        torch.testing.assert_close(old[i, :n_old], lp[:n_old], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(new[i, n_old : len(lp)], lp[n_old:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+@pytest.mark.parametrize("as_tensors", [False, True], ids=["bytes", "tensors"])
+def test_greedy_swap_to_identical_weights_changes_no_token(fast_path: bool, as_tensors: bool) -> None:
+    model = _model()
+    state: WeightState = (
+        {k: v.clone() for k, v in canonical_state(model).items()} if as_tensors else state_to_bytes(model)
+    )
+    engine = TorchEngine(model, eos_id=-1, pad_id=PAD, fast_path=fast_path)
+    plain = engine.generate(PROMPTS, max_new_tokens=8, temperature=0.0)
+    swapped = engine.generate(PROMPTS, max_new_tokens=8, temperature=0.0, swap=_SwapAt(4, state, 1))
+    assert [g.completion_ids for g in swapped] == [g.completion_ids for g in plain]
+    assert all(g.token_versions == [0] * 4 + [1] * 4 for g in swapped)
+    for a, b in zip(swapped, plain):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_a_swap_hook_that_returns_none_changes_nothing(fast_path: bool) -> None:
+    engine = TorchEngine(_model(), eos_id=5, pad_id=PAD, fast_path=fast_path)
+    hook = _SwapAt(0, None, 9)
+    swap: SwapHook = hook
+    plain = engine.generate(PROMPTS * 2, max_new_tokens=6, temperature=1.0, seed=1)
+    hooked = engine.generate(PROMPTS * 2, max_new_tokens=6, temperature=1.0, seed=1, swap=swap)
+    assert hooked == plain  # ids, log-probs (bit for bit) and versions
+    # Called before every decode step, never before the prefill.
+    assert hook.calls == max(len(g.completion_ids) for g in plain) - 1
+    assert engine.version == 0
