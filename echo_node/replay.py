@@ -73,9 +73,19 @@ class ReplayBuffer:
         return None
 
     def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
-        """Pop up to `n_groups` admissible groups, oldest first; stale ones are dropped."""
+        """Pop up to `n_groups` admissible groups, freshest first; stale ones are dropped.
+
+        Freshest = newest oldest-token version, then latest arrival. Peers produce with slack
+        so the learner never waits, so the buffer holds more than a step needs: taken oldest
+        first, every step would train at the full staleness S (measured: all tokens 4 versions
+        old at S = 4); taken freshest first, the surplus is what ages out, counted as stale.
+        """
         self.evict_stale(current_version)
-        batch = [self._groups.popleft() for _ in range(min(n_groups, len(self._groups)))]
+        n = min(n_groups, len(self._groups))
+        picked = sorted(range(len(self._groups)), key=lambda i: (self._groups[i].min_version, i), reverse=True)[:n]
+        batch = [self._groups[i] for i in picked]
+        chosen = set(picked)
+        self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)
         return batch
 
     def count_admissible(self, current_version: int) -> int:
@@ -99,8 +109,8 @@ class ReplayBuffer:
         return evicted
 
     def restore(self, groups: list[RolloutGroup]) -> None:
-        """Put back groups taken for a step that did not happen, oldest first as they were."""
-        self._groups.extendleft(reversed(groups))
+        """Put back groups taken for a step that did not happen; the next `take` picks them again."""
+        self._groups.extend(reversed(groups))
 
     def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
         self.ledger.trained += sum(len(g.samples) for g in groups)

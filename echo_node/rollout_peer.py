@@ -4,8 +4,11 @@ Sync modes (Echo):
 - pull: before every generation batch the peer asks the learner for its newest version and
   refreshes if it is behind, so each batch is sampled from the learner's current policy.
 - async: the peer generates continuously; new versions announced on the versions topic (or seen
-  in a periodic status check, in case gossip lost one) are fetched in the background and swapped
-  in between batches. Staleness is the learner's business (the replay buffer's S bound).
+  in a periodic status check, in case gossip lost one) are fetched in the background, and a
+  version that verified is swapped into the engine at its next decoding step, mid-generation
+  (interruptible generation, AReaL / PipelineRL): a completion then carries the versions of its
+  tokens, and the learner judges it by its oldest token against S and corrects every token by
+  its own behaviour log-prob.
 
 Every published group is a signed envelope with a per-publisher sequence number; the last
 `net.repair_history` envelopes are kept to answer the learner's gap-repair requests.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import random
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -55,6 +59,8 @@ log = logging.getLogger(__name__)
 
 # A version that does not arrive (and verify) within this is abandoned and asked for again.
 FETCH_TIMEOUT_S = 60.0
+# What a failed weight fetch looks like; the peer retries after a pause.
+REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError)
 # After the learner said it has no delta for a version, ask only for full snapshots this long.
 DELTA_BACKOFF_VERSIONS = 20
 # Status checks double as a liveness probe of the learner in async mode.
@@ -82,8 +88,16 @@ class RolloutPeer:
         self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
         self.served = Served(self.data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
-        # The weights the engine runs, as bytes: the base a delta applies to.
+        # The newest verified weights this peer holds (running or about to be swapped in), as
+        # bytes: the base a delta applies to.
         self._blob: bytes | memoryview | None = None
+        self._blob_version = -1
+        # Verified weights waiting for the engine; taken by the generation thread between two
+        # decoding steps (async) or before a batch, hence the lock.
+        self._pending: tuple[bytes | memoryview, int] | None = None
+        self._pending_lock = threading.Lock()
+        self._weights_ready = trio.Event()
+        self.swaps_mid_generation = 0
         self._delta_from = 0
         self.deltas_used = 0
         # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
@@ -101,6 +115,7 @@ class RolloutPeer:
         self._new_version = trio.Event()
         # Flow control: groups sampled on the engine's current version, and the learner's ask.
         self._produced = 0
+        self._produced_version = -1
         self._demand = cfg.rollout.groups_per_batch
         self._last_contact = 0.0
         self.first_publish_s: float | None = None
@@ -121,6 +136,7 @@ class RolloutPeer:
             nursery.start_soon(self._follow_announcements)
             if self.spec.sync_mode == "async":
                 nursery.start_soon(self._poll_status)
+                nursery.start_soon(self._fetch_newest)
             await self._generate_forever()
 
     # -- joining ---------------------------------------------------------------------------------
@@ -169,32 +185,60 @@ class RolloutPeer:
         return target
 
     async def _refresh(self, target: Target | None = None) -> None:
-        """Bring the engine to `target` (default: the learner's newest version) if behind."""
-        assert self.engine is not None and self._join is not None and self.policy is not None
+        """Bring the engine to `target` (default: the learner's newest version) before the next
+        batch: pull mode's on-policy refresh, and the initial weights."""
+        assert self.engine is not None
         target = target or await self._status()
-        if target.version <= self.engine.version:
-            return
+        if target.version > self._blob_version:
+            await self._fetch(target)
+        await trio.to_thread.run_sync(self._load_pending)
+
+    async def _fetch(self, target: Target) -> None:
+        """Fetch and verify `target`, then leave it for the engine to take (`_take_pending`)."""
         with trio.fail_after(FETCH_TIMEOUT_S):
             blob = await self._fetch_delta(target)
             if blob is None:
                 blob = await self._nursery_start(target, FULL)
-        # The version goes live only now, with every piece verified; the swap is one call
-        # between generation batches, so no batch ever mixes two versions' weights.
-        await trio.to_thread.run_sync(self.engine.load_weights, blob, target.version)
-        self._blob = blob
-        self._produced = 0
-        log.debug("now on version %d", target.version)
+        self._hand_over(blob, target.version)
+
+    def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
+        """Verified weights become the delta base and wait for the engine (`_take_pending`)."""
+        self._blob, self._blob_version = blob, version
+        with self._pending_lock:
+            self._pending = (blob, version)
+        self._weights_ready.set()
+        log.debug("version %d verified", version)
+
+    def _take_pending(self) -> tuple[bytes | memoryview, int] | None:
+        """The engine's swap hook (runs in the generation thread): newer verified weights, once."""
+        assert self.engine is not None
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None or pending[1] <= self.engine.version:
+            return None
+        return pending
+
+    def _load_pending(self) -> None:
+        """Swap in waiting weights between batches. The version goes live only with every piece
+        verified, and the load happens in the thread that generates, so no forward pass ever
+        sees half-loaded weights."""
+        assert self.engine is not None
+        pending = self._take_pending()
+        if pending is not None:
+            self.engine.load_weights(*pending)
 
     async def _fetch_delta(self, target: Target) -> bytes | None:
-        """The new weights via a delta against the ones we run, if the learner offers one."""
-        assert self.engine is not None
-        base = self.engine.version
-        if self._blob is None or base != target.version - 1 or target.version < self._delta_from:
+        """The new weights via a delta against the newest ones we hold, if the learner offers one."""
+        base = self._blob_version
+        behind = target.version - base
+        # The learner keeps (and cuts deltas against) its last keep_versions versions.
+        if self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from:
             return None
         try:
             delta = await self._nursery_start(target, base)
         except Unavailable:
-            self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
+            if behind == 1:  # deltas do not pay at all now, not just this base being too old
+                self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
         if hashlib.sha256(blob).digest() != target.sha256:
@@ -276,33 +320,65 @@ class RolloutPeer:
     async def _generate_forever(self) -> None:
         assert self.spec is not None and self.policy is not None and self.engine is not None
         while True:
-            try:
-                if self.spec.sync_mode == "pull":
+            if self.spec.sync_mode == "pull":
+                try:
                     await self._refresh()  # Echo's sequential pull: newest weights, every batch
-                elif self._newest is not None and self._newest.version > self.engine.version:
-                    await self._refresh(self._newest)
-            except (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError) as exc:
-                log.warning("weight refresh failed: %s; retrying", exc)
-                self._check_learner_alive()
-                await trio.sleep(1.0)
-                continue
+                except REFRESH_ERRORS as exc:
+                    await self._refresh_failed(exc)
+                    continue
+            else:
+                await trio.to_thread.run_sync(self._load_pending)
+            self._track_version()
             left = self._demand - self._produced
             if left <= 0:
                 await self._wait_for_version()
                 continue
             prompts = self.policy.task.sample_prompts(min(left, self.cfg.rollout.groups_per_batch), self.rng)
+            version = self.engine.version
             groups = await trio.to_thread.run_sync(self._generate, prompts)
+            if self.engine.version != version:
+                self.swaps_mid_generation += 1
+            self._track_version()  # a batch that ended on new weights counts toward the new version
             self._produced += len(groups)
             for g in groups:
                 await self._publish(g)
 
-    async def _wait_for_version(self) -> None:
+    def _track_version(self) -> None:
+        """The learner's demand is per version: the count starts over on new weights."""
         assert self.engine is not None
-        self._new_version = trio.Event()
-        if self._newest is not None and self._newest.version > self.engine.version:
-            return
+        if self.engine.version != self._produced_version:
+            self._produced_version, self._produced = self.engine.version, 0
+
+    async def _fetch_newest(self) -> None:
+        """async mode: fetch every newer version as it is announced, while generation goes on."""
+        while True:
+            if self._newest is None or self._newest.version <= self._blob_version:
+                self._new_version = trio.Event()
+                await self._new_version.wait()
+                continue
+            try:
+                await self._fetch(self._newest)
+            except REFRESH_ERRORS as exc:
+                await self._refresh_failed(exc)
+
+    async def _refresh_failed(self, exc: BaseException) -> None:
+        log.warning("weight refresh failed: %s; retrying", exc)
+        self._check_learner_alive()
+        await trio.sleep(1.0)
+
+    async def _wait_for_version(self) -> None:
+        """The learner's demand for this version is met: wait for newer weights to verify."""
+        assert self.engine is not None and self.spec is not None
+        if self.spec.sync_mode == "pull":
+            ready = self._new_version = trio.Event()
+            if self._newest is not None and self._newest.version > self.engine.version:
+                return
+        else:
+            ready = self._weights_ready = trio.Event()
+            if self._pending is not None:
+                return
         with trio.move_on_after(DEMAND_WAIT_S) as waited:
-            await self._new_version.wait()
+            await ready.wait()
         if waited.cancelled_caught:
             self._produced = max(0, self._demand - self.cfg.rollout.groups_per_batch)
 
@@ -318,6 +394,7 @@ class RolloutPeer:
             temperature=s.temperature,
             top_p=s.top_p,
             seed=self.rng.getrandbits(31),
+            swap=self._take_pending if self.spec.sync_mode == "async" else None,
         )
 
     async def _publish(self, g: ScoredGroup) -> None:

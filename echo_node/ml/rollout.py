@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from echo_node.ml.engine import Engine, Generation
+from echo_node.ml.engine import Engine, Generation, SwapHook
 from echo_node.ml.grpo import TrainGroup
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
@@ -46,7 +46,9 @@ def generate_groups(
     temperature: float,
     top_p: float = 1.0,
     seed: int | None = None,
+    swap: SwapHook | None = None,
 ) -> list[ScoredGroup]:
+    """`swap`: the engine's hook for weights that arrive mid-generation (see `Engine.generate`)."""
     prompt_ids = [tokenizer.encode_prompt(p) for p in prompts]
     batch = [ids for ids in prompt_ids for _ in range(group_size)]
     gens = engine.generate(
@@ -55,6 +57,7 @@ def generate_groups(
         temperature=temperature,
         top_p=top_p,
         seed=seed,
+        swap=swap,
     )
     texts = [tokenizer.decode(g.completion_ids) for g in gens]
     rewards = task.reward([p for p in prompts for _ in range(group_size)], texts)

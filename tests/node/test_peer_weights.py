@@ -48,10 +48,10 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             peer.learner = PeerAddr(LEARNER.peer_id, ())
             peer._join = SimpleNamespace(data_host="127.0.0.1", data_port=learner.port)  # type: ignore[assignment]
             peer.engine = SimpleNamespace(version=7)  # type: ignore[assignment]
-            peer._blob = v7
+            peer._blob, peer._blob_version = v7, 7
             with trio.fail_after(10):
                 results.append(await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4)))
-                peer.engine.version, peer._blob = 8, v8_b  # type: ignore[union-attr]
+                peer._blob, peer._blob_version = v8_b, 8
                 results.append(await peer._fetch_delta(Target(9, len(v9), full9.weights_sha256, 4)))
             nursery.cancel_scope.cancel()
 

@@ -12,16 +12,40 @@ from echo_node.rollout_peer import DEMAND_WAIT_S, RolloutPeer, Target
 from tests.factories import ALICE
 
 
-def peer_on_version(version: int, demand: int) -> RolloutPeer:
+def peer_on_version(version: int, demand: int, mode: str = "async") -> RolloutPeer:
     peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
     peer.engine = SimpleNamespace(version=version)  # type: ignore[assignment]
+    peer.spec = SimpleNamespace(sync_mode=mode)  # type: ignore[assignment]
     peer._offer(Target(version, 10, b"\0" * 32, demand))
     peer._produced = demand
     return peer
 
 
-def test_a_new_version_ends_the_wait_at_once() -> None:
+def test_new_verified_weights_end_the_wait_at_once() -> None:
+    """async: an announcement alone does not end the wait (sampling more on the old weights
+    would only make stale rollouts); the new version verifying does."""
     peer = peer_on_version(3, demand=6)
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            async def announce() -> None:
+                await trio.sleep(1.25)
+                peer._offer(Target(4, 10, b"\1" * 32, 5))
+                await trio.sleep(0.5)
+                peer._hand_over(b"weights of 4", 4)
+
+            nursery.start_soon(announce)
+            start = trio.current_time()
+            await peer._wait_for_version()
+            return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.75
+    assert peer._newest is not None and peer._newest.version == 4 and peer._demand == 5
+    assert peer._take_pending() == (b"weights of 4", 4) and peer._take_pending() is None
+
+
+def test_pull_mode_waits_for_the_announcement() -> None:
+    peer = peer_on_version(3, demand=6, mode="pull")
 
     async def main() -> float:
         async with trio.open_nursery() as nursery:
@@ -35,7 +59,6 @@ def test_a_new_version_ends_the_wait_at_once() -> None:
             return trio.current_time() - start
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.25
-    assert peer._newest is not None and peer._newest.version == 4 and peer._demand == 5
 
 
 def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:

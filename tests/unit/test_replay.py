@@ -44,8 +44,17 @@ def test_overload_drops_the_oldest_group() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=2)
     for seq in range(3):
         buf.offer(make_group(seq=seq), current_version=0)
-    assert [g.seq for g in buf.take(5, 0)] == [1, 2]
+    assert [g.seq for g in buf.take(5, 0)] == [2, 1]
     assert buf.ledger.dropped == {"overload": 8}
+
+
+def test_a_batch_is_the_freshest_admissible_data() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=16)
+    for seq, v in enumerate((5, 7, 6, 7, 5)):
+        buf.offer(make_group(version=v, seq=seq), current_version=7)
+    # Newest version first; among equals, the latest arrival.
+    assert [g.seq for g in buf.take(3, current_version=7)] == [3, 1, 2]
+    assert [g.seq for g in buf.take(3, current_version=7)] == [4, 0]
 
 
 def test_rejects_and_exit_are_counted() -> None:
@@ -67,14 +76,15 @@ def test_capacity_must_be_positive() -> None:
         ReplayBuffer(mode="async", staleness=1, capacity_groups=0)
 
 
-def test_restored_groups_go_back_in_order_and_stay_counted() -> None:
+def test_restored_groups_are_taken_again_and_stay_counted() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
     for seq in range(4):
         buf.offer(make_group(seq=seq), current_version=0)
     batch = buf.take(2, 0)
     buf.restore(batch)  # the step never ran
-    again = buf.take(4, 0)
-    assert [g.seq for g in again] == [0, 1, 2, 3]
+    assert [g.seq for g in buf.take(2, 0)] == [g.seq for g in batch] == [3, 2]
+    again = batch + buf.take(4, 0)
+    assert [g.seq for g in again] == [3, 2, 1, 0]
     buf.mark_trained(again)
     buf.check()
     assert buf.ledger.trained == 32
