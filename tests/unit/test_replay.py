@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
+from protocol.messages import RolloutGroup
 from tests.factories import make_group
 
 
@@ -88,3 +91,20 @@ def test_restored_groups_are_taken_again_and_stay_counted() -> None:
     buf.mark_trained(again)
     buf.check()
     assert buf.ledger.trained == 32
+
+
+def _spanning(oldest: int, newest: int, seq: int) -> RolloutGroup:
+    """A group whose completions were interrupted by a weight swap: tokens of two versions."""
+    g = make_group(seq=seq, version=newest)
+    samples = tuple(replace(s, token_versions=(oldest,) * 2 + (newest,) * (len(s.token_versions) - 2)) for s in g.samples)
+    return replace(g, samples=samples)
+
+
+def test_a_completion_spanning_versions_is_judged_by_its_oldest_token() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
+    assert buf.offer(_spanning(5, 9, seq=0), current_version=10) == DropReason.STALE
+    assert buf.offer(_spanning(6, 10, seq=1), current_version=10) is None
+    # One version later the admitted group's oldest tokens are 5 behind: it ages out.
+    assert buf.take(1, current_version=11) == []
+    assert buf.ledger.dropped == {"stale": 16}
+    buf.check()
