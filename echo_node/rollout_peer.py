@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 
 # A version that does not arrive (and verify) within this is abandoned and asked for again.
 FETCH_TIMEOUT_S = 60.0
-# What a failed weight fetch looks like; the peer retries after a pause.
-REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError)
+# What a failed weight fetch looks like; the peer retries after a pause (by then a newer version
+# may be the target: "unavailable" means the learner already stopped serving this one).
+REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable)
 # After the learner said it has no delta for a version, ask only for full snapshots this long.
 DELTA_BACKOFF_VERSIONS = 20
 # Status checks double as a liveness probe of the learner in async mode.
