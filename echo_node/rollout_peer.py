@@ -197,7 +197,7 @@ class RolloutPeer:
     async def _fetch(self, target: Target) -> None:
         """Fetch and verify `target`, then leave it for the engine to take (`_take_pending`)."""
         with trio.fail_after(FETCH_TIMEOUT_S):
-            blob = await self._fetch_delta(target)
+            blob: bytes | memoryview | None = await self._fetch_delta(target)
             if blob is None:
                 blob = await self._nursery_start(target, FULL)
         self._hand_over(blob, target.version)
