@@ -415,6 +415,8 @@ class Learner:
         key = (version, base)
         if key in self.sources:
             return self.sources[key]
+        if self.version < self._next_delta_try:
+            return None  # deltas do not pay now (see _offer_new_version): no encode per request
         building = self._building.get(key)
         if building is not None:
             await building.wait()

@@ -238,8 +238,9 @@ class RolloutPeer:
         try:
             delta = await self._nursery_start(target, base)
         except Unavailable:
-            if behind == 1:  # deltas do not pay at all now, not just this base being too old
-                self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
+            # Deltas do not pay now (fp32 weights early in training) or our base is too old;
+            # either way full snapshots for a while, and no round trip per version to learn it.
+            self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
         if hashlib.sha256(blob).digest() != target.sha256:
