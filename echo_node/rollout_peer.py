@@ -80,6 +80,27 @@ class Target:
     demand_groups: int
 
 
+def rollout_group(g: ScoredGroup, *, run_id: str, peer_id: str, seq: int) -> RolloutGroup:
+    """The wire record of one scored group: per-token log-probs and version tags as sampled."""
+    return RolloutGroup(
+        run_id=run_id,
+        peer_id=peer_id,
+        seq=seq,
+        group_id=f"{peer_id[-8:]}-{seq}",
+        prompt_ids=tuple(g.prompt_ids),
+        samples=tuple(
+            Sample(
+                completion_ids=tuple(gen.completion_ids),
+                # An engine's float32 log-prob of a near-certain token can round to +1e-8.
+                behaviour_logprobs=tuple(min(0.0, lp) for lp in gen.logprobs),
+                token_versions=tuple(gen.token_versions),
+                reward=float(r),
+            )
+            for gen, r in zip(g.generations, g.rewards)
+        ),
+    )
+
+
 class RolloutPeer:
     def __init__(self, cfg: RunConfig, identity: Identity, *, model_path: str | None = None) -> None:
         self.cfg = cfg
@@ -400,23 +421,7 @@ class RolloutPeer:
         )
 
     async def _publish(self, g: ScoredGroup) -> None:
-        group = RolloutGroup(
-            run_id=self.cfg.run_id,
-            peer_id=self.node.peer_id,
-            seq=self.seq,
-            group_id=f"{self.node.peer_id[-8:]}-{self.seq}",
-            prompt_ids=tuple(g.prompt_ids),
-            samples=tuple(
-                Sample(
-                    completion_ids=tuple(gen.completion_ids),
-                    behaviour_logprobs=tuple(min(0.0, lp) for lp in gen.logprobs),
-                    token_versions=tuple(gen.token_versions),
-                    reward=float(r),
-                )
-                for gen, r in zip(g.generations, g.rewards)
-            ),
-        )
-        envelope = seal(group, self.identity)
+        envelope = seal(rollout_group(g, run_id=self.cfg.run_id, peer_id=self.node.peer_id, seq=self.seq), self.identity)
         self.history[self.seq] = envelope
         while len(self.history) > self.cfg.net.repair_history:
             self.history.popitem(last=False)
