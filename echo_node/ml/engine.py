@@ -98,6 +98,15 @@ def _prefill_mask(key_mask: Tensor) -> Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
+def is_lean_llama(model: torch.nn.Module) -> bool:
+    """Whether the lean Llama forwards (this engine's stepper, the learner's training forward)
+    reproduce `model`'s own: exactly a LlamaForCausalLM (a subclass may change the forward) with
+    SiLU MLPs."""
+    from transformers import LlamaForCausalLM
+
+    return type(model) is LlamaForCausalLM and getattr(model.config, "hidden_act", "") == "silu"
+
+
 class _Stepper(Protocol):
     def start(self, key_mask: Tensor, position_ids: Tensor) -> None:
         """Begin a sequence batch: `key_mask` [B, S] is False on left padding, `position_ids`
@@ -189,9 +198,7 @@ class _LlamaStepper:
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        from transformers import LlamaForCausalLM
-
-        return type(model) is LlamaForCausalLM and getattr(model.config, "hidden_act", "") == "silu"
+        return is_lean_llama(model)
 
     def _refresh(self) -> None:
         """Take the model's weights as plain tensors, unless no parameter changed since last time."""

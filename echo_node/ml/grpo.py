@@ -19,7 +19,9 @@ Invariants:
 - The loss is a token-level mean over all completion tokens in the step (DAPO's token-mean), so a
   long completion weighs by its tokens, not as one sample.
 - `sequence_logprobs(..., temperature=T)` recomputes exactly what `TorchEngine` reports at T (test
-  tolerance 1e-5), so on-policy data has w = 1.
+  tolerance 1e-5), so on-policy data has w = 1. For a plain LlamaForCausalLM it runs a lean
+  forward that computes each distinct prompt once per batch; it matches the model's own forward
+  (`fast_path=False`) in log-probs and in every parameter's gradient (tested).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Literal, get_args
 
 import torch
 from torch import Tensor
+
+from echo_node.ml.engine import is_lean_llama
 
 
 Correction = Literal["tis", "decoupled", "none"]
@@ -82,12 +86,16 @@ def sequence_logprobs(
     pad_id: int,
     *,
     temperature: float = 1.0,
+    fast_path: bool | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of each completion given its prompt and previous tokens.
 
     Returns (logprobs [B, Tmax], mask [B, Tmax]) with Tmax the longest completion; rows are
     right-padded, so causal attention alone keeps pads out of every real token's context and no
     attention mask (nor position-id shift) is needed. Gradients flow unless the caller disables them.
+    `fast_path`: None takes the lean Llama forward (`_lean_llama_logits`) when the model is one
+    it reproduces, else the model's own forward; False forces the model's own forward (the
+    reference the lean one is tested against); True demands the lean one.
     """
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
@@ -98,26 +106,173 @@ def sequence_logprobs(
     if batch == 0 or t_max == 0:
         empty = torch.zeros((batch, t_max))
         return empty, empty.bool()
-    seq_len = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-    ids = torch.full((batch, seq_len), pad_id, dtype=torch.long)
-    targets = torch.full((batch, t_max), pad_id, dtype=torch.long)
-    src_pos = torch.zeros((batch, t_max), dtype=torch.long)
-    mask = torch.zeros((batch, t_max), dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
-        if not p:
-            raise ValueError("every prompt needs at least one token (bos)")
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c, dtype=torch.long)
-        n = len(c)
-        targets[i, :n] = torch.tensor(c, dtype=torch.long)
-        # Token j of the completion sits at len(p)+j and is predicted by the logits one before.
-        src_pos[i, :n] = torch.arange(len(p) - 1, len(p) - 1 + n)
-        mask[i, :n] = True
-    logits = model(input_ids=ids, use_cache=False).logits
-    # Gather the predicting positions first: log_softmax over [B, Tmax, V], not [B, S, V].
-    picked = logits.gather(1, src_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+    if any(not p for p in prompt_ids):
+        raise ValueError("every prompt needs at least one token (bos)")
+    targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
+    mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool)
+    if _lean_path_applies(model, fast_path):
+        picked = _lean_llama_logits(model, prompt_ids, completion_ids, t_max, pad_id)
+    else:
+        picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
     logp = torch.log_softmax(picked.float() / temperature, dim=-1)
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return token_logp.masked_fill(~mask, 0.0), mask
+
+
+def _hf_logits(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+) -> Tensor:
+    """Logits [B, Tmax, V] of the positions predicting each completion token, by the model's own
+    forward over right-padded prompt + completion rows."""
+    targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
+    mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool)
+    if _lean_path_applies(model, fast_path):
+        picked = _lean_llama_logits(model, prompt_ids, completion_ids, t_max, pad_id)
+    else:
+        picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
+    logp = torch.log_softmax(picked.float() / temperature, dim=-1)
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return token_logp.masked_fill(~mask, 0.0), mask
+
+
+def _hf_logits(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+) -> Tensor:
+    """Logits [B, Tmax, V] of the positions predicting each completion token, by the model's own
+    forward over right-padded prompt + completion rows."""
+    # The last completion token is only ever predicted, never a predictor: leave it out.
+    width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)) - 1
+    ids_rows, src_rows = [], []
+    for p, c in zip(prompt_ids, completion_ids):
+        row = (p + c)[:width]
+        ids_rows.append(row + [pad_id] * (width - len(row)))
+        # Token j of the completion sits at len(p)+j and is predicted by the position one before;
+        # padding entries point at position 0 and are masked out by the caller.
+        src_rows.append(list(range(len(p) - 1, len(p) - 1 + len(c))) + [0] * (t_max - len(c)))
+    # One tensor per list of lists: per-row torch.tensor calls cost more than the tiny model's matmuls.
+    ids = torch.tensor(ids_rows, dtype=torch.long)
+    src_pos = torch.tensor(src_rows, dtype=torch.long)
+    logits = model(input_ids=ids, use_cache=False).logits
+    # Gather the predicting positions first: log_softmax over [B, Tmax, V], not [B, S, V].
+    return logits.gather(1, src_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+
+
+def _lean_path_applies(model: torch.nn.Module, fast_path: bool | None) -> bool:
+    if fast_path is False:
+        return False
+    # In train mode HF applies attention dropout; the lean forward has none.
+    ok = is_lean_llama(model) and not (model.training and model.config.attention_dropout > 0)
+    if fast_path and not ok:
+        raise ValueError(
+            f"the lean forward supports LlamaForCausalLM without attention dropout only, not {type(model).__name__}"
+        )
+    return ok
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # HF's LlamaRMSNorm op for op (float32 throughout), so both paths round alike.
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _lean_llama_logits(
+    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+) -> Tensor:
+    """Logits [B, Tmax, V] predicting each completion token, differentiable in the model's own
+    parameters; the same numbers as `_hf_logits` up to float rounding (tested to 1e-5).
+
+    Why: the learner's step is matmul-bound, and a GRPO batch repeats each prompt `group_size`
+    times. Causal attention makes a prompt's hidden states independent of what follows, so each
+    distinct prompt runs once (its "prefix" rows, right-padded, plain causal SDPA) and each
+    completion row runs only its own tokens, attending to its prompt's K/V plus its own (one
+    boolean mask) — 8x8 addition rollouts shrink from 640 token positions to ~250. The two kinds
+    of rows share one flat token axis, so every norm and projection is one op per layer; q/k/v
+    and gate/up are one matmul each against torch.cat of the live parameters, built in this call,
+    so gradients reach the parameters and no optimizer step is ever missed. Otherwise it is HF's
+    Llama arithmetic: RMSNorm, rotate-half RoPE at absolute positions, SDPA, SwiGLU.
+    """
+    cfg = model.config
+    inner = model.model
+    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
+    half = hd // 2
+    seen: dict[tuple[int, ...], int] = {}
+    row_of = [seen.setdefault(tuple(p), len(seen)) for p in prompt_ids]
+    distinct = list(seen)
+    n_u, p_max, batch = len(distinct), max(len(p) for p in distinct), len(prompt_ids)
+    # Completion inputs: every token but the last, which is only ever predicted.
+    c_len = t_max - 1
+    n_prefix = n_u * p_max
+    rows = torch.tensor(row_of, dtype=torch.long)
+    p_len = torch.tensor([len(p) for p in distinct], dtype=torch.long)
+    row_p_len = p_len[rows]
+    prefix_rows = [list(p) + [pad_id] * (p_max - len(p)) for p in distinct]
+    comp_rows = [c[:c_len] + [pad_id] * (c_len - min(len(c), c_len)) for c in completion_ids]
+    ids = torch.tensor([t for row in prefix_rows + comp_rows for t in row], dtype=torch.long)
+    linear = torch.nn.functional.linear
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    h = torch.nn.functional.embedding(ids, inner.embed_tokens.weight)
+    # Rotary tables by absolute position: prefix slot s sits at s, completion input j of row b
+    # at len(prompt_b) + j. Laid out [N, 1, hd] along the flat token axis, broadcast over heads;
+    # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi] (negation is exact).
+    cos, sin = inner.rotary_emb(h, torch.arange(p_max + c_len).unsqueeze(0))
+    cos, sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+    pos = torch.cat((torch.arange(p_max).repeat(n_u), (row_p_len[:, None] + torch.arange(c_len)).view(-1)))
+    cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
+    # Completion query j sees its prompt's real slots and its own inputs 0..j. Never an all-False
+    # row (every prompt has a token), so SDPA gives no NaN even on padding queries.
+    allowed = torch.cat(
+        (
+            (torch.arange(p_max)[None, :] < row_p_len[:, None])[:, None, :].expand(batch, c_len, p_max),
+            torch.ones(c_len, c_len, dtype=torch.bool).tril().expand(batch, c_len, c_len),
+        ),
+        dim=-1,
+    ).unsqueeze(1)
+    # After the last attention only the predicting positions matter: each prompt's last slot and
+    # every completion input.
+    keep = torch.cat((torch.arange(n_u) * p_max + p_len - 1, n_prefix + torch.arange(batch * c_len)))
+
+    def heads(x: Tensor, start: int, n_rows: int, width: int) -> Tensor:
+        """Rows [start, start + n_rows * width) of the flat axis as [n_rows, n_q, width, hd]."""
+        x = x[start : start + n_rows * width].view(n_rows, width, -1, hd).transpose(1, 2)
+        # GQA: each K/V head serves n_q // n_kv consecutive query heads, as HF's repeat_kv.
+        return x if x.shape[1] == n_q else x.repeat_interleave(n_q // n_kv, dim=1)
+
+    layers = list(inner.layers)
+    for i, layer in enumerate(layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q_p, k_p, v_p, o_p = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        norm = layer.input_layernorm
+        qkv_b = None if q_p.bias is None else torch.cat((q_p.bias, k_p.bias, v_p.bias))
+        qkv = linear(
+            _rms_norm(h, norm.weight, norm.variance_epsilon), torch.cat((q_p.weight, k_p.weight, v_p.weight)), qkv_b
+        ).view(-1, n_q + 2 * n_kv, hd)
+        # RoPE on q and k at once: they are adjacent heads of the fused projection.
+        qk = qkv[:, : n_q + n_kv]
+        qk = qk * cos + qk.roll(half, dims=-1) * sin
+        q, k, v = qk[:, :n_q], qk[:, n_q:], qkv[:, n_q + n_kv :]
+
+        kp, vp = heads(k, 0, n_u, p_max), heads(v, 0, n_u, p_max)
+        outs = [sdpa(heads(q, 0, n_u, p_max), kp, vp, is_causal=True, scale=hd**-0.5)]
+        if c_len:
+            keys = torch.cat((kp[rows], heads(k, n_prefix, batch, c_len)), dim=2)
+            values = torch.cat((vp[rows], heads(v, n_prefix, batch, c_len)), dim=2)
+            outs.append(sdpa(heads(q, n_prefix, batch, c_len), keys, values, attn_mask=allowed, scale=hd**-0.5))
+        o = torch.cat([x.transpose(1, 2).reshape(-1, n_q * hd) for x in outs])
+        if i == len(layers) - 1:
+            o, h = o[keep], h[keep]
+        h = h + linear(o, o_p.weight, o_p.bias)
+        g_p, u_p, d_p = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        norm = layer.post_attention_layernorm
+        gu_b = None if g_p.bias is None else torch.cat((g_p.bias, u_p.bias))
+        gate, up = linear(
+            _rms_norm(h, norm.weight, norm.variance_epsilon), torch.cat((g_p.weight, u_p.weight)), gu_b
+        ).chunk(2, dim=-1)
+        h = h + linear(torch.nn.functional.silu(gate) * up, d_p.weight, d_p.bias)
+    if not layers:
+        h = h[keep]
+    logits = linear(_rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon), model.lm_head.weight, model.lm_head.bias)
+    first = logits[:n_u][rows].unsqueeze(1)
+    return torch.cat((first, logits[n_u:].view(batch, c_len, logits.shape[-1])), dim=1)
 
 
 def importance_weights(
@@ -220,7 +375,9 @@ class PolicyOptimizer:
         correction: Correction = "tis",
         is_cap: float = 2.0,
         minibatches: int = 1,
+        fast_path: bool | None = None,
     ) -> None:
+        """`fast_path`: `sequence_logprobs`'s choice of forward (None: lean when it applies)."""
         if correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {correction!r}")
         if is_cap <= 0:
@@ -235,6 +392,7 @@ class PolicyOptimizer:
         self.correction = correction
         self.is_cap = is_cap
         self.minibatches = minibatches
+        self.fast_path = fast_path
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
         self.steps = 0
 
@@ -269,14 +427,18 @@ class PolicyOptimizer:
         if len(chunks) == 1:
             # pi_prox is pi_theta before the step: the forward that carries the gradient also
             # gives the learner's recomputed log-probs, no second pass.
-            new_lp, mask = sequence_logprobs(self.model, prompts, completions, self.pad_id, temperature=self.temperature)
+            new_lp, mask = sequence_logprobs(
+                self.model, prompts, completions, self.pad_id, temperature=self.temperature, fast_path=self.fast_path
+            )
             prox = new_lp.detach()
         else:
             with torch.no_grad():
-                prox, mask = sequence_logprobs(self.model, prompts, completions, self.pad_id, temperature=self.temperature)
-        mu = torch.zeros_like(prox)
-        for i, row in enumerate(behaviour):
-            mu[i, : len(row)] = torch.tensor(row, dtype=torch.float32)
+                prox, mask = sequence_logprobs(
+                    self.model, prompts, completions, self.pad_id, temperature=self.temperature,
+                    fast_path=self.fast_path,
+                )
+        t_max = prox.shape[1]
+        mu = torch.tensor([row + [0.0] * (t_max - len(row)) for row in behaviour], dtype=torch.float32)
         weights, is_stats = importance_weights(prox, mu, mask, cap=self.is_cap)
         if self.correction == "none":
             weights = mask.float()
@@ -290,7 +452,7 @@ class PolicyOptimizer:
             if new_lp is None:
                 lp, m = sequence_logprobs(
                     self.model, [prompts[i] for i in idx], [completions[i] for i in idx], self.pad_id,
-                    temperature=self.temperature,
+                    temperature=self.temperature, fast_path=self.fast_path,
                 )
             else:
                 lp, m = new_lp, mask

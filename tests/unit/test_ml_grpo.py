@@ -181,3 +181,72 @@ def test_minibatches_take_several_optimizer_steps() -> None:
     assert stats["ratio_mean"] != pytest.approx(1.0, abs=1e-7)
     with pytest.raises(ValueError):
         PolicyOptimizer(model, lr=1e-3, correction="bogus")  # type: ignore[arg-type]
+
+
+# Repeated prompts (a GRPO group), prompts of different lengths, completions of different lengths
+# (one empty, one of a single token) - every layout case of the lean forward.
+_PARITY_PROMPTS = [[1, 5, 6], [1, 5, 6], [1, 5, 6], [1, 7], [1, 9, 10, 11, 12], [1, 7], [1]]
+_PARITY_COMPLETIONS = [[7, 8, 2], [9], [10, 11, 12, 13], [], [3, 4], [5, 6, 7], [8, 2]]
+
+
+def _parity_model(kv_heads: int) -> torch.nn.Module:
+    # A large init range makes a random model's log-probs far from uniform.
+    arch = {**tiny_llama_config(16), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": kv_heads, "initializer_range": 0.5}
+    return build_model(arch, seed=3)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "gqa"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(
+    ("prompts", "completions"),
+    [(_PARITY_PROMPTS, _PARITY_COMPLETIONS), ([[1, 5, 6], [1, 7], [1, 7]], [[3], [4], [5]])],
+    ids=["mixed", "one-token"],
+)
+def test_lean_forward_matches_hf_forward(
+    kv_heads: int, temperature: float, prompts: list[list[int]], completions: list[list[int]]
+) -> None:
+    model = _parity_model(kv_heads).train()
+    results = {}
+    for fast_path in (True, False):
+        model.zero_grad(set_to_none=True)
+        lp, mask = sequence_logprobs(model, prompts, completions, 0, temperature=temperature, fast_path=fast_path)
+        # Distinct weights per token, so a token's gradient landing on the wrong row would show.
+        coef = torch.linspace(-1.0, 1.0, lp.numel()).view_as(lp)
+        (lp * coef).sum().backward()
+        results[fast_path] = (lp.detach(), mask, {n: p.grad.clone() for n, p in model.named_parameters()})
+    (lean, lean_mask, lean_grads), (ref, ref_mask, ref_grads) = results[True], results[False]
+    assert torch.equal(lean_mask, ref_mask)
+    assert bool((ref[ref_mask] < -0.01).all())  # non-trivial log-probs, and padding stays 0
+    torch.testing.assert_close(lean, ref, atol=1e-5, rtol=0)
+    assert lean_grads.keys() == ref_grads.keys()
+    for name, grad in ref_grads.items():
+        scale = float(grad.abs().max())
+        assert scale > 0.0, name
+        # The two paths sum a shared prompt's gradient in different orders: float32 round-off
+        # relative to the largest term (up to ~100 with this init), hence a tolerance scaled by it.
+        torch.testing.assert_close(lean_grads[name], grad, atol=1e-5 * max(1.0, scale), rtol=0, msg=name)
+
+
+def test_lean_forward_tracks_optimizer_steps() -> None:
+    """No fused weight outlives a call: after an update both forwards see the new weights."""
+    model = _parity_model(2)
+    group = TrainGroup([1, 5, 6], [[7, 8, 2], [9, 10, 2]], [[-1.0] * 3, [-1.0] * 3], [1.0, 0.0])
+    opt = PolicyOptimizer(model, lr=1e-2, pad_id=0)
+    before = sequence_logprobs(model, [[1, 5, 6]], [[7, 8, 2]], 0, fast_path=True)[0]
+    opt.step([group])
+    with torch.no_grad():
+        lean = sequence_logprobs(model, [[1, 5, 6]], [[7, 8, 2]], 0, fast_path=True)[0]
+        ref = sequence_logprobs(model, [[1, 5, 6]], [[7, 8, 2]], 0, fast_path=False)[0]
+    assert not torch.allclose(lean, before.detach(), atol=1e-4)
+    torch.testing.assert_close(lean, ref, atol=1e-5, rtol=0)
+
+
+def test_lean_forward_refuses_what_it_cannot_reproduce() -> None:
+    arch = {**_tiny_setup()[0], "attention_dropout": 0.1}
+    model = build_model(arch, seed=0).train()
+    with pytest.raises(ValueError):
+        sequence_logprobs(model, [[1, 5]], [[3]], 0, fast_path=True)
+    # Unforced, a model with attention dropout in training takes HF's forward (dropout applied).
+    lp, _ = sequence_logprobs(model, [[1, 5]], [[3]], 0)
+    assert lp.shape == (1, 1)
