@@ -17,13 +17,13 @@ def peer_on_version(version: int, demand: int, mode: str = "async") -> RolloutPe
     peer.engine = SimpleNamespace(version=version)  # type: ignore[assignment]
     peer.spec = SimpleNamespace(sync_mode=mode)  # type: ignore[assignment]
     peer._offer(Target(version, 10, b"\0" * 32, demand))
-    peer._produced = demand
+    peer._produced, peer._produced_version = demand, version
     return peer
 
 
-def test_new_verified_weights_end_the_wait_at_once() -> None:
-    """async: an announcement alone does not end the wait (sampling more on the old weights
-    would only make stale rollouts); the new version verifying does."""
+def test_an_announcement_ends_the_wait_at_once() -> None:
+    """async: the peer samples on at once (on the weights it has; the new ones are swapped in
+    mid-batch when they verify), and the count starts over for the new version."""
     peer = peer_on_version(3, demand=6)
 
     async def main() -> float:
@@ -31,16 +31,23 @@ def test_new_verified_weights_end_the_wait_at_once() -> None:
             async def announce() -> None:
                 await trio.sleep(1.25)
                 peer._offer(Target(4, 10, b"\1" * 32, 5))
-                await trio.sleep(0.5)
-                peer._hand_over(b"weights of 4", 4)
 
             nursery.start_soon(announce)
             start = trio.current_time()
             await peer._wait_for_version()
             return trio.current_time() - start
 
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.75
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.25
     assert peer._newest is not None and peer._newest.version == 4 and peer._demand == 5
+    peer._track_version()
+    assert (peer._produced_version, peer._produced) == (4, 0)
+
+
+def test_verified_weights_wait_for_the_engine_once() -> None:
+    peer = peer_on_version(3, demand=6)
+    peer._hand_over(b"weights of 2", 2)
+    assert peer._take_pending() is None  # older than what the engine runs
+    peer._hand_over(b"weights of 4", 4)
     assert peer._take_pending() == (b"weights of 4", 4) and peer._take_pending() is None
 
 
