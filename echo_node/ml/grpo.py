@@ -124,22 +124,6 @@ def _hf_logits(
 ) -> Tensor:
     """Logits [B, Tmax, V] of the positions predicting each completion token, by the model's own
     forward over right-padded prompt + completion rows."""
-    targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
-    mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool)
-    if _lean_path_applies(model, fast_path):
-        picked = _lean_llama_logits(model, prompt_ids, completion_ids, t_max, pad_id)
-    else:
-        picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
-    logp = torch.log_softmax(picked.float() / temperature, dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return token_logp.masked_fill(~mask, 0.0), mask
-
-
-def _hf_logits(
-    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
-) -> Tensor:
-    """Logits [B, Tmax, V] of the positions predicting each completion token, by the model's own
-    forward over right-padded prompt + completion rows."""
     # The last completion token is only ever predicted, never a predictor: leave it out.
     width = max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)) - 1
     ids_rows, src_rows = [], []

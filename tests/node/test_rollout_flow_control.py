@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import trio
 import trio.testing
 
@@ -21,10 +22,11 @@ def peer_on_version(version: int, demand: int, mode: str = "async") -> RolloutPe
     return peer
 
 
-def test_an_announcement_ends_the_wait_at_once() -> None:
-    """async: the peer samples on at once (on the weights it has; the new ones are swapped in
-    mid-batch when they verify), and the count starts over for the new version."""
-    peer = peer_on_version(3, demand=6)
+@pytest.mark.parametrize("mode", ["async", "pull"])
+def test_an_announcement_ends_the_wait_at_once(mode: str) -> None:
+    """The count starts over for the new version. async samples on at once, on the weights it
+    has (the new ones swap in mid-batch when they verify); pull refreshes first."""
+    peer = peer_on_version(3, demand=6, mode=mode)
 
     async def main() -> float:
         async with trio.open_nursery() as nursery:
@@ -49,23 +51,6 @@ def test_verified_weights_wait_for_the_engine_once() -> None:
     assert peer._take_pending() is None  # older than what the engine runs
     peer._hand_over(b"weights of 4", 4)
     assert peer._take_pending() == (b"weights of 4", 4) and peer._take_pending() is None
-
-
-def test_pull_mode_waits_for_the_announcement() -> None:
-    peer = peer_on_version(3, demand=6, mode="pull")
-
-    async def main() -> float:
-        async with trio.open_nursery() as nursery:
-            async def announce() -> None:
-                await trio.sleep(1.25)
-                peer._offer(Target(4, 10, b"\1" * 32, 5))
-
-            nursery.start_soon(announce)
-            start = trio.current_time()
-            await peer._wait_for_version()
-            return trio.current_time() - start
-
-    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.25
 
 
 def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
