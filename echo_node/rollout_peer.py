@@ -133,8 +133,9 @@ class RolloutPeer:
         self.learner: PeerAddr | None = None
         self._join: JoinResponse | None = None
         self._newest: Target | None = None
-        self._new_version = trio.Event()  # for the background fetcher (async)
-        self._announced = trio.Event()  # for a generation loop waiting on the next version
+        # Set and replaced by `_offer` on every newer version, so any number of tasks (the
+        # background fetcher, the generation loop) can wait on the one current event.
+        self._new_version = trio.Event()
         # Flow control: groups sampled on the engine's current version, and the learner's ask.
         self._produced = 0
         self._produced_version = -1
@@ -318,7 +319,7 @@ class RolloutPeer:
         if self._newest is None or target.version > self._newest.version:
             self._newest = target
             self._new_version.set()
-            self._announced.set()
+            self._new_version = trio.Event()
 
     async def _follow_announcements(self) -> None:
         async for item in self.node.messages(versions_topic(self.cfg.run_id)):
@@ -378,7 +379,6 @@ class RolloutPeer:
         """async mode: fetch every newer version as it is announced, while generation goes on."""
         while True:
             if self._newest is None or self._newest.version <= self._blob_version:
-                self._new_version = trio.Event()
                 await self._new_version.wait()
                 continue
             try:
@@ -400,7 +400,7 @@ class RolloutPeer:
         fetches them before the next batch.
         """
         assert self.engine is not None
-        ready = self._announced = trio.Event()
+        ready = self._new_version
         if self._newest is not None and self._newest.version > self._produced_version:
             return
         with trio.move_on_after(DEMAND_WAIT_S) as waited:
