@@ -98,6 +98,11 @@ def _prefill_mask(key_mask: Tensor) -> Tensor:
     return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """HF's LlamaRMSNorm op for op (float32 throughout), so the lean forwards round as it does."""
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
 def is_lean_llama(model: torch.nn.Module) -> bool:
     """Whether the lean Llama forwards (this engine's stepper, the learner's training forward)
     reproduce `model`'s own: exactly a LlamaForCausalLM (a subclass may change the forward) with
@@ -123,9 +128,10 @@ class _Stepper(Protocol):
         """Row r of the batch becomes cache row `index[r]` (after a forward with `rows`)."""
 
 
-class _LayerWeights(NamedTuple):
+class LlamaLayerWeights(NamedTuple):
     """One Llama decoder layer's weights as plain tensors, q/k/v and gate/up concatenated (one
-    matmul each instead of three and two); the step loop then makes no module calls."""
+    matmul each instead of three and two), for the lean forwards (this engine's step loop, the
+    learner's training forward), which then make no module calls."""
 
     norm1: tuple[Tensor, float]
     qkv: Tensor
@@ -139,10 +145,12 @@ class _LayerWeights(NamedTuple):
     down_bias: Tensor | None
 
     @classmethod
-    def of(cls, layer: LlamaDecoderLayer) -> _LayerWeights:
+    def of(cls, layer: LlamaDecoderLayer, *, trainable: bool = False) -> LlamaLayerWeights:
+        """`trainable`: the concatenations stay in the autograd graph, so gradients reach the
+        layer's parameters (build them anew for every forward then: they are copies)."""
         a, m = layer.self_attn, layer.mlp
-        qkv, qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj])
-        gate_up, gate_up_bias = _concat([m.gate_proj, m.up_proj])
+        qkv, qkv_bias = _concat([a.q_proj, a.k_proj, a.v_proj], trainable)
+        gate_up, gate_up_bias = _concat([m.gate_proj, m.up_proj], trainable)
         return cls(
             norm1=_norm(layer.input_layernorm),
             qkv=qkv,
@@ -157,10 +165,13 @@ class _LayerWeights(NamedTuple):
         )
 
 
-def _concat(linears: list[torch.nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+def _concat(linears: list[torch.nn.Linear], trainable: bool) -> tuple[Tensor, Tensor | None]:
+    def keep(t: Tensor) -> Tensor:
+        return t if trainable else t.detach()
+
+    weight = torch.cat([keep(lin.weight) for lin in linears])
     biases = [lin.bias for lin in linears]
-    bias = None if biases[0] is None else torch.cat([cast(Tensor, b).detach() for b in biases])
+    bias = None if biases[0] is None else torch.cat([keep(cast(Tensor, b)) for b in biases])
     return weight, bias
 
 
@@ -192,7 +203,7 @@ class _LlamaStepper:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim**-0.5
         self._key: tuple[int, ...] = ()
-        self._layers: list[_LayerWeights] = []
+        self._layers: list[LlamaLayerWeights] = []
         self._embed = self._lm_head = torch.empty(0)
         self._final_norm = (torch.empty(0), 0.0)
 
@@ -207,7 +218,7 @@ class _LlamaStepper:
         if key == self._key:
             return
         inner = self.model.model
-        self._layers = [_LayerWeights.of(layer) for layer in inner.layers]
+        self._layers = [LlamaLayerWeights.of(layer) for layer in inner.layers]
         self._embed = inner.embed_tokens.weight
         self._final_norm = (inner.norm.weight, cast(float, inner.norm.variance_epsilon))
         self._lm_head = self.model.lm_head.weight
@@ -236,9 +247,7 @@ class _LlamaStepper:
 
     @staticmethod
     def _rms(x: Tensor, norm: tuple[Tensor, float]) -> Tensor:
-        weight, eps = norm
-        var = x.pow(2).mean(-1, keepdim=True)
-        return weight * (x * torch.rsqrt(var + eps))
+        return rms_norm(x, *norm)
 
     def forward(self, input_ids: Tensor, rows: Tensor | None = None) -> Tensor:
         bsz, q_len = input_ids.shape

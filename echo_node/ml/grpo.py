@@ -28,12 +28,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import torch
 from torch import Tensor
 
-from echo_node.ml.engine import is_lean_llama
+from echo_node.ml.engine import LlamaLayerWeights, is_lean_llama, rms_norm
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 
 Correction = Literal["tis", "decoupled", "none"]
@@ -111,7 +114,7 @@ def sequence_logprobs(
     targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
     mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool)
     if _lean_path_applies(model, fast_path):
-        picked = _lean_llama_logits(model, prompt_ids, completion_ids, t_max, pad_id)
+        picked = _lean_llama_logits(cast("LlamaForCausalLM", model), prompt_ids, completion_ids, t_max, pad_id)
     else:
         picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
     logp = torch.log_softmax(picked.float() / temperature, dim=-1)
@@ -145,7 +148,7 @@ def _lean_path_applies(model: torch.nn.Module, fast_path: bool | None) -> bool:
     if fast_path is False:
         return False
     # In train mode HF applies attention dropout; the lean forward has none.
-    ok = is_lean_llama(model) and not (model.training and model.config.attention_dropout > 0)
+    ok = is_lean_llama(model) and not (model.training and (cast("LlamaForCausalLM", model).config.attention_dropout or 0) > 0)
     if fast_path and not ok:
         raise ValueError(
             f"the lean forward supports LlamaForCausalLM without attention dropout only, not {type(model).__name__}"
@@ -153,13 +156,8 @@ def _lean_path_applies(model: torch.nn.Module, fast_path: bool | None) -> bool:
     return ok
 
 
-def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    # HF's LlamaRMSNorm op for op (float32 throughout), so both paths round alike.
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
 def _lean_llama_logits(
-    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+    model: LlamaForCausalLM, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
 ) -> Tensor:
     """Logits [B, Tmax, V] predicting each completion token, differentiable in the model's own
     parameters; the same numbers as `_hf_logits` up to float rounding (tested to 1e-5).
@@ -176,7 +174,9 @@ def _lean_llama_logits(
     """
     cfg = model.config
     inner = model.model
-    n_q, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    # LlamaConfig fills a missing num_key_value_heads with num_attention_heads; so do we.
+    n_q = cfg.num_attention_heads
+    n_kv = cfg.num_key_value_heads or n_q
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // n_q
     half = hd // 2
     seen: dict[tuple[int, ...], int] = {}
@@ -221,15 +221,9 @@ def _lean_llama_logits(
         # GQA: each K/V head serves n_q // n_kv consecutive query heads, as HF's repeat_kv.
         return x if x.shape[1] == n_q else x.repeat_interleave(n_q // n_kv, dim=1)
 
-    layers = list(inner.layers)
-    for i, layer in enumerate(layers):
-        attn, mlp = layer.self_attn, layer.mlp
-        q_p, k_p, v_p, o_p = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        norm = layer.input_layernorm
-        qkv_b = None if q_p.bias is None else torch.cat((q_p.bias, k_p.bias, v_p.bias))
-        qkv = linear(
-            _rms_norm(h, norm.weight, norm.variance_epsilon), torch.cat((q_p.weight, k_p.weight, v_p.weight)), qkv_b
-        ).view(-1, n_q + 2 * n_kv, hd)
+    layers = [LlamaLayerWeights.of(layer, trainable=True) for layer in inner.layers]
+    for i, w in enumerate(layers):
+        qkv = linear(rms_norm(h, *w.norm1), w.qkv, w.qkv_bias).view(-1, n_q + 2 * n_kv, hd)
         # RoPE on q and k at once: they are adjacent heads of the fused projection.
         qk = qkv[:, : n_q + n_kv]
         qk = qk * cos + qk.roll(half, dims=-1) * sin
@@ -244,17 +238,12 @@ def _lean_llama_logits(
         o = torch.cat([x.transpose(1, 2).reshape(-1, n_q * hd) for x in outs])
         if i == len(layers) - 1:
             o, h = o[keep], h[keep]
-        h = h + linear(o, o_p.weight, o_p.bias)
-        g_p, u_p, d_p = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        norm = layer.post_attention_layernorm
-        gu_b = None if g_p.bias is None else torch.cat((g_p.bias, u_p.bias))
-        gate, up = linear(
-            _rms_norm(h, norm.weight, norm.variance_epsilon), torch.cat((g_p.weight, u_p.weight)), gu_b
-        ).chunk(2, dim=-1)
-        h = h + linear(torch.nn.functional.silu(gate) * up, d_p.weight, d_p.bias)
+        h = h + linear(o, w.o, w.o_bias)
+        gate, up = linear(rms_norm(h, *w.norm2), w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
+        h = h + linear(torch.nn.functional.silu(gate) * up, w.down, w.down_bias)
     if not layers:
         h = h[keep]
-    logits = linear(_rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon), model.lm_head.weight, model.lm_head.bias)
+    logits = linear(rms_norm(h, inner.norm.weight, inner.norm.variance_epsilon), model.lm_head.weight, model.lm_head.bias)
     first = logits[:n_u][rows].unsqueeze(1)
     return torch.cat((first, logits[n_u:].view(batch, c_len, logits.shape[-1])), dim=1)
 
