@@ -43,8 +43,9 @@ def main() -> None:
     from echo_node.ml.model import build_model, tiny_llama_config
     from echo_node.ml.tasks import AdditionTask
     from echo_node.ml.tokenizer import CharTokenizer
+    from echo_node.policy import set_threads
 
-    torch.set_num_threads(1)
+    set_threads(1)  # as the learner runs (intra- and inter-op)
     tok, task = CharTokenizer(), AdditionTask()
     model = build_model(tiny_llama_config(tok.vocab_size), seed=args.seed)
     texts = task.sample_prompts(args.groups, random.Random(args.seed))
