@@ -366,7 +366,9 @@ class PolicyOptimizer:
         self.is_cap = is_cap
         self.minibatches = minibatches
         self.fast_path = fast_path
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        # fused: one kernel per step instead of ~10 ops per parameter tensor; 1.5 of the 33 ms
+        # step on the default model (one core), same update up to float rounding.
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, fused=True)
         self.steps = 0
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:

@@ -7,6 +7,7 @@ import torch
 import trio
 
 from echo_node.broadcast import DataServer, Unavailable, open_version, receive_version
+from echo_node import learner as learner_module
 from echo_node.learner import Learner
 from echo_node.ml.model import state_to_bytes
 from protocol import Identity
@@ -67,3 +68,28 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> None:
+    """Every weight moves (a large step on fp32): the up-front delta is cut at the first version,
+    then again after 50, 100 and 200 more versions, never per version."""
+    tried: list[int] = []
+    encode = learner_module.encode_delta
+
+    def counting_encode(blob: bytes, previous: bytes) -> bytes:
+        tried.append(learner.version)
+        return encode(blob, previous)
+
+    async def main() -> None:
+        learner._offer_version(0, state_to_bytes(learner.policy.model))
+        for _ in range(400):
+            with torch.no_grad():
+                for param in learner.policy.model.parameters():
+                    param.add_(torch.randn_like(param) * 1e-2)
+            await learner._offer_new_version(state_to_bytes(learner.policy.model))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(learner_module, "encode_delta", counting_encode)
+        trio.run(main)
+    assert tried == [1, 51, 151, 351]
+    assert learner.deltas_offered == 0
