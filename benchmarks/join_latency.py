@@ -23,30 +23,38 @@ from pathlib import Path
 from benchmarks.swarm import metrics_path, start_learner, start_peer
 from echo_node.demo import Swarm
 from echo_node.metrics import read_metrics
-from protocol import Identity, RolloutGroup, Sample, seal
+from echo_node.config import RolloutConfig
+from protocol import Identity, RolloutBatch, RolloutGroup, Sample, seal
 from protocol.identity import load_or_create_key_file
 
 
 def rollout_message_bytes() -> dict[str, int]:
-    """One group of the embedded task as a peer publishes it: 8 samples, 4 tokens each."""
+    """One message of the embedded task as a peer publishes it: the groups of one generation
+    batch, 8 samples of 4 tokens each."""
     me = Identity.generate()
-    group = RolloutGroup(
+    groups = RolloutConfig().groups_per_batch
+    batch = RolloutBatch(
         run_id="demo-async-20261129-000000",
         peer_id=me.peer_id,
         seq=time.time_ns() // 1_000_000,
-        group_id=f"{me.peer_id[-8:]}-1",
-        prompt_ids=(1, 6, 10, 13, 3, 8, 14),
-        samples=tuple(
-            Sample(
-                completion_ids=(3 + i % 10, 4, 5, 2),
-                behaviour_logprobs=(-0.0123 * (i + 1), -0.51, -1.7, -0.003),
-                token_versions=(412, 412, 412, 412),
-                reward=float(i % 2),
+        groups=tuple(
+            RolloutGroup(
+                group_id=f"{me.peer_id[-8:]}-1.{g}",
+                prompt_ids=(1, 6, 10, 13, 3, 8, 14),
+                samples=tuple(
+                    Sample(
+                        completion_ids=(3 + (i + g) % 10, 4, 5, 2),
+                        behaviour_logprobs=(-0.0123 * (i + 1), -0.51, -1.7, -0.003),
+                        token_versions=(412, 412, 412, 412),
+                        reward=float(i % 2),
+                    )
+                    for i in range(8)
+                ),
             )
-            for i in range(8)
+            for g in range(groups)
         ),
     )
-    return {"rollout_message_bytes": len(seal(group, me)), "rollouts_per_message": 8}
+    return {"rollout_message_bytes": len(seal(batch, me)), "rollouts_per_message": batch.num_samples}
 
 
 def main() -> None:

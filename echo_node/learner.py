@@ -44,6 +44,7 @@ from protocol.messages import (
     JoinResponse,
     RepairRequest,
     RepairResponse,
+    RolloutBatch,
     RolloutGroup,
     RunSpec,
     SamplingParams,
@@ -52,7 +53,7 @@ from protocol.messages import (
     VersionAnnounce,
 )
 from protocol.sequence import Observation, SequenceTracker
-from protocol.staleness import DropReason
+from protocol.staleness import DropReason, judge_batch
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,9 @@ ACTIVE_WINDOW_S = 15.0
 DELTA_MIN_SAVING = 0.7
 DELTA_RETRY_VERSIONS = 50
 DELTA_RETRY_MAX_VERSIONS = 3200
+# Verified batches waiting for the consumer; more than a subscription queue's worth means the
+# consumer fell behind and re-checks the rest.
+CHECKED_CACHE = 1024
 # A publisher that does not answer a repair request within this is treated as gone.
 REPAIR_TIMEOUT_S = 10.0
 # Ask for this much more than one update consumes, so that jitter or a lost message never
@@ -148,6 +152,8 @@ class Learner:
         self.idle_s = 0.0
         self.train_s = 0.0
         self._arrived = trio.Event()
+        # Batches the gossip validator verified, by their bytes, for the consumer to take.
+        self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
         self._started = 0.0
         self.rollouts_topic = rollouts_topic(cfg.run_id)
         self.versions_topic = versions_topic(cfg.run_id)
@@ -249,29 +255,33 @@ class Learner:
 
     # -- rollout intake ------------------------------------------------------------------------
 
-    def _check(self, data: bytes, origin: str) -> tuple[RolloutGroup | None, DropReason | None, int]:
+    def _check(self, data: bytes, origin: str) -> tuple[RolloutBatch | None, DropReason | None, int]:
+        """Verify and judge one gossip message: (batch, None, rollouts) to take it, or
+        (batch or None, reason, rollouts to count as dropped)."""
         try:
-            group, _ = open_envelope(data, expected_kind=RolloutGroup, expected_sender=origin)
+            batch, _ = open_envelope(data, expected_kind=RolloutBatch, expected_sender=origin)
         except RemoteProtocolError as exc:
             reason = getattr(exc, "reason", None) or DropReason.MALFORMED
             log.warning("rejected a rollout message from %s: %s", origin, exc)
             return None, DropReason(reason), 1
-        assert isinstance(group, RolloutGroup)
-        n = len(group.samples)
-        if group.run_id != self.cfg.run_id:
-            log.warning("rejected %d rollouts from %s for run %r", n, origin, group.run_id)
-            return group, DropReason.WRONG_RUN, n
-        if group.max_version > self.version:
-            log.warning("rejected %d rollouts from %s claiming version %d (newest is %d)", n, origin, group.max_version, self.version)
-            return group, DropReason.FUTURE_VERSION, n
-        if len(group.samples) != self.cfg.rl.group_size:
-            log.warning("rejected a group of %d from %s (run uses %d)", n, origin, self.cfg.rl.group_size)
-            return group, DropReason.BAD_GROUP, n
-        return group, None, n
+        assert isinstance(batch, RolloutBatch)
+        n = batch.num_samples
+        reason = judge_batch(batch, run_id=self.cfg.run_id, group_size=self.cfg.rl.group_size, current_version=self.version)
+        if reason is not None:
+            log.warning(
+                "rejected %d rollouts from %s: %s (run %r, newest token version %d, learner at %d)",
+                n, origin, reason, batch.run_id, batch.max_version, self.version,
+            )
+        return batch, reason, n
 
     def _validate(self, forwarder: str, origin: str, data: bytes) -> bool:
-        group, reason, n = self._check(data, origin)
+        batch, reason, n = self._check(data, origin)
         if reason is None:
+            assert batch is not None
+            # The consumer takes it from here instead of verifying the signature a second time.
+            self._checked[data] = batch
+            while len(self._checked) > CHECKED_CACHE:
+                self._checked.popitem(last=False)
             return True
         self.buffer.reject(reason, n)
         self.peers.penalties[origin] += 1
@@ -286,22 +296,30 @@ class Learner:
 
     async def _consume(self) -> None:
         async for msg in self.node.messages(self.rollouts_topic):
-            group, reason, n = self._check(msg.data, msg.sender)
-            if reason is not None or group is None:
+            self._deliver(msg.data, msg.sender)
+
+    def _deliver(self, data: bytes, origin: str) -> None:
+        """Ingest a message the gossip validator passed, as the validator decoded it."""
+        batch = self._checked.pop(data, None)
+        if batch is None:  # fell out of the cache: check it again
+            batch, reason, n = self._check(data, origin)
+            if reason is not None or batch is None:
                 # Valid a moment ago in the validator; the version cannot go backwards, so only
                 # a bug reaches this line. Count it rather than lose it.
                 self.buffer.reject(reason or DropReason.MALFORMED, n)
-                continue
-            self._ingest(group, msg.sender)
+                return
+        self._ingest(batch, origin)
 
-    def _ingest(self, group: RolloutGroup, origin: str) -> None:
-        observation = self.tracker.observe(origin, group.seq)
+    def _ingest(self, batch: RolloutBatch, origin: str) -> None:
+        observation = self.tracker.observe(origin, batch.seq)
         if observation is not Observation.NEW:
             reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
-            self.buffer.reject(reason, len(group.samples))
+            self.buffer.reject(reason, batch.num_samples)
             return
         self.peers.last_seen[origin] = trio.current_time()
-        if self.buffer.offer(group, self.version) is None:
+        for group in batch.groups:
+            if self.buffer.offer(group, self.version) is not None:
+                continue
             if not self.peers.accepted[origin] and self.metrics is not None:
                 # Wall-clock time, so a benchmark can compare it with when it started the peer.
                 self.metrics.write({"event": "first_accept", "peer": origin, "wall": time.time(), "version": self.version})
@@ -329,12 +347,12 @@ class Learner:
             return
         recovered = 0
         for envelope in response.envelopes:
-            group, reason, n = self._check(envelope, peer_id)
-            if reason is not None or group is None:
+            batch, reason, n = self._check(envelope, peer_id)
+            if reason is not None or batch is None:
                 self.buffer.reject(reason or DropReason.MALFORMED, n)
                 self._penalize(peer_id, RemoteProtocolError(f"bad repaired rollout: {reason}"))
                 continue
-            self._ingest(group, peer_id)
+            self._ingest(batch, peer_id)
             recovered += 1
         # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
         # not fit in this response stay missing and are asked for on the next round.

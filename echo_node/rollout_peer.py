@@ -10,8 +10,9 @@ Sync modes (Echo):
   tokens, and the learner judges it by its oldest token against S and corrects every token by
   its own behaviour log-prob.
 
-Every published group is a signed envelope with a per-publisher sequence number; the last
-`net.repair_history` envelopes are kept to answer the learner's gap-repair requests.
+The groups of each generation batch are published as one signed `RolloutBatch` (or a few, if
+they do not fit one gossip frame) with a per-publisher sequence number; the last
+`net.repair_history` of them are kept to answer the learner's gap-repair requests.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from protocol.messages import (
     StatusRequest,
     StatusResponse,
     VersionAnnounce,
+    batch_rollouts,
     pack_repair_response,
 )
 
@@ -80,13 +82,10 @@ class Target:
     demand_groups: int
 
 
-def rollout_group(g: ScoredGroup, *, run_id: str, peer_id: str, seq: int) -> RolloutGroup:
+def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
     """The wire record of one scored group: per-token log-probs and version tags as sampled."""
     return RolloutGroup(
-        run_id=run_id,
-        peer_id=peer_id,
-        seq=seq,
-        group_id=f"{peer_id[-8:]}-{seq}",
+        group_id=group_id,
         prompt_ids=tuple(g.prompt_ids),
         samples=tuple(
             Sample(
@@ -364,8 +363,7 @@ class RolloutPeer:
                 self.swaps_mid_generation += 1
             self._track_version()  # a batch that ended on new weights counts toward the new version
             self._produced += len(groups)
-            for g in groups:
-                await self._publish(g)
+            await self._publish(groups)
 
     def _track_version(self) -> None:
         """The learner's demand is per version: the count starts over when a newer version is
@@ -423,17 +421,22 @@ class RolloutPeer:
             swap=self._take_pending if self.spec.sync_mode == "async" else None,
         )
 
-    async def _publish(self, g: ScoredGroup) -> None:
-        envelope = seal(rollout_group(g, run_id=self.cfg.run_id, peer_id=self.node.peer_id, seq=self.seq), self.identity)
-        self.history[self.seq] = envelope
-        while len(self.history) > self.cfg.net.repair_history:
-            self.history.popitem(last=False)
-        self.seq += 1
-        await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
-        self.published_groups += 1
+    async def _publish(self, scored: list[ScoredGroup]) -> None:
+        """One generation batch's groups as few signed gossip messages as fit (one, on the
+        default task), each kept for gap repair under its seq."""
+        tag = f"{self.node.peer_id[-8:]}-{self.seq}"
+        groups = [rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored)]
+        for batch in batch_rollouts(groups, run_id=self.cfg.run_id, peer_id=self.node.peer_id, first_seq=self.seq):
+            envelope = seal(batch, self.identity)
+            self.history[batch.seq] = envelope
+            while len(self.history) > self.cfg.net.repair_history:
+                self.history.popitem(last=False)
+            self.seq = batch.seq + 1
+            await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
+            self.published_groups += len(batch.groups)
         if self.first_publish_s is None:
             self.first_publish_s = time.monotonic() - self._t0
-            log.info("first rollout group published %.2fs after start", self.first_publish_s)
+            log.info("first rollouts published %.2fs after start", self.first_publish_s)
 
     # -- gap repair ------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ from protocol.messages import (
     Message,
     RepairRequest,
     RepairResponse,
+    RolloutBatch,
     RolloutGroup,
     RunSpec,
     Sample,
@@ -58,12 +59,13 @@ from protocol.messages import (
     SyncMode,
     VersionAnnounce,
     WireMessage,
+    batch_rollouts,
     kind_of,
     pack_repair_response,
 )
 from protocol.pieces import Cancel, PieceSwarm, Request
 from protocol.sequence import Observation, SequenceTracker
-from protocol.staleness import admissible, judge_group
+from protocol.staleness import admissible, judge_batch
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -85,6 +87,7 @@ __all__ = [
     "RepairRequest",
     "RepairResponse",
     "Request",
+    "RolloutBatch",
     "RolloutGroup",
     "RunSpec",
     "Sample",
@@ -100,6 +103,7 @@ __all__ = [
     "admissible",
     "b58decode",
     "b58encode",
+    "batch_rollouts",
     "build_manifest",
     "choose_piece_size",
     "decode_delta",
@@ -110,7 +114,7 @@ __all__ = [
     "encode_length_prefixed",
     "encode_message",
     "is_valid_peer_id",
-    "judge_group",
+    "judge_batch",
     "kind_of",
     "load_or_create_key_file",
     "open_envelope",

@@ -16,7 +16,7 @@ Invariants of `open_envelope` (each violation is a RemoteProtocolError with a Dr
 - the signature is verified before the payload is parsed;
 - the payload is the canonical encoding of the message it decodes to (re-encoding gives the
   same bytes), so one message has exactly one signed form;
-- a message that names its author (`SIGNER_FIELD`: RolloutGroup.peer_id, JoinRequest.peer_id,
+- a message that names its author (`SIGNER_FIELD`: RolloutBatch.peer_id, JoinRequest.peer_id,
   RunSpec.learner_peer_id) names the key that signed it.
 
 Unsigned messages (`encode_message` / `decode_message`, defined in messages.py and re-exported

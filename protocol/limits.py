@@ -123,6 +123,12 @@ SEQ_WINDOW: Final = 4096
 MAX_MISSING_PER_PEER: Final = MAX_REPAIR_SEQS
 MAX_TRACKED_PUBLISHERS: Final = 10_000
 
+# Rollout batches (one gossip message each): at most this many groups, and at most this many
+# bytes of encoded groups, a quarter below MAX_FRAME_BYTES so that the sealed frame (signature,
+# key, headers) fits a frame even where zstd gains nothing, and far below gossip's ~1 MB cliff.
+MAX_BATCH_GROUPS: Final = 256
+ROLLOUT_BATCH_BYTES: Final = 192 * 1024
+
 # A learner asks each rollout peer for at most this many groups per weight version (flow
 # control); far above any useful demand, it only bounds what a peer will plan for.
 MAX_DEMAND_GROUPS: Final = 4096

@@ -10,15 +10,16 @@ Rules (Echo, arXiv 2508.05387, "sync modes"; DESIGN.md):
   (A group's oldest token decides staleness; its newest token decides `future_version`.)
 
 Invariant: the result is either None (admit) or exactly one DropReason, so each rollout is
-counted once.
+counted once. `judge_batch` is what a learner checks on arrival (a whole signed batch is taken or
+refused); staleness is judged per group, when the group is buffered and again when it is taken.
 """
 
 from __future__ import annotations
 
 from protocol.drops import DropReason
-from protocol.messages import SYNC_MODES, RolloutGroup, RunSpec
+from protocol.messages import SYNC_MODES, RolloutBatch
 
-__all__ = ["DropReason", "admissible", "judge_group"]
+__all__ = ["DropReason", "admissible", "judge_batch"]
 
 
 def admissible(
@@ -44,15 +45,18 @@ def admissible(
     return None if min_version >= oldest_allowed else DropReason.STALE
 
 
-def judge_group(group: RolloutGroup, spec: RunSpec, current_version: int) -> DropReason | None:
-    """All version- and shape-level checks of one decoded, verified rollout group against a run.
+def judge_batch(batch: RolloutBatch, *, run_id: str, group_size: int, current_version: int) -> DropReason | None:
+    """The arrival checks of one decoded, verified rollout batch against a run (its id and
+    group size, the learner's version), as one verdict: a batch signed by its publisher is
+    honest or not as a whole.
 
-    Order matters for counting: a group for another run is `wrong_run` whatever its versions.
+    Order matters for counting: a batch for another run is `wrong_run` whatever it holds. Not
+    staleness: that is per group, and a buffer judges it with `admissible`.
     """
-    if group.run_id != spec.run_id:
+    if batch.run_id != run_id:
         return DropReason.WRONG_RUN
-    if len(group.samples) != spec.group_size:
+    if any(len(g.samples) != group_size for g in batch.groups):
         return DropReason.BAD_GROUP  # GRPO's advantage baseline assumes the full group
-    return admissible(
-        group.min_version, current_version, spec.staleness, spec.sync_mode, max_version=group.max_version
-    )
+    if batch.max_version > current_version:
+        return DropReason.FUTURE_VERSION
+    return None

@@ -6,7 +6,7 @@ from typing import Any
 
 import msgpack
 
-from protocol import Identity, RolloutGroup, Sample, encode_frame, seal
+from protocol import Identity, RolloutBatch, RolloutGroup, Sample, encode_frame, seal
 from protocol.framing import decode_frame
 
 ALICE = Identity.from_seed(b"\x0a" * 32)
@@ -15,20 +15,17 @@ MALLORY = Identity.from_seed(b"\x0b" * 32)
 
 def make_group(
     *,
-    run_id: str = "run-1",
-    identity: Identity = ALICE,
-    seq: int = 0,
+    n: int = 0,
     version: int = 0,
     samples: int = 8,
     tokens: int = 4,
     rewards: list[float] | None = None,
 ) -> RolloutGroup:
+    """A group of `samples` completions of `tokens` tokens, every token sampled at `version`,
+    named f"g{n}"."""
     rewards = rewards if rewards is not None else [float(i % 2) for i in range(samples)]
     return RolloutGroup(
-        run_id=run_id,
-        peer_id=identity.peer_id,
-        seq=seq,
-        group_id=f"g{seq}",
+        group_id=f"g{n}",
         prompt_ids=(1, 5, 6, 13, 3, 4, 14),
         samples=tuple(
             Sample(
@@ -39,6 +36,23 @@ def make_group(
             )
             for s in range(samples)
         ),
+    )
+
+
+def make_batch(
+    *,
+    run_id: str = "run-1",
+    identity: Identity = ALICE,
+    seq: int = 0,
+    groups: int = 1,
+    **group_kw: Any,
+) -> RolloutBatch:
+    """A batch of `groups` groups made by `make_group(**group_kw)`, published as `identity`."""
+    return RolloutBatch(
+        run_id=run_id,
+        peer_id=identity.peer_id,
+        seq=seq,
+        groups=tuple(make_group(n=seq * 1000 + i, **group_kw) for i in range(groups)),
     )
 
 
@@ -55,7 +69,7 @@ def bad_rollout_messages(identity: Identity, run_id: str, *, seq0: int = 1000) -
 
     Each is something a broken or hostile peer could publish as `identity` on the rollouts topic.
     """
-    sealed = seal(make_group(run_id=run_id, identity=identity, seq=seq0), identity)
+    sealed = seal(make_batch(run_id=run_id, identity=identity, seq=seq0), identity)
     fields = _fields(sealed)
     bad_sig = bytearray(fields[4])
     bad_sig[0] ^= 0x01
@@ -64,7 +78,7 @@ def bad_rollout_messages(identity: Identity, run_id: str, *, seq0: int = 1000) -
         ("truncated frame", sealed[: len(sealed) // 2], "malformed", 1),
         ("oversize frame", b"\x28\xb5\x2f\xfd" + bytes(300_000), "malformed", 1),
         ("bad signature", _reframe([*fields[:4], bytes(bad_sig)]), "bad_signature", 1),
-        ("wrong schema version", _reframe([2, *fields[1:]]), "unsupported_schema", 1),
-        ("wrong run id", seal(make_group(run_id="another-run", identity=identity, seq=seq0 + 1), identity), "wrong_run", 8),
-        ("version that never existed", seal(make_group(run_id=run_id, identity=identity, seq=seq0 + 2, version=10**6), identity), "future_version", 8),
+        ("wrong schema version", _reframe([99, *fields[1:]]), "unsupported_schema", 1),
+        ("wrong run id", seal(make_batch(run_id="another-run", identity=identity, seq=seq0 + 1), identity), "wrong_run", 8),
+        ("version that never existed", seal(make_batch(run_id=run_id, identity=identity, seq=seq0 + 2, version=10**6), identity), "future_version", 8),
     ]

@@ -16,7 +16,7 @@ from echo_node.config import RunConfig
 from echo_node.learner import REPAIR_TIMEOUT_S, Learner
 from echo_node.rollout_peer import RolloutPeer
 from protocol import seal
-from tests.factories import ALICE, make_group
+from tests.factories import ALICE, make_batch
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Link:
 def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> None:
     peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
     # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
-    sealed = {s: seal(make_group(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
+    sealed = {s: seal(make_batch(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
     peer.history.update({s: sealed[s] for s in (11, 13)})
 
     async def main() -> None:
@@ -63,9 +63,9 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> 
             link = Link(nursery, peer, learner.node.peer_id)
             learner.node = link  # type: ignore[assignment]
             for s in (10, 14):  # what gossip delivered
-                group, reason, _ = learner._check(sealed[s], ALICE.peer_id)
-                assert reason is None and group is not None
-                learner._ingest(group, ALICE.peer_id)
+                batch, reason, _ = learner._check(sealed[s], ALICE.peer_id)
+                assert reason is None and batch is not None
+                learner._ingest(batch, ALICE.peer_id)
             missing = learner.tracker.missing(ALICE.peer_id)
             assert missing == [11, 12, 13]
             with trio.fail_after(5):
@@ -74,7 +74,7 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> 
             assert learner.tracker.missing(ALICE.peer_id) == []
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert sorted(g.seq for g in learner.buffer.take(10, 0)) == [10, 11, 13, 14]
+    assert sorted(g.group_id for g in learner.buffer.take(10, 0)) == [f"g{s}000" for s in (10, 11, 13, 14)]
     assert learner.lost_messages == 1  # seq 12: the publisher no longer had it
     assert learner.buffer.ledger.received == 32
 
@@ -88,9 +88,9 @@ def test_a_dead_publisher_costs_only_a_bounded_wait(learner: Learner) -> None:
     async def main() -> float:
         learner.node = Dead()  # type: ignore[assignment]
         for s in (2, 5):
-            group, _, _ = learner._check(seal(make_group(identity=ALICE, seq=s), ALICE), ALICE.peer_id)
-            assert group is not None
-            learner._ingest(group, ALICE.peer_id)
+            batch, _, _ = learner._check(seal(make_batch(identity=ALICE, seq=s), ALICE), ALICE.peer_id)
+            assert batch is not None
+            learner._ingest(batch, ALICE.peer_id)
         start = trio.current_time()
         await learner._repair(ALICE.peer_id, learner.tracker.missing(ALICE.peer_id))
         return trio.current_time() - start

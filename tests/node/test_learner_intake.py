@@ -7,31 +7,31 @@ tiny model without warm-up) with the same byte strings a hostile peer could goss
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from typing import Any
 
 import pytest
 import trio
 
 from echo_node.learner import Learner
 from protocol import seal
-from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_group
+from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch
 
 
 def offer(learner: Learner, data: bytes, origin: str, forwarder: str | None = None) -> bool:
-    """What the gossip path does: validate, and ingest what passes."""
+    """What the gossip path does: validate, and deliver what passes."""
 
     async def go() -> bool:
         if not learner._validate(forwarder or origin, origin, data):
             return False
-        group, reason, _ = learner._check(data, origin)
-        assert reason is None and group is not None
-        learner._ingest(group, origin)
+        learner._deliver(data, origin)
         return True
 
     return trio.run(go)
 
 
 def test_every_bad_message_is_counted_penalized_and_logged(learner: Learner, caplog: pytest.LogCaptureFixture) -> None:
-    good = seal(make_group(identity=ALICE, seq=1), ALICE)
+    good = seal(make_batch(identity=ALICE, seq=1), ALICE)
     assert offer(learner, good, ALICE.peer_id)
     for name, data, reason, rollouts in bad_rollout_messages(MALLORY, "run-1"):
         before = learner.buffer.ledger.dropped[reason]
@@ -48,7 +48,7 @@ def test_every_bad_message_is_counted_penalized_and_logged(learner: Learner, cap
 
 
 def test_signed_by_someone_else_than_the_gossip_origin(learner: Learner) -> None:
-    forged = seal(make_group(identity=MALLORY, seq=3), MALLORY)
+    forged = seal(make_batch(identity=MALLORY, seq=3), MALLORY)
     assert not offer(learner, forged, ALICE.peer_id, forwarder=MALLORY.peer_id)
     assert learner.buffer.ledger.dropped["wrong_sender"] == 1
     # Both the claimed origin and the forwarder that relayed it are charged.
@@ -56,19 +56,46 @@ def test_signed_by_someone_else_than_the_gossip_origin(learner: Learner) -> None
 
 
 def test_duplicates_and_group_size(learner: Learner) -> None:
-    msg = seal(make_group(seq=7), ALICE)
+    msg = seal(make_batch(seq=7, groups=2), ALICE)
     assert offer(learner, msg, ALICE.peer_id)
-    assert not offer(learner, seal(make_group(seq=8, samples=4), ALICE), ALICE.peer_id)
+    assert not offer(learner, seal(make_batch(seq=8, samples=4), ALICE), ALICE.peer_id)
 
     async def replay() -> None:
-        group, _, _ = learner._check(msg, ALICE.peer_id)
-        assert group is not None
-        learner._ingest(group, ALICE.peer_id)  # e.g. delivered again by gap repair
+        batch, _, _ = learner._check(msg, ALICE.peer_id)
+        assert batch is not None
+        learner._ingest(batch, ALICE.peer_id)  # e.g. delivered again by gap repair
 
     trio.run(replay)
-    assert learner.buffer.ledger.dropped == {"bad_group": 4, "duplicate": 8}
-    assert len(learner.buffer) == 1
+    assert learner.buffer.ledger.dropped == {"bad_group": 4, "duplicate": 16}
+    assert len(learner.buffer) == 2
     learner.buffer.check()
+
+
+def test_one_bad_group_refuses_the_whole_signed_batch(learner: Learner) -> None:
+    good = make_batch(seq=1, groups=3)
+    short = make_batch(seq=1, samples=4).groups[0]
+    mixed = seal(replace(good, groups=(*good.groups, short)), ALICE)
+    assert not offer(learner, mixed, ALICE.peer_id)
+    assert learner.buffer.ledger.dropped == {"bad_group": 3 * 8 + 4} and len(learner.buffer) == 0
+    assert learner.peers.penalties[ALICE.peer_id] == 1
+
+
+def test_a_validated_message_is_verified_once(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The validator's decoded batch goes to the consumer: one signature check per message."""
+    import echo_node.learner as learner_module
+
+    opened: list[bytes] = []
+    real = learner_module.open_envelope
+
+    def counting(data: bytes, **kw: Any) -> Any:
+        opened.append(data)
+        return real(data, **kw)
+
+    monkeypatch.setattr(learner_module, "open_envelope", counting)
+    msgs = [seal(make_batch(seq=s, groups=2), ALICE) for s in range(3)]
+    for m in msgs:
+        assert offer(learner, m, ALICE.peer_id)
+    assert opened == msgs and len(learner.buffer) == 6 and not learner._checked
 
 
 def test_demand_is_split_among_active_peers(learner: Learner) -> None:
@@ -90,7 +117,7 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
 
     learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
     for seq in range(8):
-        assert offer(learner, seal(make_group(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
+        assert offer(learner, seal(make_batch(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -229,15 +229,16 @@ def test_swapped_version_tags_reach_the_learners_staleness_rule() -> None:
     from echo_node.ml.rollout import ScoredGroup
     from echo_node.replay import ReplayBuffer
     from echo_node.rollout_peer import rollout_group
-    from protocol import Identity, RolloutGroup, open_envelope, seal
+    from protocol import Identity, RolloutBatch, open_envelope, seal
     from protocol.drops import DropReason
 
     gens, _ = _swapped_run(fast_path=True, temperature=1.0)
     spanning = [g for g in gens if len(g.completion_ids) > SWAP_STEP]
     me = Identity.from_seed(b"\x05" * 32)
     scored = ScoredGroup("p", PROMPTS[0], spanning, ["x"] * len(spanning), [float(i % 2) for i in range(len(spanning))])
-    record = rollout_group(scored, run_id="run-1", peer_id=me.peer_id, seq=1)
-    group, _ = open_envelope(seal(record, me), expected_kind=RolloutGroup)
+    record = RolloutBatch(run_id="run-1", peer_id=me.peer_id, seq=1, groups=(rollout_group(scored, group_id="g"),))
+    batch, _ = open_envelope(seal(record, me), expected_kind=RolloutBatch)
+    (group,) = batch.groups
     assert all(s.token_versions[0] == 0 and s.token_versions[-1] == 7 for s in group.samples)
     assert (group.min_version, group.max_version) == (0, 7)
     assert ReplayBuffer(mode="async", staleness=4, capacity_groups=4).offer(group, current_version=7) == DropReason.STALE

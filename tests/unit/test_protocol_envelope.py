@@ -8,10 +8,12 @@ import msgpack
 import pytest
 
 from protocol import (
+    SCHEMA_VERSION,
     Identity,
     JoinRequest,
     LocalProtocolError,
     RemoteProtocolError,
+    RolloutBatch,
     RolloutGroup,
     RunSpec,
     Sample,
@@ -30,21 +32,26 @@ ALICE = Identity.from_seed(b"\x0a" * 32)
 MALLORY = Identity.from_seed(b"\x0b" * 32)
 
 
-def group(peer_id: str = ALICE.peer_id, samples: int = 8, tokens: int = 8) -> RolloutGroup:
-    return RolloutGroup(
+def batch(peer_id: str = ALICE.peer_id, samples: int = 8, tokens: int = 8) -> RolloutBatch:
+    """One group of `samples` x `tokens`, published by `peer_id`."""
+    return RolloutBatch(
         run_id="run-1",
         peer_id=peer_id,
         seq=42,
-        group_id="prompt-17",
-        prompt_ids=tuple(range(100, 108)),
-        samples=tuple(
-            Sample(
-                completion_ids=tuple((7 * s + t) % 50 for t in range(tokens)),
-                behaviour_logprobs=tuple(-0.01 * (t + 1) - 0.1 * s for t in range(tokens)),
-                token_versions=(3,) * tokens,
-                reward=float(s % 2),
-            )
-            for s in range(samples)
+        groups=(
+            RolloutGroup(
+                group_id="prompt-17",
+                prompt_ids=tuple(range(100, 108)),
+                samples=tuple(
+                    Sample(
+                        completion_ids=tuple((7 * s + t) % 50 for t in range(tokens)),
+                        behaviour_logprobs=tuple(-0.01 * (t + 1) - 0.1 * s for t in range(tokens)),
+                        token_versions=(3,) * tokens,
+                        reward=float(s % 2),
+                    )
+                    for s in range(samples)
+                ),
+            ),
         ),
     )
 
@@ -58,15 +65,15 @@ def reframe(fields: list[Any]) -> bytes:
 
 
 def test_round_trip_and_sender() -> None:
-    g = group()
-    msg, sender = open_envelope(seal(g, ALICE), expected_kind=RolloutGroup, expected_sender=ALICE.peer_id)
+    g = batch()
+    msg, sender = open_envelope(seal(g, ALICE), expected_kind=RolloutBatch, expected_sender=ALICE.peer_id)
     assert msg == g and sender == ALICE.peer_id
-    msg2, _ = open_envelope(seal(g, ALICE), expected_kind="rollout_group")
+    msg2, _ = open_envelope(seal(g, ALICE), expected_kind="rollout_batch")
     assert msg2 == g
 
 
 def test_sealing_is_deterministic() -> None:
-    assert seal(group(), ALICE) == seal(group(), ALICE)  # Ed25519 signatures are deterministic
+    assert seal(batch(), ALICE) == seal(batch(), ALICE)  # Ed25519 signatures are deterministic
 
 
 def test_other_kinds_round_trip() -> None:
@@ -81,8 +88,8 @@ def test_other_kinds_round_trip() -> None:
 
 
 def test_wrong_expected_kind() -> None:
-    frame = seal(group(), ALICE)
-    with pytest.raises(RemoteProtocolError, match="expected a 'join_request' message, got 'rollout_group'"):
+    frame = seal(batch(), ALICE)
+    with pytest.raises(RemoteProtocolError, match="expected a 'join_request' message, got 'rollout_batch'"):
         open_envelope(frame, expected_kind=JoinRequest)
     with pytest.raises(LocalProtocolError):
         open_envelope(frame, expected_kind="bogus")
@@ -95,25 +102,25 @@ def test_wrong_expected_sender() -> None:
 
 
 def test_signer_must_match_claimed_peer_id() -> None:
-    forged = group(peer_id=ALICE.peer_id)
+    forged = batch(peer_id=ALICE.peer_id)
     with pytest.raises(LocalProtocolError, match="every receiver would reject"):
         seal(forged, MALLORY)
     # Build the forgery by hand, as an attacker would: valid signature by Mallory, claims Alice.
     payload = msgpack.packb(forged.to_wire(), use_bin_type=True)
-    sig = MALLORY.sign(signing_input("rollout_group", payload))
-    frame = reframe([1, "rollout_group", payload, MALLORY.public_key, sig])
+    sig = MALLORY.sign(signing_input("rollout_batch", payload))
+    frame = reframe([SCHEMA_VERSION, "rollout_batch", payload, MALLORY.public_key, sig])
     with pytest.raises(RemoteProtocolError, match="claims") as info:
         open_envelope(frame)
     assert info.value.reason is DropReason.WRONG_SENDER
     join = JoinRequest(run_id="r", peer_id=ALICE.peer_id)
     payload = msgpack.packb(join.to_wire(), use_bin_type=True)
-    frame = reframe([1, "join_request", payload, MALLORY.public_key, MALLORY.sign(signing_input("join_request", payload))])
+    frame = reframe([SCHEMA_VERSION, "join_request", payload, MALLORY.public_key, MALLORY.sign(signing_input("join_request", payload))])
     with pytest.raises(RemoteProtocolError, match="claims"):
         open_envelope(frame)
 
 
 def test_tampered_payload_and_bad_signature() -> None:
-    fields = envelope_fields(seal(group(), ALICE))
+    fields = envelope_fields(seal(batch(), ALICE))
     payload = bytearray(fields[2])
     payload[-1] ^= 0x01
     with pytest.raises(RemoteProtocolError) as info:
@@ -137,13 +144,14 @@ def test_signature_binds_kind() -> None:
 
 
 def test_wrong_schema_reported_first() -> None:
-    fields = envelope_fields(seal(group(), ALICE))
-    with pytest.raises(RemoteProtocolError, match=r"unsupported schema version 2 \(this node speaks 1\)") as info:
-        open_envelope(reframe([2, *fields[1:]]))
+    fields = envelope_fields(seal(batch(), ALICE))
+    newer = SCHEMA_VERSION + 1
+    with pytest.raises(RemoteProtocolError, match=rf"unsupported schema version {newer} \(this node speaks {SCHEMA_VERSION}\)") as info:
+        open_envelope(reframe([newer, *fields[1:]]))
     assert info.value.reason is DropReason.UNSUPPORTED_SCHEMA
     # A future schema may change the layout: the schema error still comes first.
-    with pytest.raises(RemoteProtocolError, match="unsupported schema version 3"):
-        open_envelope(reframe([3, "x"]))
+    with pytest.raises(RemoteProtocolError, match=f"unsupported schema version {SCHEMA_VERSION + 2}"):
+        open_envelope(reframe([SCHEMA_VERSION + 2, "x"]))
 
 
 @pytest.mark.parametrize(
@@ -162,13 +170,13 @@ def test_wrong_schema_reported_first() -> None:
     ],
 )
 def test_malformed_envelopes(mutate: Any) -> None:
-    fields = envelope_fields(seal(group(), ALICE))
+    fields = envelope_fields(seal(batch(), ALICE))
     with pytest.raises(RemoteProtocolError):
         open_envelope(reframe(mutate(fields)))
 
 
 def test_garbage_truncated_and_oversize_frames() -> None:
-    frame = seal(group(), ALICE)
+    frame = seal(batch(), ALICE)
     for bad in (b"", b"\x00" * 10, frame[:-1], frame[: len(frame) // 2], frame + b"x", b"\x28\xb5\x2f\xfd" * 70_000):
         with pytest.raises(RemoteProtocolError):
             open_envelope(bad)
@@ -177,14 +185,14 @@ def test_garbage_truncated_and_oversize_frames() -> None:
 
 
 def test_non_canonical_payload_rejected() -> None:
-    g = group()
+    g = batch()
     wire = g.to_wire()
     # Same values, but a float packed as float32 where the canonical encoding uses float64.
     payload = msgpack.packb(wire, use_bin_type=True, use_single_float=True)
     assert payload != msgpack.packb(wire, use_bin_type=True)
-    sig = ALICE.sign(signing_input("rollout_group", payload))
+    sig = ALICE.sign(signing_input("rollout_batch", payload))
     with pytest.raises(RemoteProtocolError):
-        open_envelope(reframe([1, "rollout_group", payload, ALICE.public_key, sig]))
+        open_envelope(reframe([SCHEMA_VERSION, "rollout_batch", payload, ALICE.public_key, sig]))
     # Unsorted config keys are a different encoding of the same RunSpec.
     spec_wire = [
         "run-1", {"b": 1, "a": 2}, {}, "t", [1.0, 1.0, 8], "pull", 0, 8, 0, ALICE.peer_id,
@@ -192,25 +200,25 @@ def test_non_canonical_payload_rejected() -> None:
     payload = msgpack.packb(spec_wire, use_bin_type=True)
     sig = ALICE.sign(signing_input("run_spec", payload))
     with pytest.raises(RemoteProtocolError, match="canonical"):
-        open_envelope(reframe([1, "run_spec", payload, ALICE.public_key, sig]))
+        open_envelope(reframe([SCHEMA_VERSION, "run_spec", payload, ALICE.public_key, sig]))
 
 
 def test_invalid_payload_fields_rejected_after_signature() -> None:
-    wire = group().to_wire()
+    wire = batch().to_wire()
     wire[2] = -5  # seq
     payload = msgpack.packb(wire, use_bin_type=True)
-    frame = reframe([1, "rollout_group", payload, ALICE.public_key, ALICE.sign(signing_input("rollout_group", payload))])
-    with pytest.raises(RemoteProtocolError, match="RolloutGroup.seq"):
+    frame = reframe([SCHEMA_VERSION, "rollout_batch", payload, ALICE.public_key, ALICE.sign(signing_input("rollout_batch", payload))])
+    with pytest.raises(RemoteProtocolError, match="RolloutBatch.seq"):
         open_envelope(frame)
 
 
-def test_nested_sample_is_not_sealable() -> None:
+def test_nested_group_is_not_sealable() -> None:
     with pytest.raises(LocalProtocolError):
-        seal(group().samples[0], ALICE)  # type: ignore[arg-type]
+        seal(batch().groups[0], ALICE)
 
 
-def test_sealed_size_of_8x8_group() -> None:
-    frame = seal(group(samples=8, tokens=8), ALICE)
+def test_sealed_size_of_8x8_batch() -> None:
+    frame = seal(batch(samples=8, tokens=8), ALICE)
     # Measured at 674 B (1009 B before zstd); the bound is loose so encoder tweaks do not break it, tight enough to
     # notice a regression (e.g. switching to maps with field names).
     assert len(frame) < 1000
@@ -220,8 +228,8 @@ def test_oversize_group_cannot_be_sealed() -> None:
     import random
 
     rnd = random.Random(0)
-    big = RolloutGroup(
-        run_id="run-1", peer_id=ALICE.peer_id, seq=1, group_id="g", prompt_ids=(1,),
+    big_group = RolloutGroup(
+        group_id="g", prompt_ids=(1,),
         samples=tuple(
             Sample(
                 completion_ids=tuple(rnd.randrange(1_000_000) for _ in range(4096)),
@@ -233,16 +241,16 @@ def test_oversize_group_cannot_be_sealed() -> None:
         ),
     )
     with pytest.raises(LocalProtocolError, match="split"):
-        seal(big, ALICE)
+        seal(RolloutBatch(run_id="run-1", peer_id=ALICE.peer_id, seq=1, groups=(big_group,)), ALICE)
 
 
 def test_repair_response_carries_verifiable_sealed_groups() -> None:
     from protocol import RepairResponse, decode_message, encode_message, pack_repair_response
 
-    frames = [seal(group(), ALICE)]
+    frames = [seal(batch(), ALICE)]
     response = decode_message(encode_message(pack_repair_response(frames, unavailable=[41])), RepairResponse)
     assert response.unavailable == (41,)
-    msg, sender = open_envelope(response.envelopes[0], expected_kind=RolloutGroup, expected_sender=ALICE.peer_id)
-    assert msg == group() and sender == ALICE.peer_id
+    msg, sender = open_envelope(response.envelopes[0], expected_kind=RolloutBatch, expected_sender=ALICE.peer_id)
+    assert msg == batch() and sender == ALICE.peer_id
     with pytest.raises(RemoteProtocolError):  # served by anyone, still bound to the publisher
         open_envelope(response.envelopes[0], expected_sender=MALLORY.peer_id)

@@ -11,6 +11,7 @@ import pytest
 
 from protocol import (
     MESSAGE_TYPES,
+    SCHEMA_VERSION,
     ErrorResponse,
     Identity,
     JoinRequest,
@@ -19,6 +20,7 @@ from protocol import (
     RemoteProtocolError,
     RepairRequest,
     RepairResponse,
+    RolloutBatch,
     RolloutGroup,
     RunSpec,
     Sample,
@@ -27,13 +29,16 @@ from protocol import (
     StatusResponse,
     VersionAnnounce,
     WireMessage,
+    batch_rollouts,
     decode_message,
     encode_message,
     kind_of,
     pack_repair_response,
+    seal,
 )
 from protocol.limits import (
     MAX_ABS_REWARD,
+    MAX_BATCH_GROUPS,
     MAX_CONFIG_ITEMS,
     MAX_CONFIG_KEYS,
     MAX_CONFIG_LIST,
@@ -95,9 +100,6 @@ def sample(n: int = 4, version: int = 3, **overrides: Any) -> Sample:
 
 def group(**overrides: Any) -> RolloutGroup:
     kw = {
-        "run_id": "add-2digit.v1",
-        "peer_id": PEER,
-        "seq": 7,
         "group_id": "g-7",
         "prompt_ids": (1, 2, 3),
         "samples": (sample(), sample(2, 4)),
@@ -106,9 +108,20 @@ def group(**overrides: Any) -> RolloutGroup:
     return RolloutGroup(**kw)
 
 
+def batch(**overrides: Any) -> RolloutBatch:
+    kw = {
+        "run_id": "add-2digit.v1",
+        "peer_id": PEER,
+        "seq": 7,
+        "groups": (group(), group(group_id="g-8", samples=(sample(3, 5), sample(1, 6)))),
+    }
+    kw.update(overrides)
+    return RolloutBatch(**kw)
+
+
 ALL_MESSAGES: list[WireMessage] = [
     spec(),
-    group(),
+    batch(),
     build_manifest(run_id="r", version=3, payload=b"x" * 40000, piece_size=16384),
     JoinRequest(run_id="r", peer_id=PEER),
     JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000),
@@ -139,7 +152,7 @@ def test_every_kind_has_a_round_trip_case() -> None:
 
 
 def test_nested_only_types_are_not_top_level() -> None:
-    for msg in (sampling(), sample()):
+    for msg in (sampling(), sample(), group()):
         with pytest.raises(LocalProtocolError, match="not a top-level"):
             kind_of(msg)
         with pytest.raises(LocalProtocolError):
@@ -154,6 +167,11 @@ def test_lists_normalized_to_tuples() -> None:
 def test_min_and_max_version_ignore_empty_samples() -> None:
     g = group(samples=(sample(0), sample(3, version=5), sample(2, token_versions=(2, 9))))
     assert g.min_version == 2 and g.max_version == 9 and g.num_tokens == 5
+
+
+def test_batch_max_version_and_samples() -> None:
+    b = batch()
+    assert b.max_version == 6 and b.num_samples == 4
 
 
 def test_all_empty_group_rejected() -> None:
@@ -213,11 +231,14 @@ BOUNDS: list[tuple[str, Any, dict[str, Any], dict[str, Any]]] = [
     ("prompt_token", group, {"prompt_ids": (MAX_VOCAB - 1,)}, {"prompt_ids": (MAX_VOCAB,)}),
     ("samples", group, {"samples": (sample(1),) * MAX_GROUP_SIZE}, {"samples": (sample(1),) * (MAX_GROUP_SIZE + 1)}),
     ("samples_empty", group, {"samples": (sample(1),)}, {"samples": ()}),
-    ("seq", group, {"seq": MAX_SEQ}, {"seq": MAX_SEQ + 1}),
-    ("seq_low", group, {"seq": 0}, {"seq": -1}),
+    ("seq", batch, {"seq": MAX_SEQ}, {"seq": MAX_SEQ + 1}),
+    ("seq_low", batch, {"seq": 0}, {"seq": -1}),
     ("group_id", group, {"group_id": "g" * MAX_NAME_LEN}, {"group_id": "g" * (MAX_NAME_LEN + 1)}),
     ("group_id_empty", group, {"group_id": "g"}, {"group_id": ""}),
-    ("peer_id", group, {"peer_id": PEER}, {"peer_id": PEER[:-1]}),
+    ("peer_id", batch, {"peer_id": PEER}, {"peer_id": PEER[:-1]}),
+    ("batch_run_id", batch, {"run_id": "a" * 64}, {"run_id": "a/b"}),
+    ("batch_groups", batch, {"groups": (group(),) * MAX_BATCH_GROUPS}, {"groups": (group(),) * (MAX_BATCH_GROUPS + 1)}),
+    ("batch_groups_empty", batch, {"groups": (group(),)}, {"groups": ()}),
 ]
 
 
@@ -297,17 +318,31 @@ def test_missing_and_extra_fields_rejected_naming_the_fields() -> None:
 @pytest.mark.parametrize(
     ("index", "value", "field"),
     [
-        (2, True, "RolloutGroup.seq"),  # bool is not an int
-        (2, 7.0, "RolloutGroup.seq"),
-        (2, "7", "RolloutGroup.seq"),
-        (0, b"add-2digit.v1", "RolloutGroup.run_id"),
-        (4, [1, 2.0], r"RolloutGroup.prompt_ids\[1\]"),
-        (4, "abc", "RolloutGroup.prompt_ids"),
-        (5, "samples", "RolloutGroup.samples"),
-        (5, [[[1], [-1.0], [0]]], r"RolloutGroup.samples\[0\]: Sample: expected 4 fields"),
+        (2, True, "RolloutBatch.seq"),  # bool is not an int
+        (2, 7.0, "RolloutBatch.seq"),
+        (2, "7", "RolloutBatch.seq"),
+        (0, b"add-2digit.v1", "RolloutBatch.run_id"),
+        (3, "groups", "RolloutBatch.groups"),
+        (3, [["g", [1], "x"]], r"RolloutBatch.groups\[0\]: RolloutGroup.samples"),
     ],
 )
 def test_wrong_types_rejected_naming_the_field(index: int, value: Any, field: str) -> None:
+    wire = batch().to_wire()
+    wire[index] = value
+    with pytest.raises(RemoteProtocolError, match=field):
+        RolloutBatch.from_wire(wire)
+
+
+@pytest.mark.parametrize(
+    ("index", "value", "field"),
+    [
+        (1, [1, 2.0], r"RolloutGroup.prompt_ids\[1\]"),
+        (1, "abc", "RolloutGroup.prompt_ids"),
+        (2, "samples", "RolloutGroup.samples"),
+        (2, [[[1], [-1.0], [0]]], r"RolloutGroup.samples\[0\]: Sample: expected 4 fields"),
+    ],
+)
+def test_wrong_group_types_rejected_naming_the_field(index: int, value: Any, field: str) -> None:
     wire = group().to_wire()
     wire[index] = value
     with pytest.raises(RemoteProtocolError, match=field):
@@ -317,11 +352,11 @@ def test_wrong_types_rejected_naming_the_field(index: int, value: Any, field: st
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_non_finite_floats_rejected(bad: float) -> None:
     wire = group().to_wire()
-    wire[5][0][3] = bad  # reward
+    wire[2][0][3] = bad  # reward
     with pytest.raises(RemoteProtocolError, match=r"samples\[0\]: Sample.reward: must be finite"):
         RolloutGroup.from_wire(wire)
     wire = group().to_wire()
-    wire[5][1][1] = [bad, -1.0]  # logprobs
+    wire[2][1][1] = [bad, -1.0]  # logprobs
     with pytest.raises(RemoteProtocolError, match=r"Sample.behaviour_logprobs\[0\]"):
         RolloutGroup.from_wire(wire)
     with pytest.raises(RemoteProtocolError, match="temperature"):
@@ -332,7 +367,7 @@ def test_int_for_float_field_rejected() -> None:
     with pytest.raises(RemoteProtocolError, match="SamplingParams.temperature: expected float"):
         SamplingParams.from_wire([1, 1.0, 4])
     wire = group().to_wire()
-    wire[5][0][3] = 1  # reward as int
+    wire[2][0][3] = 1  # reward as int
     with pytest.raises(RemoteProtocolError, match="Sample.reward: expected float"):
         RolloutGroup.from_wire(wire)
 
@@ -358,10 +393,11 @@ def test_config_canonical_key_order() -> None:
 
 def test_decode_message_rejects_bad_frames() -> None:
     good = encode_message(StatusRequest(run_id="r"))
-    with pytest.raises(RemoteProtocolError, match="unsupported schema version 2 \\(this node speaks 1\\)"):
-        decode_message(msgpack.packb([2, "status_request", ["r"]]))
+    newer = SCHEMA_VERSION + 1
+    with pytest.raises(RemoteProtocolError, match=f"unsupported schema version {newer} \\(this node speaks {SCHEMA_VERSION}\\)"):
+        decode_message(msgpack.packb([newer, "status_request", ["r"]]))
     with pytest.raises(RemoteProtocolError, match="unknown message kind"):
-        decode_message(msgpack.packb([1, "nope", ["r"]]))
+        decode_message(msgpack.packb([SCHEMA_VERSION, "nope", ["r"]]))
     with pytest.raises(RemoteProtocolError, match="expected a 'join_request'"):
         decode_message(good, JoinRequest)
     with pytest.raises(RemoteProtocolError):
@@ -375,16 +411,16 @@ def test_decode_message_rejects_bad_frames() -> None:
     with pytest.raises(RemoteProtocolError, match="schema"):
         decode_message(msgpack.packb(["1", "status_request", ["r"]]))
     with pytest.raises(RemoteProtocolError, match="3 fields"):
-        decode_message(msgpack.packb([1, "status_request"]))
+        decode_message(msgpack.packb([SCHEMA_VERSION, "status_request"]))
     with pytest.raises(LocalProtocolError):
         decode_message(good, "no_such_kind")
 
 
 def test_ext_types_and_non_str_keys_rejected() -> None:
-    ext = msgpack.packb([1, "status_request", [msgpack.ExtType(5, b"x")]])
+    ext = msgpack.packb([SCHEMA_VERSION, "status_request", [msgpack.ExtType(5, b"x")]])
     with pytest.raises(RemoteProtocolError):
         decode_message(ext)
-    bad_key = msgpack.packb([1, "run_spec", [{1: 2}]])
+    bad_key = msgpack.packb([SCHEMA_VERSION, "run_spec", [{1: 2}]])
     with pytest.raises(RemoteProtocolError):
         decode_message(bad_key)
 
@@ -404,9 +440,25 @@ def test_pack_repair_response_fits_budget() -> None:
     assert len(encode_message(full)) <= 4 * 1024 * 1024
 
 
+def test_batch_rollouts_packs_in_order_within_the_frame_budget() -> None:
+    groups = [group(group_id=f"g{i:02d}", samples=(sample(200), sample(200))) for i in range(40)]
+    one = len(msgpack.packb(groups[0].to_wire(), use_bin_type=True))
+    batches = batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=41, max_bytes=5 * one)
+    assert [b.seq for b in batches] == list(range(41, 49))
+    assert [g for b in batches for g in b.groups] == groups
+    assert all(len(b.groups) == 5 and b.run_id == "r" and b.peer_id == PEER for b in batches)
+    # Every default-budget batch of real-sized groups seals into one gossip frame.
+    big = [group(group_id=f"g{i}", samples=(sample(MAX_TOKENS_PER_SEQUENCE),) * 2) for i in range(12)]
+    sealed = [seal(b, Identity.from_seed(b"\x02" * 32)) for b in batch_rollouts(big, run_id="r", peer_id=PEER, first_seq=0)]
+    assert len(sealed) > 1 and all(len(f) <= MAX_FRAME_BYTES for f in sealed)
+    assert len(batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=0, max_groups=3)) == 14
+    with pytest.raises(LocalProtocolError):
+        batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=0, max_groups=0)
+
+
 def test_replace_revalidates() -> None:
     with pytest.raises(LocalProtocolError):
-        replace(group(), seq=-1)
+        replace(batch(), seq=-1)
 
 
 def test_hostile_bytes_only_raise_remote_protocol_error() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from protocol import DropReason, Identity, RolloutGroup, RunSpec, Sample, SamplingParams, admissible, judge_group
+from protocol import DropReason, Identity, RolloutBatch, RolloutGroup, Sample, admissible, judge_batch
 
 STALE, FUTURE = DropReason.STALE, DropReason.FUTURE_VERSION
 
@@ -41,30 +41,25 @@ def test_bad_arguments() -> None:
         admissible(1, 1, -1, "async")
 
 
-def _spec(mode: str = "async", staleness: int = 1) -> RunSpec:
-    return RunSpec(
-        run_id="run", model={}, tokenizer={}, task="t",
-        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), sync_mode=mode,  # type: ignore[arg-type]
-        staleness=staleness, group_size=2, current_version=0, learner_peer_id=Identity.from_seed(b"\x05" * 32).peer_id,
-    )
-
-
-def _group(versions: list[tuple[int, ...]], run_id: str = "run") -> RolloutGroup:
-    return RolloutGroup(
-        run_id=run_id, peer_id=Identity.from_seed(b"\x06" * 32).peer_id, seq=0, group_id="g", prompt_ids=(1,),
+def _batch(versions: list[tuple[int, ...]], run_id: str = "run", groups: int = 1) -> RolloutBatch:
+    group = RolloutGroup(
+        group_id="g", prompt_ids=(1,),
         samples=tuple(
             Sample(completion_ids=(1,) * len(v), behaviour_logprobs=(-1.0,) * len(v), token_versions=v, reward=0.0)
             for v in versions
         ),
     )
+    return RolloutBatch(run_id=run_id, peer_id=Identity.from_seed(b"\x06" * 32).peer_id, seq=0, groups=(group,) * groups)
 
 
-def test_judge_group() -> None:
-    spec = _spec()
-    assert judge_group(_group([(4, 5), (5,)]), spec, 5) is None
-    assert judge_group(_group([(3, 5), (5,)]), spec, 5) is STALE
-    assert judge_group(_group([(5, 6), (5,)]), spec, 5) is FUTURE
-    assert judge_group(_group([(5,), ()]), spec, 5) is None  # an empty completion has no version
-    assert judge_group(_group([(5,), (5,)], run_id="other"), spec, 5) is DropReason.WRONG_RUN
-    assert judge_group(_group([(5,)]), spec, 5) is DropReason.BAD_GROUP
-    assert judge_group(_group([(4,), (5,)]), _spec("pull"), 5) is STALE
+def test_judge_batch() -> None:
+    def judge(batch: RolloutBatch, current: int = 5) -> DropReason | None:
+        return judge_batch(batch, run_id="run", group_size=2, current_version=current)
+
+    assert judge(_batch([(4, 5), (5,)], groups=3)) is None
+    assert judge(_batch([(3, 5), (5,)])) is None  # staleness is the buffer's, per group
+    assert judge(_batch([(5, 6), (5,)])) is FUTURE
+    assert judge(_batch([(5,), ()])) is None  # an empty completion has no version
+    assert judge(_batch([(5, 6), (5,)], run_id="other")) is DropReason.WRONG_RUN  # run first
+    assert judge(_batch([(5,)])) is DropReason.BAD_GROUP
+    assert judge(_batch([(5, 6)]), current=6) is DropReason.BAD_GROUP

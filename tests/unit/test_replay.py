@@ -12,6 +12,11 @@ from protocol.messages import RolloutGroup
 from tests.factories import make_group
 
 
+def ids(groups: list[RolloutGroup]) -> list[int]:
+    """The `n` each group was made with (make_group names it f"g{n}")."""
+    return [int(g.group_id[1:]) for g in groups]
+
+
 def test_async_window_admits_current_minus_s_and_drops_older() -> None:
     buf = ReplayBuffer(mode="async", staleness=2, capacity_groups=16)
     assert buf.offer(make_group(version=8), current_version=10) is None
@@ -34,10 +39,10 @@ def test_pull_admits_only_the_current_version() -> None:
 def test_staleness_is_rechecked_when_a_batch_is_taken() -> None:
     buf = ReplayBuffer(mode="async", staleness=1, capacity_groups=16)
     for v in (5, 6, 7):
-        buf.offer(make_group(version=v, seq=v), current_version=7)
+        buf.offer(make_group(version=v, n=v), current_version=7)
     assert buf.ledger.dropped["stale"] == 8  # v5 at arrival
     batch = buf.take(8, current_version=8)  # v6 is now 2 behind: dropped; v7 kept
-    assert [g.seq for g in batch] == [7]
+    assert ids(batch) == [7]
     assert buf.ledger.dropped["stale"] == 16
     buf.mark_trained(batch)
     buf.check()
@@ -46,18 +51,18 @@ def test_staleness_is_rechecked_when_a_batch_is_taken() -> None:
 def test_overload_drops_the_oldest_group() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=2)
     for seq in range(3):
-        buf.offer(make_group(seq=seq), current_version=0)
-    assert [g.seq for g in buf.take(5, 0)] == [2, 1]
+        buf.offer(make_group(n=seq), current_version=0)
+    assert ids(buf.take(5, 0)) == [2, 1]
     assert buf.ledger.dropped == {"overload": 8}
 
 
 def test_a_batch_is_the_freshest_admissible_data() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=16)
     for seq, v in enumerate((5, 7, 6, 7, 5)):
-        buf.offer(make_group(version=v, seq=seq), current_version=7)
+        buf.offer(make_group(version=v, n=seq), current_version=7)
     # Newest version first; among equals, the latest arrival.
-    assert [g.seq for g in buf.take(3, current_version=7)] == [3, 1, 2]
-    assert [g.seq for g in buf.take(3, current_version=7)] == [4, 0]
+    assert ids(buf.take(3, current_version=7)) == [3, 1, 2]
+    assert ids(buf.take(3, current_version=7)) == [4, 0]
 
 
 def test_rejects_and_exit_are_counted() -> None:
@@ -82,28 +87,28 @@ def test_capacity_must_be_positive() -> None:
 def test_restored_groups_are_taken_again_and_stay_counted() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
     for seq in range(4):
-        buf.offer(make_group(seq=seq), current_version=0)
+        buf.offer(make_group(n=seq), current_version=0)
     batch = buf.take(2, 0)
     buf.restore(batch)  # the step never ran
-    assert [g.seq for g in buf.take(2, 0)] == [g.seq for g in batch] == [3, 2]
+    assert ids(buf.take(2, 0)) == ids(batch) == [3, 2]
     again = batch + buf.take(4, 0)
-    assert [g.seq for g in again] == [3, 2, 1, 0]
+    assert ids(again) == [3, 2, 1, 0]
     buf.mark_trained(again)
     buf.check()
     assert buf.ledger.trained == 32
 
 
-def _spanning(oldest: int, newest: int, seq: int) -> RolloutGroup:
+def _spanning(oldest: int, newest: int, n: int) -> RolloutGroup:
     """A group whose completions were interrupted by a weight swap: tokens of two versions."""
-    g = make_group(seq=seq, version=newest)
+    g = make_group(n=n, version=newest)
     samples = tuple(replace(s, token_versions=(oldest,) * 2 + (newest,) * (len(s.token_versions) - 2)) for s in g.samples)
     return replace(g, samples=samples)
 
 
 def test_a_completion_spanning_versions_is_judged_by_its_oldest_token() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
-    assert buf.offer(_spanning(5, 9, seq=0), current_version=10) == DropReason.STALE
-    assert buf.offer(_spanning(6, 10, seq=1), current_version=10) is None
+    assert buf.offer(_spanning(5, 9, n=0), current_version=10) == DropReason.STALE
+    assert buf.offer(_spanning(6, 10, n=1), current_version=10) is None
     # One version later the admitted group's oldest tokens are 5 behind: it ages out.
     assert buf.take(1, current_version=11) == []
     assert buf.ledger.dropped == {"stale": 16}
