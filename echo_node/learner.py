@@ -34,7 +34,7 @@ from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
-from protocol.delta import encode_delta
+from protocol.delta import encode_delta, estimate_delta_ratio
 from protocol.envelope import open_envelope, seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
@@ -70,6 +70,9 @@ ACTIVE_WINDOW_S = 15.0
 DELTA_MIN_SAVING = 0.7
 DELTA_RETRY_VERSIONS = 50
 DELTA_RETRY_MAX_VERSIONS = 3200
+# A delta is only cut when a sampled estimate says it might pay (~1/13 of a cut on the default
+# model); the estimate errs high by a few % of the size, hence the slack.
+DELTA_ESTIMATE_SLACK = 0.05
 # Verified batches waiting for the consumer; more than a subscription queue's worth means the
 # consumer fell behind and re-checks the rest.
 CHECKED_CACHE = 1024
@@ -431,6 +434,9 @@ class Learner:
         """Offer `version` as a delta against `base` if both are kept and the delta pays."""
         blob, previous = self._blobs.get(version), self._blobs.get(base)
         if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
+            return None
+        if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
+            self._no_delta.add((version, base))
             return None
         delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:

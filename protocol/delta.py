@@ -58,7 +58,7 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import _frame_end  # the same strict one-frame walk the gossip frames use
 from protocol.limits import MAX_WEIGHTS_BYTES
 
-__all__ = ["decode_delta", "encode_delta", "max_delta_size", "xor_bytes"]
+__all__ = ["decode_delta", "encode_delta", "estimate_delta_ratio", "max_delta_size", "xor_bytes"]
 
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"  # RFC 8878 §3.1.1; also the plain format's first bytes
 _TAG_SPARSE = 0x01  # first byte of a sparse delta (never the first byte of a zstd frame)
@@ -184,6 +184,34 @@ def encode_delta(
         if len(sparse) < len(plain):
             return sparse
     return plain
+
+
+def estimate_delta_ratio(
+    new: bytes | bytearray | memoryview,
+    base: bytes | bytearray | memoryview,
+    *,
+    sample_bytes: int = 256 * 1024,
+    spots: int = 8,
+    level: int = DEFAULT_DELTA_LEVEL,
+) -> float:
+    """len(encode_delta(new, base)) / len(new), estimated from `spots` evenly spread slices of
+    `sample_bytes` in all: ~1/13 of the cost on the default model, to decide whether a delta is
+    worth cutting at all. Exact when the blob is no bigger than the sample. Zstd does a little
+    worse on the short slices, so the estimate errs high (towards "not worth it")."""
+    n = len(new)
+    if len(base) != n:
+        raise LocalProtocolError(f"cannot compare {n} B with {len(base)} B: lengths differ")
+    if n == 0:
+        return 1.0
+    if n <= sample_bytes:
+        return len(encode_delta(new, base, level=level)) / n
+    width = max(2, sample_bytes // spots) & ~1  # whole 16-bit lanes
+    step = (n - width) // max(1, spots - 1) & ~1
+    mn, mb = memoryview(new).cast("B"), memoryview(base).cast("B")
+    starts = [i * step for i in range(spots)]
+    sample_new = b"".join(mn[lo : lo + width] for lo in starts)
+    sample_base = b"".join(mb[lo : lo + width] for lo in starts)
+    return len(encode_delta(sample_new, sample_base, level=level)) / len(sample_new)
 
 
 def _scan(mn: memoryview, mb: memoryview, level: int) -> tuple[bytes, list[int] | None]:

@@ -8,7 +8,7 @@ import random
 import pytest
 import zstandard
 
-from protocol.delta import decode_delta, encode_delta, max_delta_size, xor_bytes
+from protocol.delta import decode_delta, encode_delta, estimate_delta_ratio, max_delta_size, xor_bytes
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 N_PARAMS = 32_768  # small enough to keep the module well under a second
@@ -334,3 +334,21 @@ def test_random_garbage_never_escapes_as_another_exception() -> None:
         except RemoteProtocolError:
             continue
         assert len(out) == len(base)
+
+
+def test_estimated_ratio_tracks_the_real_one() -> None:
+    """A sparse bf16 update and a dense fp32 one land on the right sides of a 0.3 bar."""
+    old = fp32_weights(4, n=262_144)  # 1 MiB of fp32: four times the default sample
+    cases = {
+        "sparse": (bf16(perturbed(old, rel=1e-2, fraction=0.03, seed=5)), bf16(old)),
+        "dense": (perturbed(old, rel=1e-3, fraction=1.0, seed=6).tobytes(), old.tobytes()),
+    }
+    for name, (new, base) in cases.items():
+        real = len(encode_delta(new, base)) / len(new)
+        estimate = estimate_delta_ratio(new, base)
+        assert abs(estimate - real) < 0.05 + 0.2 * real, (name, estimate, real)
+    assert estimate_delta_ratio(*cases["sparse"]) < 0.3 < estimate_delta_ratio(*cases["dense"])
+    small_new, small_base = cases["sparse"][0][:1000], cases["sparse"][1][:1000]
+    assert estimate_delta_ratio(small_new, small_base) == len(encode_delta(small_new, small_base)) / 1000
+    with pytest.raises(LocalProtocolError, match="lengths differ"):
+        estimate_delta_ratio(b"ab", b"abc")
