@@ -71,14 +71,18 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
 
 
 def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> None:
-    """Every weight moves (a large step on fp32): the up-front delta is cut at the first version,
-    then again after 50, 100 and 200 more versions, never per version."""
+    """Every weight moves (a large step on fp32): whether the up-front delta pays is checked at
+    the first version, then again after 50, 100 and 200 more versions, never per version; the
+    estimate says no, so no delta is ever cut."""
     tried: list[int] = []
-    encode = learner_module.encode_delta
+    estimate = learner_module.estimate_delta_ratio
 
-    def counting_encode(blob: bytes, previous: bytes) -> bytes:
+    def counting_estimate(blob: bytes, previous: bytes) -> float:
         tried.append(learner.version)
-        return encode(blob, previous)
+        return estimate(blob, previous)
+
+    def no_encode(blob: bytes, previous: bytes) -> bytes:
+        raise AssertionError("cut a delta the estimate said would not pay")
 
     async def main() -> None:
         learner._offer_version(0, state_to_bytes(learner.policy.model))
@@ -89,7 +93,8 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
             await learner._offer_new_version(state_to_bytes(learner.policy.model))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(learner_module, "encode_delta", counting_encode)
+        mp.setattr(learner_module, "estimate_delta_ratio", counting_estimate)
+        mp.setattr(learner_module, "encode_delta", no_encode)
         trio.run(main)
     assert tried == [1, 51, 151, 351]
     assert learner.deltas_offered == 0
