@@ -6,8 +6,10 @@ learner's metrics.jsonl. Over the steady window (after the first `--settle` seco
 - samples/s: rollouts trained per second of the learner's clock;
 - learner idle: time waiting for a batch / (waiting + training), summed over the window's updates.
 In pull mode the peer samples only from the learner's newest version, so each side waits while
-the other works; in async mode the peer samples while the learner trains. The ratio's ceiling
-is 2 (two cores), reached when sampling a batch takes as long as training on it.
+the other works; in async mode the peer samples while the learner trains. Counting compute
+alone the ratio's ceiling is 2 (two cores), reached when sampling a batch takes as long as
+training on it; pull also waits for each version's transfer to the peer, which async hides
+behind training, so a measured ratio can pass 2 slightly.
 
     .venv/bin/python -m benchmarks.utilization                 # 60 s per mode
     .venv/bin/python -m benchmarks.utilization --seconds 20    # a quick look
