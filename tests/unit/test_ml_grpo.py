@@ -242,6 +242,23 @@ def test_lean_forward_tracks_optimizer_steps() -> None:
     torch.testing.assert_close(lean, ref, atol=1e-5, rtol=0)
 
 
+def test_an_engine_over_the_trained_model_samples_from_each_update() -> None:
+    """The engine caches fused weights until a parameter's version counter moves; the optimizer
+    must move it (torch's fused CPU AdamW does not, and an engine kept the old weights)."""
+    from echo_node.ml.engine import TorchEngine
+
+    model = _parity_model(2)
+    engine = TorchEngine(model, eos_id=2, pad_id=0)
+    group = TrainGroup([1, 5, 6], [[7, 8, 2], [9, 10, 2]], [[-1.0] * 3, [-1.0] * 3], [1.0, 0.0])
+    opt = PolicyOptimizer(model, lr=1e-2, pad_id=0)
+    engine.generate([[1, 5, 6]], max_new_tokens=3, temperature=1.0, seed=0)  # fills the cache
+    opt.step([group])
+    (sampled,) = engine.generate([[1, 5, 6]], max_new_tokens=3, temperature=1.0, seed=0)
+    with torch.no_grad():
+        now, _ = sequence_logprobs(model, [[1, 5, 6]], [sampled.completion_ids], 0, fast_path=False)
+    torch.testing.assert_close(torch.tensor(sampled.logprobs), now[0, : len(sampled.logprobs)], atol=1e-5, rtol=0)
+
+
 def test_lean_forward_refuses_what_it_cannot_reproduce() -> None:
     arch = {**_tiny_setup()[0], "attention_dropout": 0.1}
     model = build_model(arch, seed=0).train()
