@@ -39,7 +39,7 @@ import trio
 
 from echo_node.net.framing import read_frame, write_frame
 from protocol.errors import RemoteProtocolError
-from protocol.framing import encode_length_prefixed
+from protocol.framing import LengthPrefixedReader, encode_length_prefixed
 from protocol.identity import Identity, peer_id_from_public_key, verify
 from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
@@ -58,6 +58,8 @@ LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
 SEND_BUFFER_BYTES = 256 * 1024
+# Largest single read on a data link (a 256 KiB piece plus its framing, in one go on loopback).
+READ_BYTES = 512 * 1024
 ENDGAME_QUIET_S = 0.5
 # No new piece for this long, whatever the source says: repair from whoever has what we lack.
 STALL_S = 3.0
@@ -173,9 +175,17 @@ class Link:
                     self.on_sent()
 
     async def frames(self) -> Any:
+        # Buffered: one read brings many small frames (requests, haves) or most of a piece; a
+        # read per length prefix and per 64 KiB was ~10 % of a rollout peer's core in async mode.
+        reader = LengthPrefixedReader(max_len=MAX_WIRE_FRAME)
         while True:
             try:
-                data = await read_frame(self.stream, max_len=MAX_WIRE_FRAME)
+                while (data := reader.next_message()) is None:
+                    chunk = await self.stream.receive_some(READ_BYTES)
+                    if not chunk:
+                        reader.feed_eof()  # raises if the stream stopped inside a frame
+                        return
+                    reader.feed(chunk)
             except (RemoteProtocolError, *LINK_ERRORS):
                 return
             try:
