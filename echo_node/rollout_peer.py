@@ -40,20 +40,21 @@ from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.delta import decode_delta
 from protocol.envelope import open_envelope, seal
-from protocol.errors import RemoteProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
     RepairRequest,
     RepairResponse,
+    RolloutBatch,
     RolloutGroup,
     RunSpec,
     Sample,
     StatusRequest,
     StatusResponse,
     VersionAnnounce,
-    batch_rollouts,
+    pack_groups,
     pack_repair_response,
 )
 
@@ -125,6 +126,7 @@ class RolloutPeer:
         self.seq = time.time_ns() // 1_000_000
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
+        self.unsendable_groups = 0  # too big for a gossip frame even alone: dropped, logged
         self.rng = random.Random(int.from_bytes(hashlib.sha256(identity.public_key).digest()[:8], "big") ^ cfg.seed)
         self.spec: RunSpec | None = None
         self.policy: Policy | None = None
@@ -426,15 +428,24 @@ class RolloutPeer:
         default task), each kept for gap repair under its seq."""
         tag = f"{self.node.peer_id[-8:]}-{self.seq}"
         groups = [rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored)]
-        for batch in batch_rollouts(groups, run_id=self.cfg.run_id, peer_id=self.node.peer_id, first_seq=self.seq):
-            envelope = seal(batch, self.identity)
-            self.history[batch.seq] = envelope
+        for chunk in pack_groups(groups):
+            batch = RolloutBatch(run_id=self.cfg.run_id, peer_id=self.node.peer_id, seq=self.seq, groups=chunk)
+            try:
+                envelope = seal(batch, self.identity)
+            except LocalProtocolError as exc:
+                # Only a lone group can overflow a frame (pack_groups keeps batches well under
+                # one): drop it, counted and logged, without using up a seq the learner would
+                # then ask for in vain.
+                self.unsendable_groups += len(chunk)
+                log.warning("dropped %d rollout group(s) too big for one gossip message: %s", len(chunk), exc)
+                continue
+            self.history[self.seq] = envelope
             while len(self.history) > self.cfg.net.repair_history:
                 self.history.popitem(last=False)
-            self.seq = batch.seq + 1
+            self.seq += 1
             await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
-            self.published_groups += len(batch.groups)
-        if self.first_publish_s is None:
+            self.published_groups += len(chunk)
+        if self.first_publish_s is None and self.published_groups:
             self.first_publish_s = time.monotonic() - self._t0
             log.info("first rollouts published %.2fs after start", self.first_publish_s)
 

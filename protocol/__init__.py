@@ -59,8 +59,8 @@ from protocol.messages import (
     SyncMode,
     VersionAnnounce,
     WireMessage,
-    batch_rollouts,
     kind_of,
+    pack_groups,
     pack_repair_response,
 )
 from protocol.pieces import Cancel, PieceSwarm, Request
@@ -103,7 +103,6 @@ __all__ = [
     "admissible",
     "b58decode",
     "b58encode",
-    "batch_rollouts",
     "build_manifest",
     "choose_piece_size",
     "decode_delta",
@@ -119,6 +118,7 @@ __all__ = [
     "load_or_create_key_file",
     "open_envelope",
     "open_manifest",
+    "pack_groups",
     "pack_repair_response",
     "peer_id_from_public_key",
     "piece_range",

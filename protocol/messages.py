@@ -84,12 +84,12 @@ __all__ = [
     "SyncMode",
     "VersionAnnounce",
     "WireMessage",
-    "batch_rollouts",
     "check_schema",
     "decode_message",
     "encode_message",
     "expected_kind_name",
     "kind_of",
+    "pack_groups",
     "pack_repair_response",
 ]
 
@@ -456,8 +456,8 @@ class RolloutBatch(WireMessage):
     and duplicates (sequence.py) and repair them by seq. A publisher must never reuse a seq, also
     across restarts. Why several groups per message: the learner pays per gossip message
     (py-libp2p's message signature and signed peer record, our envelope signature), and one
-    message per group cost ~20 % of its core on the default task (py-spy). `batch_rollouts`
-    packs groups into batches that fit one gossip frame.
+    message per group cost ~20 % of its core on the default task (py-spy). `pack_groups`
+    splits a generation batch's groups into batches that fit one gossip frame.
     """
 
     KIND: ClassVar[str | None] = "rollout_batch"
@@ -709,21 +709,18 @@ def pack_repair_response(
     return RepairResponse(envelopes=tuple(chosen), unavailable=missing)
 
 
-def batch_rollouts(
+def pack_groups(
     groups: Sequence[RolloutGroup],
     *,
-    run_id: str,
-    peer_id: str,
-    first_seq: int,
     max_bytes: int = ROLLOUT_BATCH_BYTES,
     max_groups: int = MAX_BATCH_GROUPS,
-) -> list[RolloutBatch]:
-    """`groups` in order, packed greedily into batches of at most `max_bytes` of encoded groups
-    and `max_groups` groups, numbered `first_seq`, `first_seq + 1`, ...
+) -> list[tuple[RolloutGroup, ...]]:
+    """`groups` in order, packed greedily into the groups of successive `RolloutBatch`es: at
+    most `max_bytes` of encoded groups and `max_groups` groups each.
 
     The bound is on the uncompressed encoding, so a sealed batch fits one gossip frame whatever
-    zstd makes of it. A group bigger than `max_bytes` travels alone (sealing it then fails loudly
-    if it cannot fit a frame at all).
+    zstd makes of it. A group bigger than `max_bytes` travels alone; sealing it fails
+    (LocalProtocolError) if even zstd cannot bring it under a frame.
     """
     if not 1 <= max_groups <= MAX_BATCH_GROUPS:
         raise LocalProtocolError(f"max_groups must be in 1..{MAX_BATCH_GROUPS}, got {max_groups}")
@@ -737,10 +734,8 @@ def batch_rollouts(
         else:
             packed.append([group])
             used = cost
-    return [
-        RolloutBatch(run_id=run_id, peer_id=peer_id, seq=first_seq + i, groups=tuple(chunk))
-        for i, chunk in enumerate(packed)
-    ]
+    return [tuple(chunk) for chunk in packed]
+
 
 # --- unsigned encoding for authenticated streams ----------------------------------------------
 #

@@ -29,10 +29,10 @@ from protocol import (
     StatusResponse,
     VersionAnnounce,
     WireMessage,
-    batch_rollouts,
     decode_message,
     encode_message,
     kind_of,
+    pack_groups,
     pack_repair_response,
     seal,
 )
@@ -440,20 +440,20 @@ def test_pack_repair_response_fits_budget() -> None:
     assert len(encode_message(full)) <= 4 * 1024 * 1024
 
 
-def test_batch_rollouts_packs_in_order_within_the_frame_budget() -> None:
+def test_pack_groups_keeps_order_within_the_frame_budget() -> None:
     groups = [group(group_id=f"g{i:02d}", samples=(sample(200), sample(200))) for i in range(40)]
     one = len(msgpack.packb(groups[0].to_wire(), use_bin_type=True))
-    batches = batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=41, max_bytes=5 * one)
-    assert [b.seq for b in batches] == list(range(41, 49))
-    assert [g for b in batches for g in b.groups] == groups
-    assert all(len(b.groups) == 5 and b.run_id == "r" and b.peer_id == PEER for b in batches)
+    chunks = pack_groups(groups, max_bytes=5 * one)
+    assert [len(c) for c in chunks] == [5] * 8
+    assert [g for c in chunks for g in c] == groups
     # Every default-budget batch of real-sized groups seals into one gossip frame.
     big = [group(group_id=f"g{i}", samples=(sample(MAX_TOKENS_PER_SEQUENCE),) * 2) for i in range(12)]
-    sealed = [seal(b, Identity.from_seed(b"\x02" * 32)) for b in batch_rollouts(big, run_id="r", peer_id=PEER, first_seq=0)]
+    batches = [RolloutBatch(run_id="r", peer_id=PEER, seq=i, groups=c) for i, c in enumerate(pack_groups(big))]
+    sealed = [seal(b, Identity.from_seed(b"\x02" * 32)) for b in batches]
     assert len(sealed) > 1 and all(len(f) <= MAX_FRAME_BYTES for f in sealed)
-    assert len(batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=0, max_groups=3)) == 14
+    assert len(pack_groups(groups, max_groups=3)) == 14
     with pytest.raises(LocalProtocolError):
-        batch_rollouts(groups, run_id="r", peer_id=PEER, first_seq=0, max_groups=0)
+        pack_groups(groups, max_groups=0)
 
 
 def test_replace_revalidates() -> None:

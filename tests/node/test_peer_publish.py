@@ -1,0 +1,60 @@
+"""A rollout peer publishes each generation batch as few signed gossip messages as fit, one seq
+each, and drops (counted, logged) a group no gossip frame can carry without crashing or leaving a
+gap in its seqs."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import trio
+
+from echo_node.config import RunConfig
+from echo_node.ml.engine import Generation
+from echo_node.ml.rollout import ScoredGroup
+from echo_node.rollout_peer import RolloutPeer
+from protocol import RolloutBatch, open_envelope
+from tests.factories import ALICE
+
+
+class Recorder:
+    """Stands in for the peer's libp2p node: records what it is asked to gossip."""
+
+    peer_id = ALICE.peer_id
+
+    def __init__(self) -> None:
+        self.published: list[bytes] = []
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        self.published.append(data)
+
+
+def scored(tokens: int, seed: int) -> ScoredGroup:
+    """8 completions of `tokens` random tokens: incompressible once `tokens` is large."""
+    rng = random.Random(seed)
+    gens = [
+        Generation([rng.randrange(1_000_000) for _ in range(tokens)], [-rng.random() for _ in range(tokens)], [3] * tokens)
+        for _ in range(8)
+    ]
+    return ScoredGroup("p", [1, 2, 3], gens, ["x"] * 8, [float(i % 2) for i in range(8)])
+
+
+def test_batches_get_consecutive_seqs_and_an_oversize_group_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
+    node = Recorder()
+    peer.node = node  # type: ignore[assignment]
+    first_seq = peer.seq
+    batch = [scored(4, 0), scored(4, 1), scored(4096, 2), scored(4, 3)]
+    with caplog.at_level(logging.WARNING, logger="echo_node.rollout_peer"):
+        trio.run(peer._publish, batch)
+    opened = [open_envelope(m, expected_kind=RolloutBatch, expected_sender=ALICE.peer_id)[0] for m in node.published]
+    # In order: the two small groups, (the oversize one alone, dropped), the last small one.
+    assert [b.seq for b in opened] == [first_seq, first_seq + 1] and peer.seq == first_seq + 2
+    assert [len(b.groups) for b in opened] == [2, 1]
+    assert [g.samples[0].completion_ids for b in opened for g in b.groups] == [
+        tuple(s.generations[0].completion_ids) for s in (batch[0], batch[1], batch[3])
+    ]
+    assert peer.unsendable_groups == 1 and peer.published_groups == 3
+    assert sorted(peer.history) == [first_seq, first_seq + 1]  # what gap repair can serve
+    assert "too big for one gossip message" in caplog.records[-1].getMessage()
