@@ -303,15 +303,17 @@ def run_trl_worker(args: argparse.Namespace, threads: int, log_dir: Path) -> dic
     return result
 
 
-def run_trl(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
-    """TRL with each thread count asked for; the best run speaks for TRL.
+def trl_thread_counts(args: argparse.Namespace) -> list[int]:
+    return [1, 2] if args.trl_threads == "both" else [int(args.trl_threads)]
+
+
+def best_trl(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """TRL's run per thread count asked for; the best speaks for TRL.
 
     Timed runs rather than a short calibration: under load from other processes a 2-thread step
     stalls for seconds at a time (every op waits for the busier core), which a few timed steps
     miss and a whole run does not.
     """
-    counts = [1, 2] if args.trl_threads == "both" else [int(args.trl_threads)]
-    runs = {n: run_trl_worker(args, n, log_dir) for n in counts}
     best = min(runs, key=lambda n: (runs[n]["seconds"], -(runs[n]["reward_best_window"] or 0.0)))
     return {**runs[best], "runs_by_threads": {str(n): {k: v for k, v in r.items() if k != "curve"} for n, r in runs.items()}}
 
@@ -492,17 +494,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
         root = Path(tmp) if args.keep is None else args.keep
         root.mkdir(parents=True, exist_ok=True)
-        trl: dict[str, Any] | None = None
-        if not args.skip_trl:
-            print("vs_trl: TRL GRPOTrainer ...", file=sys.stderr, flush=True)
-            trl = run_trl(args, root)
-            for n, r in trl["runs_by_threads"].items():
-                print(f"vs_trl: TRL {n} thread(s): reached={r['reached']} in {r['seconds']}s", file=sys.stderr, flush=True)
-        runs = []
-        for i in range(args.echo_runs):
-            print(f"vs_trl: echo-node swarm {i + 1}/{args.echo_runs} ...", file=sys.stderr, flush=True)
-            runs.append(run_echo(args, root / f"echo-{i}"))
-            print(f"vs_trl: echo-node reached={runs[-1]['reached']} in {runs[-1]['seconds']}s", file=sys.stderr, flush=True)
+        # TRL and echo-node runs alternate, so a drift of the shared machine's speed over the
+        # minutes of the benchmark weighs on both sides alike (TRL's own time to the same 283
+        # steps moved 22-27 s between runs).
+        counts = [] if args.skip_trl else trl_thread_counts(args)
+        trl_runs: dict[int, dict[str, Any]] = {}
+        runs: list[dict[str, Any]] = []
+        for i in range(max(len(counts), args.echo_runs)):
+            if i < len(counts):
+                print(f"vs_trl: TRL GRPOTrainer, {counts[i]} thread(s) ...", file=sys.stderr, flush=True)
+                trl_runs[counts[i]] = r = run_trl_worker(args, counts[i], root)
+                print(f"vs_trl: TRL {counts[i]} thread(s): reached={r['reached']} in {r['seconds']}s", file=sys.stderr, flush=True)
+            if i < args.echo_runs:
+                print(f"vs_trl: echo-node swarm {i + 1}/{args.echo_runs} ...", file=sys.stderr, flush=True)
+                runs.append(run_echo(args, root / f"echo-{i}"))
+                print(f"vs_trl: echo-node reached={runs[-1]['reached']} in {runs[-1]['seconds']}s", file=sys.stderr, flush=True)
+        trl = best_trl(trl_runs) if trl_runs else None
         echo = median_run(runs)
     trl_s = trl["seconds"] if trl is not None else None
     echo_s = echo["seconds"]
