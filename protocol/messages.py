@@ -180,6 +180,18 @@ def _seq(where: str, value: object, max_len: int, *, min_len: int = 0) -> tuple[
     return tuple(value)
 
 
+_T = TypeVar("_T")
+
+
+def _nested_seq(where: str, value: object, sub: type[_T], max_len: int, *, min_len: int = 0) -> tuple[_T, ...]:
+    """A bounded list of already-built `sub` messages (from_wire builds them from wire arrays)."""
+    items = _seq(where, value, max_len, min_len=min_len)
+    for i, x in enumerate(items):
+        if not isinstance(x, sub):
+            _fail(f"{where}[{i}]", f"expected {sub.__name__}, got {type(x).__name__}")
+    return items
+
+
 def _ints(where: str, value: object, max_len: int, lo: int, hi: int, *, min_len: int = 0) -> tuple[int, ...]:
     items = _seq(where, value, max_len, min_len=min_len)
     # Fast path over up to 4096 elements per field; only locate the culprit once one fails.
@@ -422,10 +434,7 @@ class RolloutGroup(WireMessage):
         _set(self, "group_id", _str(f"{w}.group_id", self.group_id, MAX_NAME_LEN))
         prompt = _ints(f"{w}.prompt_ids", self.prompt_ids, MAX_PROMPT_TOKENS, 0, MAX_VOCAB - 1, min_len=1)
         _set(self, "prompt_ids", prompt)
-        samples = _seq(f"{w}.samples", self.samples, MAX_GROUP_SIZE, min_len=1)
-        for i, s in enumerate(samples):
-            if not isinstance(s, Sample):
-                _fail(f"{w}.samples[{i}]", f"expected Sample, got {type(s).__name__}")
+        samples = _nested_seq(f"{w}.samples", self.samples, Sample, MAX_GROUP_SIZE, min_len=1)
         if not any(s.completion_ids for s in samples):
             _fail(f"{w}.samples", "no sample has any completion token")
         _set(self, "samples", samples)
@@ -476,11 +485,7 @@ class RolloutBatch(WireMessage):
         _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
         _set(self, "peer_id", _peer_id(f"{w}.peer_id", self.peer_id))
         _set(self, "seq", _int(f"{w}.seq", self.seq, 0, MAX_SEQ))
-        groups = _seq(f"{w}.groups", self.groups, MAX_BATCH_GROUPS, min_len=1)
-        for i, g in enumerate(groups):
-            if not isinstance(g, RolloutGroup):
-                _fail(f"{w}.groups[{i}]", f"expected RolloutGroup, got {type(g).__name__}")
-        _set(self, "groups", groups)
+        _set(self, "groups", _nested_seq(f"{w}.groups", self.groups, RolloutGroup, MAX_BATCH_GROUPS, min_len=1))
 
     @property
     def num_samples(self) -> int:
