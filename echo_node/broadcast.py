@@ -58,8 +58,12 @@ LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
 SEND_BUFFER_BYTES = 256 * 1024
-# Largest single read on a data link (a 256 KiB piece plus its framing, in one go on loopback).
-READ_BYTES = 512 * 1024
+# Reads on a data link: at least MIN_READ_BYTES (as cheap as a tiny read), more when the frame
+# in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. A
+# fixed 512 KiB read cost 15 us for a 60 B request (CPython allocates the whole buffer each
+# time) against 2.4 us at 64 KiB: ~2 ms per version on a learner serving piece requests.
+MIN_READ_BYTES = 64 * 1024
+MAX_READ_BYTES = 512 * 1024
 ENDGAME_QUIET_S = 0.5
 # No new piece for this long, whatever the source says: repair from whoever has what we lack.
 STALL_S = 3.0
@@ -181,7 +185,7 @@ class Link:
         while True:
             try:
                 while (data := reader.next_message()) is None:
-                    chunk = await self.stream.receive_some(READ_BYTES)
+                    chunk = await self.stream.receive_some(min(MAX_READ_BYTES, max(MIN_READ_BYTES, reader.missing)))
                     if not chunk:
                         reader.feed_eof()  # raises if the stream stopped inside a frame
                         return

@@ -176,6 +176,15 @@ class LengthPrefixedReader:
     def failed(self) -> bool:
         return self._error is not None
 
+    @property
+    def missing(self) -> int:
+        """Bytes still to come before `next_message()` has a message: 0 when one is ready; only
+        the prefix's own bytes while it is incomplete. Lets the caller size its next read."""
+        if len(self._buf) < _PREFIX_BYTES:
+            return _PREFIX_BYTES - len(self._buf)
+        end = _PREFIX_BYTES + int.from_bytes(self._buf[:_PREFIX_BYTES], "big")
+        return max(0, end - len(self._buf))
+
     def feed(self, data: bytes) -> None:
         """Append received bytes; raises at once if the next message declares an oversize length."""
         self._raise_if_failed()

@@ -24,6 +24,7 @@ import hashlib
 import logging
 import math
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -67,6 +68,10 @@ setattr(_pubsub_module, "RpcQueue", functools.partial(RpcQueue, max_size=OUTBOUN
 logging.getLogger("libp2p").setLevel(
     logging.DEBUG if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else logging.CRITICAL
 )
+
+# How long the host's own addresses are reused before they are computed again (see
+# `_memoize_addrs`).
+ADDRS_TTL_S = 1.0
 
 GOSSIPSUB_PROTOCOL = TProtocol("/meshsub/1.1.0")
 # Namespaced so that our provider records cannot collide with another application's keys.
@@ -162,6 +167,31 @@ def _score_params(settings: P2PSettings) -> ScoreParams:
     )
 
 
+def _memoize_addrs(host: IHost, ttl_s: float) -> None:
+    """Reuse the host's address list for `ttl_s` seconds.
+
+    py-libp2p attaches our signed peer record to every gossip RPC it sends or forwards, and to
+    see whether the record is still current it rebuilds the address list each time (a
+    getsockname per listener and several multiaddr parses): ~2 ms per update on a learner taking
+    ~50 gossip messages a second. Addresses change only when listeners or observed addresses do,
+    which a second's delay does not hurt.
+    """
+    compute = host.get_addrs
+    cached: list[multiaddr.Multiaddr] = []
+    expires = -math.inf
+
+    def get_addrs() -> list[multiaddr.Multiaddr]:
+        nonlocal cached, expires
+        now = time.monotonic()
+        if now >= expires:
+            cached = compute()
+            # Nothing listens yet: the next call may already see the listeners.
+            expires = now + ttl_s if cached else -math.inf
+        return list(cached)
+
+    setattr(host, "get_addrs", get_addrs)
+
+
 class P2PNode:
     """A running libp2p host with DHT and GossipSub; start it with `nursery.start(node.run)`."""
 
@@ -178,6 +208,7 @@ class P2PNode:
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             connection_config=ConnectionConfig(max_connections_per_peer=1),
         )
+        _memoize_addrs(self._host, ADDRS_TTL_S)
         self.peer_id = self._host.get_id().to_base58()
         if self.peer_id != identity.peer_id:
             raise AssertionError("libp2p and protocol/ disagree on the peer id")

@@ -127,6 +127,24 @@ def test_length_prefixed_round_trip_split_at_every_byte() -> None:
     assert reader.buffered == 0
 
 
+def test_reader_says_how_many_bytes_the_next_message_still_needs() -> None:
+    reader = LengthPrefixedReader(max_len=300)
+    assert reader.missing == 4  # the prefix
+    stream = encode_length_prefixed(bytes(300)) + encode_length_prefixed(b"ab")
+    reader.feed(stream[:2])
+    assert reader.missing == 2
+    reader.feed(stream[2:104])
+    assert reader.missing == 200
+    reader.feed(stream[104:306])  # the rest of the first message and half the next prefix
+    assert reader.missing == 0
+    assert reader.next_message() == bytes(300)
+    assert reader.missing == 2
+    reader.feed(stream[306:])
+    assert reader.missing == 0
+    assert reader.next_message() == b"ab"
+    assert reader.missing == 4
+
+
 def test_length_prefix_format() -> None:
     assert encode_length_prefixed(b"abc") == b"\x00\x00\x00\x03abc"
     with pytest.raises(LocalProtocolError):
