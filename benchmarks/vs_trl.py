@@ -14,7 +14,10 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
   as a learner and a volunteer would each have their own hardware (measured: 53-54 ms per
   update, vs 58-61 ms with all processes on both cores, `--pinning none`, the demo's way). The
   clock starts at the learner's first accepted rollout: process start-up, imports and joining
-  are excluded. The async swarm is not deterministic (which rollouts make each update depends
+  are excluded. The learner publishes every 3rd version (`--publish-every`, K <= S): per update
+  it then skips 2 of 3 snapshots, manifests and transfers (measured per update, 5 swarms each:
+  49 ms at K = 2 and 43 ms at K = 3, medians to r* 14.4 s and 12.8 s; ~47-53 ms at K = 1).
+  The async swarm is not deterministic (which rollouts make each update depends
   on timing), and its updates to r* varied from 249 to 403 over runs of the same code, so it
   runs `--echo-runs` times (3) and `echo_s` is the median; TRL's seeded, synchronous run gives
   the same curve every time and runs once per thread count.
@@ -60,6 +63,7 @@ WINDOW = 10
 CAP_TRL_S = 120.0
 CAP_ECHO_S = 90.0
 STALENESS = 4
+PUBLISH_EVERY = 3
 PEERS = 1
 PINNING = "split"
 ECHO_RUNS = 3
@@ -378,6 +382,7 @@ def run_echo(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     try:
         learner_args = [
             "--threads", "1", "--mode", "async", "--staleness", str(args.staleness),
+            "--publish-every", str(args.publish_every),
             "--seconds", str(args.cap_echo + ECHO_STARTUP_ALLOWANCE_S),
         ]
         learner_cpus, peer_cpus = ({0}, {1}) if args.pinning == "split" else ({0, 1}, {0, 1})
@@ -410,6 +415,7 @@ def run_echo(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     result.update(
         peers=args.peers,
         staleness=args.staleness,
+        publish_every=args.publish_every,
         versions=last.get("version"),
         rollouts_trained=last.get("trained"),
         rollouts_dropped=last.get("dropped"),
@@ -470,6 +476,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="echo-node: split = bootstrap and learner on core 0, peers on core 1; none = both cores for all (the demo's way)",
     )
     p.add_argument("--staleness", type=int, default=STALENESS, help="echo-node async staleness bound S")
+    p.add_argument("--publish-every", type=int, default=PUBLISH_EVERY, help="echo-node's learner publishes every K-th version")
     p.add_argument("--echo-runs", type=int, default=ECHO_RUNS, help="echo-node swarms to run; echo_s is their median")
     p.add_argument("--skip-trl", action="store_true", help="measure echo-node only (ratio null)")
     p.add_argument("--keep", type=Path, default=None, metavar="DIR", help="keep logs and the swarm's run folder in DIR")

@@ -61,7 +61,7 @@ SEND_BUFFER_BYTES = 256 * 1024
 # Reads on a data link: at least MIN_READ_BYTES (as cheap as a tiny read), more when the frame
 # in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. A
 # fixed 512 KiB read cost 15 us for a 60 B request (CPython allocates the whole buffer each
-# time) against 2.4 us at 64 KiB: ~2 ms per version on a learner serving piece requests.
+# time) against 2.4 us at 64 KiB (a socket pair on this machine).
 MIN_READ_BYTES = 64 * 1024
 MAX_READ_BYTES = 512 * 1024
 ENDGAME_QUIET_S = 0.5

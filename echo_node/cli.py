@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
     p.add_argument("--mode", choices=["pull", "async"], default=None)
     p.add_argument("--staleness", type=int, default=None, help="async staleness bound S")
+    p.add_argument("--publish-every", type=int, default=None, metavar="K", help="async: publish every K-th version (K <= S)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
     p.add_argument("--max-versions", type=int, default=None)
     p.add_argument("--runs-dir", type=Path, default=None, help="where runs/<run-id>/ is written (default ./runs)")
@@ -94,6 +95,7 @@ def _config(args: argparse.Namespace) -> Any:
         model__path=args.model,
         rl__mode=getattr(args, "mode", None),
         rl__staleness=getattr(args, "staleness", None),
+        rl__publish_every=getattr(args, "publish_every", None),
     )
 
 

@@ -77,6 +77,11 @@ class RLConfig:
     minibatches: int = 1
     # Replay-buffer capacity in groups; on overflow the oldest group is dropped as "overload".
     buffer_groups: int = 256
+    # async: the learner publishes (snapshots, hashes, announces and serves) every k-th version
+    # only. Versions still count every update, so staleness is measured as before; a peer's
+    # weights are up to k - 1 versions older. Pull needs every version (k = 1), and k <= S
+    # keeps a peer's newest weights admissible.
+    publish_every: int = 1
 
 
 @dataclass(kw_only=True, slots=True)
@@ -144,6 +149,13 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("rl.groups_per_step must be >= 1 and <= rl.buffer_groups")
     if not rl.lr > 0 or not 0 < rl.clip_eps < 1:
         raise ValueError("rl.lr must be > 0 and rl.clip_eps in (0, 1)")
+    if rl.publish_every < 1:
+        raise ValueError(f"rl.publish_every must be >= 1, got {rl.publish_every}")
+    if rl.publish_every > 1 and (rl.mode == "pull" or rl.publish_every > rl.staleness):
+        raise ValueError(
+            f"rl.publish_every = {rl.publish_every} needs async mode with staleness >= it (got mode "
+            f"{rl.mode!r}, staleness {rl.staleness}): a peer's newest weights would be too old to train on"
+        )
     if not rl.is_cap > 0 or rl.minibatches < 1:
         raise ValueError(f"rl.is_cap must be > 0 and rl.minibatches >= 1, got {rl.is_cap} and {rl.minibatches}")
     s = cfg.sampling

@@ -118,6 +118,8 @@ class Learner:
         self.policy = policy
         self.stdout = stdout
         self.version = 0
+        # The newest version peers can fetch: every rl.publish_every-th one.
+        self.published = 0
         self.peers = PeerBook()
         self.buffer = ReplayBuffer(mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups)
         self.tracker = SequenceTracker()
@@ -218,7 +220,7 @@ class Learner:
             sync_mode=self.cfg.rl.mode,
             staleness=self.cfg.rl.staleness,
             group_size=self.cfg.rl.group_size,
-            current_version=self.version,
+            current_version=self.published,
             learner_peer_id=self.node.peer_id,
         )
 
@@ -238,19 +240,21 @@ class Learner:
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
         self.peers.last_seen[remote] = trio.current_time()
-        manifest = self.sources[(self.version, FULL)].store.manifest
+        manifest = self.sources[(self.published, FULL)].store.manifest
         return StatusResponse(
             run_id=self.cfg.run_id,
-            version=self.version,
+            version=self.published,
             weights_size=manifest.weights_size,
             weights_sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
         )
 
     def demand_groups(self) -> int:
-        """Groups each peer should sample per version: one update's worth, split, with slack."""
+        """Groups each peer should sample per published version: the updates' worth until the
+        next one is published, split, with slack."""
         active = max(1, self.peers.active(trio.current_time()))
-        return max(1, math.ceil(self.cfg.rl.groups_per_step * DEMAND_SLACK / active))
+        per_version = self.cfg.rl.groups_per_step * self.cfg.rl.publish_every
+        return max(1, math.ceil(per_version * DEMAND_SLACK / active))
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
@@ -401,11 +405,16 @@ class Learner:
                         raise
                     self.buffer.mark_trained(groups)
                     self.trained_rewards += [s.reward for g in groups for s in g.samples]
-                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model)
+                    self.version += 1
+                    due = self.version % self.cfg.rl.publish_every == 0
+                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
                     t2 = time.monotonic()
                     self.idle_s += t1 - t0
                     self.train_s += t2 - t1
-                    await self._publish_version(blob)
+                    if blob is not None:
+                        await self._publish_version(blob)
+                    # Anything that just fell out of the staleness window is counted now, not at exit.
+                    self.buffer.evict_stale(self.version)
                     self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
                 if self.version % self.cfg.checkpoint.every_versions == 0:
                     await trio.to_thread.run_sync(self._checkpoint)
@@ -470,8 +479,6 @@ class Learner:
 
     async def _publish_version(self, blob: bytes) -> None:
         manifest = await self._offer_new_version(blob)
-        # Anything that just fell out of the staleness window is counted now, not at exit.
-        self.buffer.evict_stale(self.version)
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
             version=self.version,
@@ -482,12 +489,14 @@ class Learner:
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     async def _offer_new_version(self, blob: bytes) -> WeightManifest:
-        """The next version, full and (up front, when it pays) as a delta against the previous
-        one, which most peers hold. Returns the full snapshot's manifest."""
-        self.version += 1
+        """Publish the current version (`blob` is its weights), full and (up front, when it pays)
+        as a delta against the previously published one, which most peers hold. Returns the full
+        snapshot's manifest."""
+        previous = self.published
         manifest = self._offer_version(self.version, blob).store.manifest
+        self.published = self.version
         if self.version >= self._next_delta_try:
-            if await self._offer_delta(self.version, self.version - 1) is None:
+            if await self._offer_delta(self.version, previous) is None:
                 # Deltas do not pay now (early training moves every weight; fp32 never pays):
                 # stop cutting them a while, longer after each miss.
                 self._next_delta_try = self.version + self._delta_retry
@@ -513,6 +522,7 @@ class Learner:
                 "event": "train",
                 "t": round(time.monotonic() - self._started, 3),
                 "version": self.version,
+                "published": self.published,
                 "reward_mean": stats.get("reward_mean", 0.0),
                 "loss": stats.get("loss", 0.0),
                 "groups": len(groups),

@@ -141,3 +141,38 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
     learner.buffer.close()
     learner.buffer.check()
     assert learner.buffer.ledger.trained == 64 and learner.version == 1
+
+
+
+def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """rl.publish_every = 2: three updates make versions 1..3, of which only 2 is snapshotted
+    and served; peers are told about version 2 and asked for two updates' worth per version."""
+    from echo_node.broadcast import FULL
+    from echo_node.metrics import MetricsWriter
+    from protocol.messages import StatusRequest
+
+    learner.cfg.rl.publish_every = 2
+    learner.cfg.max_versions = 3
+    learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
+    for seq in range(3 * learner.cfg.rl.groups_per_step):
+        assert offer(learner, seal(make_batch(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
+
+    async def main() -> Any:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(learner.data.run)
+            await learner._train_loop()
+            status = await learner._on_status(StatusRequest(run_id="run-1"), ALICE.peer_id)
+            nursery.cancel_scope.cancel()
+        return status
+
+    learner._offer_version(0, b"\0" * 100)
+    try:
+        status = trio.run(main)
+    finally:
+        learner.metrics.close()
+    assert learner.version == 3 and learner.published == 2
+    assert sorted(v for v, base in learner.sources if base == FULL) == [0, 2]
+    assert status.version == 2
+    assert status.weights_sha256 == learner.sources[(2, FULL)].store.manifest.weights_sha256
+    assert status.demand_groups == 24  # 8 groups per update, 2 updates per version, 1.5x slack
+    assert learner.spec().current_version == 2
