@@ -54,7 +54,7 @@ def test_verified_weights_wait_for_the_engine_once() -> None:
 
 
 def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
-    peer = peer_on_version(3, demand=6)
+    peer = peer_on_version(3, demand=20)  # met, and more than one batch
 
     async def main() -> float:
         start = trio.current_time()
