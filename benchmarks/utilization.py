@@ -9,7 +9,9 @@ In pull mode the peer samples only from the learner's newest version, so each si
 the other works; in async mode the peer samples while the learner trains. Counting compute
 alone the ratio's ceiling is 2 (two cores), reached when sampling a batch takes as long as
 training on it; pull also waits for each version's transfer to the peer, which async hides
-behind training, so a measured ratio can pass 2 slightly.
+behind training, so a measured ratio can pass 2 slightly. The async learner publishes every
+3rd version (`--publish-every`; pull must publish every one): its peer then fetches a third of
+the versions, and the learner's core spends that much less on snapshots, hashing and serving.
 
     .venv/bin/python -m benchmarks.utilization                 # 60 s per mode
     .venv/bin/python -m benchmarks.utilization --seconds 20    # a quick look
@@ -32,6 +34,10 @@ from typing import Any
 from benchmarks.swarm import metrics_path, start_learner, start_peer
 from echo_node.demo import Swarm
 from echo_node.metrics import read_metrics, summarize_run
+
+
+# async only: skipping 2 of 3 snapshots, manifests and transfers is a freedom pull does not have.
+PUBLISH_EVERY = 3
 
 
 def steady_window(records: list[dict[str, Any]], settle_s: float) -> dict[str, Any]:
@@ -62,15 +68,14 @@ def steady_window(records: list[dict[str, Any]], settle_s: float) -> dict[str, A
     }
 
 
-def run_mode(mode: str, seconds: float, settle_s: float) -> dict[str, Any]:
+def run_mode(mode: str, seconds: float, settle_s: float, publish_every: int = 1) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         swarm = Swarm(root)
         run_id = f"util-{mode}"
+        args = ["--mode", mode, "--seconds", str(seconds), "--publish-every", str(publish_every)]
         try:
-            common, learner = start_learner(
-                swarm, root, run_id, ["--mode", mode, "--seconds", str(seconds)], cpus={0}
-            )
+            common, learner = start_learner(swarm, root, run_id, args, cpus={0})
             start_peer(swarm, root, common, 0, cpus={1})
             # The learner's clock starts with its first batch; it exits by itself when done.
             deadline = time.monotonic() + seconds + 120
@@ -85,11 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=60.0, help="training time per mode")
     p.add_argument("--settle", type=float, default=5.0, help="seconds of updates left out at the start")
+    p.add_argument(
+        "--publish-every", type=int, default=PUBLISH_EVERY, metavar="K",
+        help="async: the learner publishes every K-th version (pull needs every one)",
+    )
     a = p.parse_args(argv)
     started = time.monotonic()
     results = {}
     for mode in ("pull", "async"):
-        results[mode] = run_mode(mode, a.seconds, a.settle)
+        results[mode] = run_mode(mode, a.seconds, a.settle, a.publish_every if mode == "async" else 1)
         print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
     pull, asy = results["pull"], results["async"]
     print(json.dumps({
@@ -99,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         "learner_idle_pull": pull["learner_idle"],
         "learner_idle_async": asy["learner_idle"],
         "seconds_per_mode": a.seconds,
+        "publish_every_async": a.publish_every,
         "pull": pull,
         "async": asy,
         "wall_s": round(time.monotonic() - started, 1),
