@@ -15,12 +15,12 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
   update, vs 58-61 ms with all processes on both cores, `--pinning none`, the demo's way). The
   clock starts at the learner's first accepted rollout: process start-up, imports and joining
   are excluded. The learner publishes every 3rd version (`--publish-every`, K <= S): per update
-  it then skips 2 of 3 snapshots, manifests and transfers (measured per update, 5 swarms each:
-  49 ms at K = 2 and 43 ms at K = 3, medians to r* 14.4 s and 12.8 s; ~47-53 ms at K = 1).
-  The async swarm is not deterministic (which rollouts make each update depends
-  on timing), and its updates to r* varied from 249 to 403 over runs of the same code, so it
-  runs `--echo-runs` times (3) and `echo_s` is the median; TRL's seeded, synchronous run gives
-  the same curve every time and runs once per thread count.
+  it then skips 2 of 3 snapshots, manifests and transfers (with 4 groups per peer batch, 5
+  swarms each: 49 ms per update at K = 2 and 43 ms at K = 3, medians to r* 14.4 s and 12.8 s;
+  ~47-53 ms at K = 1). The async swarm is not deterministic (which rollouts make each update
+  depends on timing), and its updates to r* varied from 214 to 403 over runs of the same code,
+  so it runs `--echo-runs` times (3) and `echo_s` is the median; TRL's seeded, synchronous run
+  gives the same curve every time and runs once per thread count.
 
 r* is reached when the mean sampled reward of the last `--window` updates first reaches
 `--target` (TRL: the `reward` it logs per step; echo-node: `reward_mean` of the learner's
