@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Literal, cast, get_args
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from echo_node.ml.engine import LlamaLayerWeights, is_lean_llama, rms_norm
 
@@ -332,6 +333,15 @@ def tis_loss(
     return loss, {"loss": float(loss.detach()), "tokens": float(maskf.sum())}
 
 
+def _adamw(params: list[Tensor], *, lr: float) -> torch.optim.AdamW:
+    """AdamW without weight decay; torch's fused kernel where the parameters allow it (1.6 ms of
+    a 27 ms step on the embedded model, the same update to 5e-7)."""
+    try:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
+    except (RuntimeError, ValueError):  # e.g. a device or dtype the fused kernel lacks
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+
 class PolicyOptimizer:
     """One GRPO update per `step(groups)`: AdamW (no weight decay), grad-norm clipping, the
     off-policy correction of the module docstring, `minibatches` optimizer steps per update."""
@@ -366,10 +376,8 @@ class PolicyOptimizer:
         self.is_cap = is_cap
         self.minibatches = minibatches
         self.fast_path = fast_path
-        # Not fused=True (1.5 ms of a 31 ms step): the fused CPU kernel writes the parameters
-        # without moving their version counters, so a TorchEngine over this model kept sampling
-        # from the weights it had cached before the step.
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
@@ -441,6 +449,9 @@ class PolicyOptimizer:
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
             self.opt.step()
+            # The fused kernel writes the parameters without moving their version counters, and a
+            # TorchEngine over this model keeps its cached weights until they move.
+            increment_version(self.params)
             # Token-weighted means over the minibatches (a minibatch's stats are token means).
             for k, v in loss_stats.items():
                 totals[k] = totals.get(k, 0.0) + (v if k == "tokens" else v * loss_stats["tokens"])
