@@ -10,8 +10,9 @@ the other works; in async mode the peer samples while the learner trains. Counti
 alone the ratio's ceiling is 2 (two cores), reached when sampling a batch takes as long as
 training on it; pull also waits for each version's transfer to the peer, which async hides
 behind training, so a measured ratio can pass 2 slightly. The async learner publishes every
-3rd version (`--publish-every`; pull must publish every one): its peer then fetches a third of
-the versions, and the learner's core spends that much less on snapshots, hashing and serving.
+2nd version (`--publish-every`; pull must publish every one): its peer then fetches half the
+versions, and the learner's core spends half as much on snapshots, hashing and serving. With
+every version published, the peer fetching one version per update left the learner idle 16 %.
 
     .venv/bin/python -m benchmarks.utilization                 # 60 s per mode
     .venv/bin/python -m benchmarks.utilization --seconds 20    # a quick look
@@ -36,8 +37,9 @@ from echo_node.demo import Swarm
 from echo_node.metrics import read_metrics, summarize_run
 
 
-# async only: skipping 2 of 3 snapshots, manifests and transfers is a freedom pull does not have.
-PUBLISH_EVERY = 3
+# async only: skipping half the snapshots, manifests and transfers is a freedom pull does not
+# have (K <= S - 2, see RLConfig.publish_every).
+PUBLISH_EVERY = 2
 
 
 def steady_window(records: list[dict[str, Any]], settle_s: float) -> dict[str, Any]:

@@ -14,10 +14,11 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
   as a learner and a volunteer would each have their own hardware (measured: 53-54 ms per
   update, vs 58-61 ms with all processes on both cores, `--pinning none`, the demo's way). The
   clock starts at the learner's first accepted rollout: process start-up, imports and joining
-  are excluded. The learner publishes every 3rd version (`--publish-every`, K <= S): per update
-  it then skips 2 of 3 snapshots, manifests and transfers (with 4 groups per peer batch, 5
-  swarms each: 49 ms per update at K = 2 and 43 ms at K = 3, medians to r* 14.4 s and 12.8 s;
-  ~47-53 ms at K = 1). The async swarm is not deterministic (which rollouts make each update
+  are excluded. The learner publishes every 2nd version (`--publish-every`, K <= S - 2, see
+  `RLConfig.publish_every`): per update it then skips half the snapshots, manifests and
+  transfers (3 interleaved pairs of swarms: 41-42 ms per update and 12.2-12.8 s to r* at K = 2,
+  40-42 ms and 11.4-13.3 s at K = 3, where the learner waits for data before each publication;
+  47-53 ms at K = 1 with the peer's batches of 4 groups). The async swarm is not deterministic (which rollouts make each update
   depends on timing), and its updates to r* varied from 214 to 403 over runs of the same code,
   so it runs `--echo-runs` times (3) and `echo_s` is the median; TRL's seeded, synchronous run
   gives the same curve every time and runs once per thread count.
@@ -63,7 +64,7 @@ WINDOW = 10
 CAP_TRL_S = 120.0
 CAP_ECHO_S = 90.0
 STALENESS = 4
-PUBLISH_EVERY = 3
+PUBLISH_EVERY = 2
 PEERS = 1
 PINNING = "split"
 ECHO_RUNS = 3
