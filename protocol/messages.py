@@ -23,7 +23,6 @@ normalized copies the caller must not mutate.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -305,10 +304,15 @@ class WireMessage:
             raise RemoteProtocolError(str(exc)) from None
 
 
-@functools.cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(cls: type[WireMessage]) -> tuple[str, ...]:
     # dataclasses.fields() builds a new tuple per call: 11 % of opening a 32-rollout batch.
-    return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+    return names
 
 
 def _nested(sub: type[WireMessage], where: str, value: object) -> WireMessage:

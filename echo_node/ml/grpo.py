@@ -333,7 +333,7 @@ def tis_loss(
     return loss, {"loss": float(loss.detach()), "tokens": float(maskf.sum())}
 
 
-def _adamw(params: list[Tensor], *, lr: float) -> torch.optim.AdamW:
+def _adamw(params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.AdamW:
     """AdamW without weight decay; torch's fused kernel where the parameters allow it (1.6 ms of
     a 27 ms step on the embedded model, the same update to 5e-7)."""
     try:
