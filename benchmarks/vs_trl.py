@@ -18,10 +18,10 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
   `RLConfig.publish_every`): per update it then skips half the snapshots, manifests and
   transfers (3 interleaved pairs of swarms: 41-42 ms per update and 12.2-12.8 s to r* at K = 2,
   40-42 ms and 11.4-13.3 s at K = 3, where the learner waits for data before each publication;
-  47-53 ms at K = 1 with the peer's batches of 4 groups). The async swarm is not deterministic (which rollouts make each update
-  depends on timing), and its updates to r* varied from 214 to 403 over runs of the same code,
-  so it runs `--echo-runs` times (3) and `echo_s` is the median; TRL's seeded, synchronous run
-  gives the same curve every time and runs once per thread count.
+  47-53 ms at K = 1 with the peer's batches of 4 groups). The async swarm is not deterministic
+  (which rollouts make each update depends on timing), and its updates to r* varied from 214 to
+  403 over runs of the same code, so it runs `--echo-runs` times (3) and `echo_s` is the median;
+  TRL's seeded, synchronous run gives the same curve every time and runs once per thread count.
 
 r* is reached when the mean sampled reward of the last `--window` updates first reaches
 `--target` (TRL: the `reward` it logs per step; echo-node: `reward_mean` of the learner's
