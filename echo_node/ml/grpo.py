@@ -333,6 +333,14 @@ def tis_loss(
     return loss, {"loss": float(loss.detach()), "tokens": float(maskf.sum())}
 
 
+def _advantages(rewards: list[list[float]]) -> Tensor:
+    """`group_advantages` of each group, flattened; one batched call when the groups are the
+    same size (the usual case: bitwise the same numbers as one call per group)."""
+    if len({len(r) for r in rewards}) == 1:
+        return group_advantages(torch.tensor(rewards, dtype=torch.float32)).flatten()
+    return torch.cat([group_advantages(torch.tensor(r, dtype=torch.float32)) for r in rewards])
+
+
 def _adamw(params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.AdamW:
     """AdamW without weight decay; torch's fused kernel where the parameters allow it (1.6 ms of
     a 27 ms step on the embedded model, the same update to 5e-7)."""
@@ -379,6 +387,15 @@ class PolicyOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
+        # Train mode only changes what a forward computes where there is dropout; the lean Llama
+        # forward has none, and walking the modules twice per update cost ~0.5 ms of a ~30 ms step.
+        self._mode_matters = not (
+            is_lean_llama(model) and not (cast("LlamaForCausalLM", model).config.attention_dropout or 0) > 0
+        )
+
+    def _set_training(self, mode: bool) -> None:
+        if self._mode_matters:
+            self.model.train(mode)
 
     def step(self, groups: list[TrainGroup]) -> dict[str, float]:
         rewards = [r for g in groups for r in g.rewards]
@@ -386,27 +403,20 @@ class PolicyOptimizer:
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
             "groups": float(len(groups)),
         }
-        prompts: list[list[int]] = []
-        completions: list[list[int]] = []
-        behaviour: list[list[float]] = []
-        advs: list[Tensor] = []
-        for g in groups:
-            adv = group_advantages(torch.tensor(g.rewards, dtype=torch.float32))
-            if not bool(adv.any()):
-                continue  # no signal; would only dilute the token mean
-            prompts += [g.prompt_ids] * len(g.completions)
-            completions += g.completions
-            behaviour += g.behaviour_logprobs
-            advs.append(adv)
-        stats["groups_used"] = float(len(advs))
-        if not advs:
+        # A group whose rewards are all equal has zero advantage: no signal, and it would only
+        # dilute the token mean.
+        used = [g for g in groups if min(g.rewards, default=0.0) != max(g.rewards, default=0.0)]
+        stats["groups_used"] = float(len(used))
+        if not used:
             stats["skipped"] = 1.0
             return stats
-
-        advantages = torch.cat(advs)
+        prompts = [g.prompt_ids for g in used for _ in g.completions]
+        completions = [c for g in used for c in g.completions]
+        behaviour = [lp for g in used for lp in g.behaviour_logprobs]
+        advantages = _advantages([g.rewards for g in used])
         rows = len(completions)
         chunks = [c for c in torch.arange(rows).tensor_split(min(self.minibatches, rows)) if len(c)]
-        self.model.train()
+        self._set_training(True)
         new_lp: Tensor | None = None
         if len(chunks) == 1:
             # pi_prox is pi_theta before the step: the forward that carries the gradient also
@@ -447,7 +457,7 @@ class PolicyOptimizer:
                 loss, loss_stats = grpo_loss(lp, c_prox, c_adv, m, clip_eps=self.clip_eps, weights=c_w)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm))
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
             self.opt.step()
             # The fused kernel writes the parameters without moving their version counters, and a
             # TorchEngine over this model keeps its cached weights until they move.
@@ -455,7 +465,7 @@ class PolicyOptimizer:
             # Token-weighted means over the minibatches (a minibatch's stats are token means).
             for k, v in loss_stats.items():
                 totals[k] = totals.get(k, 0.0) + (v if k == "tokens" else v * loss_stats["tokens"])
-        self.model.eval()
+        self._set_training(False)
         self.steps += 1
         tokens = totals.pop("tokens")
         stats.update({k: v / max(tokens, 1.0) for k, v in totals.items()})

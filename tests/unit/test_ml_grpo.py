@@ -7,6 +7,7 @@ import torch
 
 from echo_node.ml.grpo import (
     PolicyOptimizer,
+    _advantages,
     TrainGroup,
     group_advantages,
     grpo_loss,
@@ -28,6 +29,14 @@ def test_group_advantages() -> None:
     rows = group_advantages(torch.tensor([[1.0, 1.0], [0.0, 2.0]]))
     assert torch.equal(rows[0], torch.zeros(2)) and rows[1, 1] > 0 > rows[1, 0]
     assert float(group_advantages(torch.tensor([3.0, 1.0, 2.0])).sum()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_batched_advantages_equal_one_call_per_group() -> None:
+    same = [[1.0, 0.0, 1.0, 0.5], [0.2, 0.9, 0.1, 0.4], [0.0, 1.0, 1.0, 1.0]]
+    per_group = torch.cat([group_advantages(torch.tensor(r)) for r in same])
+    assert torch.equal(_advantages(same), per_group)  # bitwise: the update must not move
+    mixed = [[1.0, 0.0], [0.0, 0.5, 1.0]]
+    assert torch.equal(_advantages(mixed), torch.cat([group_advantages(torch.tensor(r)) for r in mixed]))
 
 
 def test_grpo_loss_clipping_by_hand() -> None:
