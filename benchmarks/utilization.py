@@ -10,8 +10,9 @@ the other works; in async mode the peer samples while the learner trains. Counti
 alone the ratio's ceiling is 2 (two cores), reached when sampling a batch takes as long as
 training on it. A measured ratio passes it: pull also waits for each version's transfer to the
 peer, which async hides behind training, and pull's core snapshots, hashes and serves every
-version. And a core that idles half the time trains slower when it is busy: pull's updates took
-51 ms of training each where async's took 28.5 (one run of each, same code).
+version. Pull's updates also trained slower, 41 ms each against async's 28.5 in one run (one
+snapshot per update explains ~1.5 ms of it; a core that idles between steps is a suspect for
+the rest, not confirmed).
 
 Async runs at staleness S = 6 and the learner publishes every 4th version (`--staleness`,
 `--publish-every`, K = S - 2, see RLConfig.publish_every; pull must publish every one), as
