@@ -17,11 +17,11 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
 - Staleness S = 6, the bound within which ECHO-2 stays within ~5% of synchronous training
   (`benchmarks/staleness_parity` shows truncated IS keeping its reward out to S = 8 here), and
   the learner publishes every 4th version (`--publish-every`, K = S - 2, see
-  `RLConfig.publish_every`). A publication (snapshot, manifest hashes, the transfer to the peer)
-  costs the learner's core ~8 ms, so K = 4 spends ~2 ms per update on it where K = 2 spent ~4.
-  Interleaved pairs of swarms, the learner's CPU per update from /proc: 35.2-36.5 ms at S = 6,
-  K = 4 against 39.4-39.9 ms at S = 4, K = 2; updates to r* 263-358 against 307-346 (3 runs
-  each); the previous default S = 4, K = 2 read ratios of 1.69 and 2.23.
+  `RLConfig.publish_every`): each publication (snapshot, manifest hashes, announcement, the
+  transfer to the peer) is work on the learner's core. Interleaved pairs of swarms, the
+  learner's CPU per update from /proc: 35.2-36.5 ms at S = 6, K = 4 against 39.4-39.9 ms at
+  S = 4, K = 2; updates to r* 263-358 against 307-346 (3 runs each); the previous default
+  S = 4, K = 2 read ratios of 1.69 and 2.23.
 - The async swarm is not deterministic (which rollouts make each update depends on timing): its
   updates to r* range ~240-360 over runs of the same code and its time per update moves with the
   shared host, so it runs `--echo-runs` times (5) and `echo_s` is the median. TRL's seeded,
