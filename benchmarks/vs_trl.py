@@ -20,10 +20,11 @@ weight decay, PPO clip 0.2, grad-norm clip 1, at most 4 completion tokens, no KL
   `RLConfig.publish_every`): each publication (snapshot, manifest hashes, announcement, the
   transfer to the peer) is work on the learner's core. Interleaved pairs of swarms, the
   learner's CPU per update from /proc: 35.2-36.5 ms at S = 6, K = 4 against 39.4-39.9 ms at
-  S = 4, K = 2; updates to r* 263-358 against 307-346 (3 runs each); the previous default
-  S = 4, K = 2 read ratios of 1.69 and 2.23.
+  S = 4, K = 2; updates to r* 263-358 against 307-346 (3 runs each). Full runs of this
+  benchmark read ratios of 2.12, 2.12, 2.13 (median of 3 swarms) and 2.25 (of 5) at S = 6,
+  K = 4, and 1.69 and 2.23 at the previous default S = 4, K = 2.
 - The async swarm is not deterministic (which rollouts make each update depends on timing): its
-  updates to r* range ~240-360 over runs of the same code and its time per update moves with the
+  updates to r* ranged 242-394 over runs of the same code and its time per update moves with the
   shared host, so it runs `--echo-runs` times (5) and `echo_s` is the median. TRL's seeded,
   synchronous run gives the same curve every time and runs once per thread count; its seed 0 is
   the fastest to r* of seeds 0-3 (283, 305, 314 and 285 updates), so the single seed does not
@@ -427,7 +428,7 @@ def run_echo(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         versions=last.get("version"),
         rollouts_trained=last.get("trained"),
         rollouts_dropped=last.get("dropped"),
-        staleness_mean=round(sum(r["staleness_mean"] for r in tail.train) / len(tail.train), 3) if tail.train else None,
+        staleness_mean=round(sum(r["staleness_mean"] for r in timed) / len(timed), 3) if timed else None,
         ms_per_update=round(1000 * curve.times[-1] / len(curve.times), 1) if curve.times else None,
         learner_wait_share=wait_share(timed),
         startup_to_first_accept_s=round(tail.first_accept_wall - tail.start_wall, 2) if tail.first_accept_wall and tail.train else None,
