@@ -7,8 +7,8 @@ import torch
 
 from echo_node.ml.grpo import (
     PolicyOptimizer,
-    _advantages,
     TrainGroup,
+    _advantages,
     group_advantages,
     grpo_loss,
     importance_weights,
