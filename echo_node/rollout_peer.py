@@ -42,6 +42,7 @@ from protocol.delta import decode_delta
 from protocol.envelope import open_envelope, seal
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity
+from protocol.manifest import payload_digest
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
@@ -265,7 +266,7 @@ class RolloutPeer:
             self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
-        if hashlib.sha256(blob).digest() != target.sha256:
+        if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
             raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
         self.deltas_used += 1
         return blob

@@ -37,6 +37,8 @@ from protocol.manifest import (
     build_manifest,
     choose_piece_size,
     open_manifest,
+    payload_digest,
+    piece_digest,
     piece_range,
     verify_piece,
 )
@@ -120,7 +122,9 @@ __all__ = [
     "open_manifest",
     "pack_groups",
     "pack_repair_response",
+    "payload_digest",
     "peer_id_from_public_key",
+    "piece_digest",
     "piece_range",
     "public_key_from_peer_id",
     "seal",

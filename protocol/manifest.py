@@ -11,7 +11,14 @@ Payload codecs:
   hash equal the payload's).
 - "xor-zstd": the payload is `delta.encode_delta(weights, base_weights)`, against the weights of
   `base_version` (< `version`), which the receiver must already hold; decoded with
-  `delta.decode_delta` and checked against `weights_sha256`.
+  `delta.decode_delta` and checked against `weights_sha256` (by `payload_digest`).
+
+Digests: a payload is hashed as 16 KiB leaves (`LEAF_SIZE`, the smallest piece, so every
+piece is a whole number of leaves). A piece's digest is the SHA-256 of its leaves' SHA-256s
+(`piece_digest`), and a payload's or weights blob's digest is the SHA-256 of its size and all
+its leaves' SHA-256s (`payload_digest`), so the learner reads a payload once for both, and the
+weights digest does not depend on how a payload was cut into pieces. Inner nodes carry a domain
+prefix; leaves need none, since the signed manifest fixes how many leaves each node covers.
 
 Invariants (enforced by construction, so also on every decoded manifest):
 - piece i covers payload[i * piece_size : min((i + 1) * piece_size, payload_size)]: offsets and
@@ -43,11 +50,14 @@ from protocol.messages import WireMessage, _fail, _int, _run_id, _seq, _set, _sh
 __all__ = [
     "CODECS",
     "DEFAULT_PIECE_SIZE",
+    "LEAF_SIZE",
     "Codec",
     "WeightManifest",
     "build_manifest",
     "choose_piece_size",
     "open_manifest",
+    "payload_digest",
+    "piece_digest",
     "piece_range",
     "verify_piece",
 ]
@@ -57,6 +67,29 @@ CODECS: Final = ("full", "xor-zstd")
 
 # DESIGN.md: relays with 64 KiB chunks finished within 1-6% of the bound; 1 MiB chunks did worse.
 DEFAULT_PIECE_SIZE: Final = 64 * 1024
+LEAF_SIZE: Final = MIN_PIECE_SIZE
+_PIECE_DOMAIN: Final = b"echo-node/v1/piece\x00"
+_ROOT_DOMAIN: Final = b"echo-node/v1/payload\x00"
+
+
+def _leaf_hashes(view: memoryview) -> list[bytes]:
+    return [hashlib.sha256(view[lo : lo + LEAF_SIZE]).digest() for lo in range(0, len(view), LEAF_SIZE)]
+
+
+def _root(size: int, leaves: list[bytes]) -> bytes:
+    return hashlib.sha256(_ROOT_DOMAIN + size.to_bytes(8, "big") + b"".join(leaves)).digest()
+
+
+def payload_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """What a manifest states as `payload_sha256` / `weights_sha256` for `data` (see the module
+    docstring): one pass over the bytes."""
+    view = memoryview(data).cast("B")
+    return _root(len(view), _leaf_hashes(view))
+
+
+def piece_digest(data: bytes | bytearray | memoryview) -> bytes:
+    """What a manifest lists for a piece holding `data`."""
+    return hashlib.sha256(_PIECE_DOMAIN + b"".join(_leaf_hashes(memoryview(data).cast("B")))).digest()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,7 +105,7 @@ class WeightManifest(WireMessage):
     payload_size: int
     payload_sha256: bytes
     piece_size: int
-    pieces: tuple[bytes, ...]  # SHA-256 of each piece, in payload order
+    pieces: tuple[bytes, ...]  # piece_digest of each piece, in payload order
     weights_size: int  # the weights blob after decoding the payload
     weights_sha256: bytes
 
@@ -147,8 +180,8 @@ def verify_piece(manifest: WeightManifest, index: int, data: bytes | bytearray |
     _, size = piece_range(manifest, index)
     if len(data) != size:
         raise RemoteProtocolError(f"piece {index}: {len(data)} B, expected {size} B")
-    if hashlib.sha256(data).digest() != manifest.pieces[index]:
-        raise RemoteProtocolError(f"piece {index}: SHA-256 does not match the manifest")
+    if piece_digest(data) != manifest.pieces[index]:
+        raise RemoteProtocolError(f"piece {index}: digest does not match the manifest")
 
 
 def choose_piece_size(payload_size: int, preferred: int = DEFAULT_PIECE_SIZE) -> int:
@@ -196,13 +229,18 @@ def build_manifest(
             f"payload of {n} B needs more than {MAX_PIECES} pieces of {piece_size} B; "
             f"use piece_size >= {choose_piece_size(n, piece_size)}"
         )
-    payload_sha256 = hashlib.sha256(view).digest()
+    leaves = _leaf_hashes(view)
+    payload_sha256 = _root(n, leaves)
     if codec == "full":
         weights_size = n if weights_size is None else weights_size
         weights_sha256 = payload_sha256 if weights_sha256 is None else weights_sha256
     elif weights_size is None or weights_sha256 is None:
         raise LocalProtocolError("a delta manifest needs weights_size and weights_sha256 of the decoded weights")
-    pieces = tuple(hashlib.sha256(view[lo : lo + piece_size]).digest() for lo in range(0, n, piece_size))
+    per_piece = piece_size // LEAF_SIZE
+    pieces = tuple(
+        hashlib.sha256(_PIECE_DOMAIN + b"".join(leaves[i : i + per_piece])).digest()
+        for i in range(0, len(leaves), per_piece)
+    )
     return WeightManifest(
         run_id=run_id,
         version=version,

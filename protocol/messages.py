@@ -95,7 +95,7 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 2  # 2: rollouts travel as RolloutBatch
+SCHEMA_VERSION: Final = 3  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")

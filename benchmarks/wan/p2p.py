@@ -27,7 +27,7 @@ from benchmarks.wan.netns import Topology, python_argv
 from benchmarks.wan.wire import JsonLines, cpu_busy, cpu_jiffies, cpu_s, emit, last_json
 from echo_node.broadcast import DataServer, Source, fetch_version
 from protocol import Identity, seal
-from protocol.manifest import build_manifest
+from protocol.manifest import build_manifest, payload_digest
 
 PORT = 5401
 MODULE = "benchmarks.wan.p2p"
@@ -89,7 +89,7 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
         with trio.move_on_after(2.0):
             await trio.sleep_forever()
         nursery.cancel_scope.cancel()
-    return {"event": "done", "wall": done, "ok": hashlib.sha256(payload).digest() == manifest.weights_sha256,
+    return {"event": "done", "wall": done, "ok": payload_digest(payload) == manifest.weights_sha256,
             "bytes_up": receiver.stats.bytes_up, "bytes_down": receiver.stats.bytes_down,
             "bad_pieces": receiver.stats.bad_pieces, "cpu_s": round(cpu_broadcast, 3)}
 

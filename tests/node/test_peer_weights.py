@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from types import SimpleNamespace
 
@@ -14,7 +13,7 @@ from echo_node.net.discovery import PeerAddr
 from echo_node.rollout_peer import DELTA_BACKOFF_VERSIONS, RolloutPeer, Target
 from protocol import Identity, seal
 from protocol.delta import encode_delta
-from protocol.manifest import build_manifest
+from protocol.manifest import build_manifest, payload_digest
 
 PIECE = 16 * 1024
 LEARNER = Identity.from_seed(b"\x01" * 32)
@@ -56,7 +55,7 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert results[0] == v8_b and hashlib.sha256(results[0]).digest() == full8.weights_sha256
+    assert results[0] == v8_b and payload_digest(results[0]) == full8.weights_sha256
     assert peer.deltas_used == 1
     # No delta for version 9: the peer falls back to the full snapshot and stops asking a while.
     assert results[1] is None and peer._delta_from == 9 + DELTA_BACKOFF_VERSIONS

@@ -17,10 +17,13 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import decode_frame, encode_frame
 from protocol.limits import MAX_FRAME_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MIN_PIECE_SIZE
 from protocol.manifest import (
+    LEAF_SIZE,
     WeightManifest,
     build_manifest,
     choose_piece_size,
     open_manifest,
+    payload_digest,
+    piece_digest,
     piece_range,
     verify_piece,
 )
@@ -42,7 +45,7 @@ def test_pieces_cover_the_payload_exactly() -> None:
     m = manifest()
     assert m.num_pieces == 4 and m.codec == "full" and m.base_version is None
     assert m.weights_size == m.payload_size == len(PAYLOAD)
-    assert m.weights_sha256 == m.payload_sha256 == hashlib.sha256(PAYLOAD).digest()
+    assert m.weights_sha256 == m.payload_sha256 == payload_digest(PAYLOAD)
     ranges = [piece_range(m, i) for i in range(m.num_pieces)]
     assert ranges == [(0, PIECE), (PIECE, PIECE), (2 * PIECE, PIECE), (3 * PIECE, 1000)]
     assert b"".join(PAYLOAD[o : o + s] for o, s in ranges) == PAYLOAD
@@ -55,14 +58,36 @@ def test_pieces_cover_the_payload_exactly() -> None:
         piece_range(m, 4)
 
 
+def test_digests_are_a_hash_tree_over_16_kib_leaves() -> None:
+    # The wire contract spelled out: SHA-256 of each 16 KiB leaf; a piece is the SHA-256 of
+    # its leaves' digests; the payload is the SHA-256 of its size and all leaves' digests.
+    def sha(b: bytes) -> bytes:
+        return hashlib.sha256(b).digest()
+
+    assert LEAF_SIZE == 16 * 1024
+    leaves = [sha(PAYLOAD[o : o + LEAF_SIZE]) for o in range(0, len(PAYLOAD), LEAF_SIZE)]
+    root = sha(b"echo-node/v1/payload\x00" + len(PAYLOAD).to_bytes(8, "big") + b"".join(leaves))
+    assert payload_digest(PAYLOAD) == root
+    two_leaf = build_manifest(run_id="r", version=0, payload=PAYLOAD, piece_size=2 * LEAF_SIZE)
+    assert two_leaf.pieces == (
+        sha(b"echo-node/v1/piece\x00" + leaves[0] + leaves[1]),
+        sha(b"echo-node/v1/piece\x00" + leaves[2] + leaves[3]),
+    )
+    assert piece_digest(PAYLOAD[2 * LEAF_SIZE :]) == two_leaf.pieces[1]
+    # One digest of the bytes however they are cut into pieces, so a delta's manifest can name
+    # the weights a full manifest with other pieces describes.
+    assert two_leaf.payload_sha256 == manifest().payload_sha256 == root
+    assert payload_digest(PAYLOAD[:-1]) != root and payload_digest(PAYLOAD + b"\x00") != root
+
+
 def test_verify_piece_rejects_wrong_bytes() -> None:
     m = manifest()
     good = PAYLOAD[:PIECE]
     with pytest.raises(RemoteProtocolError, match="expected 16384 B"):
         verify_piece(m, 0, good[:-1])
-    with pytest.raises(RemoteProtocolError, match="SHA-256"):
+    with pytest.raises(RemoteProtocolError, match="digest does not match"):
         verify_piece(m, 0, b"\x00" + good[1:])
-    with pytest.raises(RemoteProtocolError, match="SHA-256"):
+    with pytest.raises(RemoteProtocolError, match="digest does not match"):
         verify_piece(m, 1, good)  # a genuine piece offered under another index
     for index in (-1, 4, True):
         with pytest.raises(RemoteProtocolError, match="outside"):
@@ -121,7 +146,7 @@ def test_delta_manifest_end_to_end() -> None:
     delta = encode_delta(new_weights, base)
     m = build_manifest(
         run_id="run-1", version=8, payload=delta, codec="xor-zstd", base_version=7,
-        weights_size=len(new_weights), weights_sha256=hashlib.sha256(new_weights).digest(),
+        weights_size=len(new_weights), weights_sha256=payload_digest(new_weights),
     )
     assert m.is_delta and m.piece_size == choose_piece_size(len(delta))
     got = open_manifest(seal(m, LEARNER), learner_peer_id=LEARNER.peer_id, run_id="run-1")
@@ -131,7 +156,7 @@ def test_delta_manifest_end_to_end() -> None:
         verify_piece(got, i, delta[off : off + size])
         pieces.append(delta[off : off + size])
     out = decode_delta(b"".join(pieces), base, max_size=got.weights_size)
-    assert hashlib.sha256(out).digest() == got.weights_sha256 and out == new_weights
+    assert payload_digest(out) == got.weights_sha256 and out == new_weights
 
 
 @pytest.mark.parametrize(
