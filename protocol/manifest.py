@@ -1,8 +1,8 @@
 """Weight manifests: the learner's signed description of one weight version's payload. No I/O.
 
 Job: say, for weight version `version` of run `run_id`, exactly which bytes a peer must assemble
-(the payload, cut into fixed-size pieces, each with its SHA-256) and what they decode to (the
-weights blob, with its size and SHA-256). Peers fetch pieces from the learner and from each other
+(the payload, cut into fixed-size pieces, each with its digest) and what they decode to (the
+weights blob, with its size and digest; see Digests below). Peers fetch pieces from the learner and from each other
 and check every piece against the manifest before using or serving it (DESIGN.md, data plane), so
 the manifest's signature is what makes bytes relayed by untrusted peers trustworthy.
 
