@@ -10,9 +10,10 @@ the other works; in async mode the peer samples while the learner trains. Counti
 alone the ratio's ceiling is 2 (two cores), reached when sampling a batch takes as long as
 training on it. A measured ratio passes it: pull also waits for each version's transfer to the
 peer, which async hides behind training, and pull's core snapshots, hashes and serves every
-version. Pull's updates also trained slower, 41 ms each against async's 28.5 in one run (one
-snapshot per update explains ~1.5 ms of it; a core that idles between steps is a suspect for
-the rest, not confirmed).
+version. Pull's updates also trained slower, 41-43 ms each against async's 27-29 (one snapshot
+per update explains ~1.5 ms; another suspect, not confirmed: the peer's surplus batch for the
+same version arrives during the step and is checked on the learner's core, then dropped as
+stale — 20 256 rollouts in one run).
 
 Async runs at staleness S = 6 and the learner publishes every 4th version (`--staleness`,
 `--publish-every`, K = S - 2, see RLConfig.publish_every; pull must publish every one), as
