@@ -76,6 +76,10 @@ def _leaf_hashes(view: memoryview) -> list[bytes]:
     return [hashlib.sha256(view[lo : lo + LEAF_SIZE]).digest() for lo in range(0, len(view), LEAF_SIZE)]
 
 
+def _piece(leaves: list[bytes]) -> bytes:
+    return hashlib.sha256(_PIECE_DOMAIN + b"".join(leaves)).digest()
+
+
 def _root(size: int, leaves: list[bytes]) -> bytes:
     return hashlib.sha256(_ROOT_DOMAIN + size.to_bytes(8, "big") + b"".join(leaves)).digest()
 
@@ -89,7 +93,7 @@ def payload_digest(data: bytes | bytearray | memoryview) -> bytes:
 
 def piece_digest(data: bytes | bytearray | memoryview) -> bytes:
     """What a manifest lists for a piece holding `data`."""
-    return hashlib.sha256(_PIECE_DOMAIN + b"".join(_leaf_hashes(memoryview(data).cast("B")))).digest()
+    return _piece(_leaf_hashes(memoryview(data).cast("B")))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -237,10 +241,7 @@ def build_manifest(
     elif weights_size is None or weights_sha256 is None:
         raise LocalProtocolError("a delta manifest needs weights_size and weights_sha256 of the decoded weights")
     per_piece = piece_size // LEAF_SIZE
-    pieces = tuple(
-        hashlib.sha256(_PIECE_DOMAIN + b"".join(leaves[i : i + per_piece])).digest()
-        for i in range(0, len(leaves), per_piece)
-    )
+    pieces = tuple(_piece(leaves[i : i + per_piece]) for i in range(0, len(leaves), per_piece))
     return WeightManifest(
         run_id=run_id,
         version=version,
