@@ -145,11 +145,16 @@ def _hf_logits(
     return logits.gather(1, src_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
 
 
+def _attention_dropout(model: torch.nn.Module) -> float:
+    """A LlamaForCausalLM's attention dropout (HF applies it in train mode only)."""
+    return float(cast("LlamaForCausalLM", model).config.attention_dropout or 0)
+
+
 def _lean_path_applies(model: torch.nn.Module, fast_path: bool | None) -> bool:
     if fast_path is False:
         return False
     # In train mode HF applies attention dropout; the lean forward has none.
-    ok = is_lean_llama(model) and not (model.training and (cast("LlamaForCausalLM", model).config.attention_dropout or 0) > 0)
+    ok = is_lean_llama(model) and not (model.training and _attention_dropout(model) > 0)
     if fast_path and not ok:
         raise ValueError(
             f"the lean forward supports LlamaForCausalLM without attention dropout only, not {type(model).__name__}"
@@ -389,9 +394,7 @@ class PolicyOptimizer:
         self.steps = 0
         # Train mode only changes what a forward computes where there is dropout; the lean Llama
         # forward has none, and walking the modules twice per update cost ~0.5 ms of a ~30 ms step.
-        self._mode_matters = not (
-            is_lean_llama(model) and not (cast("LlamaForCausalLM", model).config.attention_dropout or 0) > 0
-        )
+        self._mode_matters = not (is_lean_llama(model) and _attention_dropout(model) == 0)
 
     def _set_training(self, mode: bool) -> None:
         if self._mode_matters:
