@@ -18,8 +18,8 @@ from protocol.identity import Identity
 log = logging.getLogger(__name__)
 
 
-async def run_bootstrap(identity: Identity, listen: str, advertise_host: str | None = None, *, stdout: TextIO = sys.stdout) -> None:
-    node = P2PNode(identity, P2PSettings(listen=listen, advertise_host=advertise_host, dht_server=True))
+async def run_bootstrap(identity: Identity, settings: P2PSettings, *, stdout: TextIO = sys.stdout) -> None:
+    node = P2PNode(identity, settings)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         stdout.write(node.addrs[0] + "\n")

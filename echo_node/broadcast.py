@@ -18,6 +18,13 @@ version, nonce, expiry and its own data address). The source answers with the se
 and the current swarm (peer ids and data addresses; updates follow as peers arrive), then
 serves `next`/`get`. Between peers: `piece`, `get`, `none`.
 
+Reachability is learned, not assumed: a peer's data address is handed to others only after the
+learner dialed it back and the peer proved its identity there (`probe`, answered by any
+`DataServer`). So a peer behind a NAT is listed without an address: it dials the reachable
+peers itself (links are two-way, so it still relays over them), nobody waits on a dial to it,
+and a joiner cannot make the swarm dial an address of its choosing. The source's first `peers`
+frame to a newcomer starts with the newcomer's own entry, which tells it which side it is on.
+
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
 that sends a bad piece is penalized and, after `max_bad_pieces`, never asked again.
 """
@@ -30,7 +37,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,9 +45,10 @@ import msgpack
 import trio
 
 from echo_node.net.framing import read_frame, write_frame
+from protocol.addresses import AddressError, check_data_host, check_port
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
-from protocol.identity import Identity, peer_id_from_public_key, verify
+from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify
 from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
 
@@ -51,6 +59,10 @@ MAX_WIRE_FRAME = 4 * 1024 * 1024 + 1024
 HELLO_MAX = 1024
 HELLO_DOMAIN = b"echo-node/v1/data-hello\x00"
 HELLO_TTL_S = 60.0
+# A hello whose version is PROBE asks the target to prove it listens there: it answers with its
+# signature over the hello (fresh nonce: no replay) and closes.
+PROBE = -1
+PROBE_DOMAIN = b"echo-node/v1/data-probe\x00"
 # What a vanished peer looks like on a data connection: handled as "this link is gone".
 LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 # A peer asks the source for another piece only while fewer than this many piece-pushes wait in
@@ -115,8 +127,13 @@ class HelloChecker:
                      and isinstance(host, str) and isinstance(port, int) and isinstance(target, str))
         except Exception as exc:
             raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
-        if not typed or not isinstance(public_key, bytes) or not isinstance(signature, bytes) or len(host) > 255:
+        if not typed or not isinstance(public_key, bytes) or not isinstance(signature, bytes):
             raise RemoteProtocolError("malformed data-channel hello")
+        try:
+            if (host, port) != ("", 0):  # a probe names no address of its own
+                host, port = check_data_host(host, where="hello host"), check_port(port, where="hello port")
+        except AddressError as exc:
+            raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
         verify(public_key, signature, HELLO_DOMAIN + body)
         sender = peer_id_from_public_key(public_key)
         now = time.time()
@@ -290,7 +307,12 @@ class DataServer:
     async def _handle(self, stream: trio.SocketStream) -> None:
         try:
             with trio.fail_after(10):
-                hello = self.checker.check(await read_frame(stream, max_len=HELLO_MAX))
+                raw = await read_frame(stream, max_len=HELLO_MAX)
+                hello = self.checker.check(raw)
+                if hello.version == PROBE:
+                    await write_frame(stream, msgpack.packb(["reachable", self.identity.sign(PROBE_DOMAIN + raw)]))
+                    await stream.aclose()
+                    return
             handler = await self._route(hello.version, hello.base)
             if handler is None:
                 # "unavailable" lets a peer asking for a delta fall back to the full snapshot at
@@ -316,13 +338,24 @@ class DataServer:
 class Source:
     """The learner's side for one version: manifest, swarm view, the shared queue, any piece."""
 
-    def __init__(self, identity: Identity, manifest: WeightManifest, sealed_manifest: bytes, payload: bytes, members: Iterable[str]) -> None:
+    def __init__(
+        self,
+        identity: Identity,
+        manifest: WeightManifest,
+        sealed_manifest: bytes,
+        payload: bytes,
+        members: Iterable[str],
+        relays: Mapping[str, tuple[str, int]] | None = None,
+    ) -> None:
         self.identity = identity
         self.sealed_manifest = sealed_manifest
         self.store = PieceStore(manifest, payload)
         # A live set (the learner's joined peers) is kept by reference, so a peer that joins
         # after the version was published can still fetch it.
         self.members = members if isinstance(members, set) else set(members)
+        # Data addresses proven by a dial-back (`probe`), also kept by reference; a member not
+        # in it is listed without an address and dials the others itself.
+        self.relays: Mapping[str, tuple[str, int]] = {} if relays is None else relays
         self.queue = deque(range(manifest.num_pieces))
         self.stats = Stats()
         # Set by the owner to hold pieces back until the swarm has gathered (relay links exist);
@@ -339,10 +372,14 @@ class Source:
         async with stream, trio.open_nursery() as nursery:
             nursery.start_soon(link.sender)
             link.send("manifest", self.sealed_manifest)
-            link.send("peers", [[p, h, port] for p, (h, port) in self.swarm.items()][:MAX_SWARM_ENTRIES])
+            # Frozen for this version, so every member hears the same about each other.
+            host, port = self.relays.get(hello.sender, ("", 0))
+            entry = [hello.sender, host, port]
+            others = [[p, h, pt] for p, (h, pt) in self.swarm.items() if p != hello.sender]
+            link.send("peers", [entry, *others][:MAX_SWARM_ENTRIES])
             for other in self._links.values():
-                other.send("peers", [[hello.sender, hello.host, hello.port]])
-            self.swarm[hello.sender] = (hello.host, hello.port)
+                other.send("peers", [entry])
+            self.swarm[hello.sender] = (host, port)
             self._links[hello.sender] = link
             try:
                 await self.gate.wait()
@@ -374,6 +411,20 @@ class Source:
 Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
+def _peers_entry(entry: Any) -> tuple[str, str, int]:
+    """One [peer id, host, port] of a source's swarm list; port 0 (host "") = not dialable."""
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+            and isinstance(entry[1], str) and type(entry[2]) is int):
+        raise RemoteProtocolError("malformed peers entry")
+    peer_id, host, port = entry
+    if (host, port) == ("", 0):
+        return peer_id, host, port
+    try:
+        return peer_id, check_data_host(host, where="peers entry"), check_port(port, where="peers entry")
+    except AddressError as exc:
+        raise RemoteProtocolError(str(exc)) from None
+
+
 async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
     return await trio.open_tcp_stream(host, port)
 
@@ -390,6 +441,8 @@ class Receiver:
         self.stats = Stats()
         self.links: dict[str, Link] = {}
         self.members: set[str] = {source_id}
+        # Whether the source lists us with an address others can dial (its first peers entry).
+        self.reachable = True
         self._members_changed = trio.Event()
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
@@ -428,16 +481,17 @@ class Receiver:
     def _add_peers(self, entries: Any) -> None:
         if not isinstance(entries, list):
             raise RemoteProtocolError("peers frame is not a list")
-        for entry in entries[:MAX_SWARM_ENTRIES]:
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-                    and isinstance(entry[1], str) and isinstance(entry[2], int)):
-                raise RemoteProtocolError("malformed peers entry")
-            peer_id, host, port = entry
+        checked = [_peers_entry(e) for e in entries[:MAX_SWARM_ENTRIES]]
+        for peer_id, host, port in checked:
+            if peer_id == self.identity.peer_id:
+                self.reachable = port != 0
+        for peer_id, host, port in checked:
             if peer_id == self.identity.peer_id or peer_id in self.members:
                 continue
             self.members.add(peer_id)
-            # One link per pair: the peer with the larger id dials.
-            if peer_id < self.identity.peer_id and self._nursery is not None and port:
+            # One link per pair: between two reachable peers the one with the larger id dials;
+            # a peer nobody can dial dials every reachable one; two unreachable peers have none.
+            if port and (peer_id < self.identity.peer_id or not self.reachable) and self._nursery is not None:
                 self._nursery.start_soon(self._dial, peer_id, host, port)
         self._members_changed.set()
         self._members_changed = trio.Event()
@@ -625,6 +679,37 @@ async def open_version(
     ):
         raise RemoteProtocolError(f"manifest for {manifest.version}/{manifest_base} does not match the announced {version}/{base}")
     return manifest, stream
+
+
+async def probe(
+    identity: Identity, run_id: str, peer_id: str, host: str, port: int, *, connect: Connector = tcp_connect
+) -> None:
+    """Dial `peer_id`'s data channel at host:port and make it prove it is there (AutoNAT-style).
+
+    Returns when it did; raises ProbeFailed saying why not (the caller bounds it with a
+    deadline: behind a NAT that drops inbound connections, the dial simply never answers).
+    """
+    hello = make_hello(identity, target=peer_id, run_id=run_id, version=PROBE)
+    try:
+        stream = await connect(host, port)
+    except OSError as exc:
+        raise ProbeFailed(f"{host}:{port}: {exc.strerror or exc}") from None
+    async with stream:
+        try:
+            await write_frame(stream, hello)
+            answer = msgpack.unpackb(await read_frame(stream, max_len=HELLO_MAX))
+        except (RemoteProtocolError, ValueError, *LINK_ERRORS) as exc:
+            raise ProbeFailed(f"{host}:{port} did not answer the probe ({exc})") from None
+    if not (isinstance(answer, list) and len(answer) == 2 and answer[0] == "reachable" and isinstance(answer[1], bytes)):
+        raise ProbeFailed(f"{host}:{port} answered something else than a probe answer")
+    try:
+        verify(public_key_from_peer_id(peer_id), answer[1], PROBE_DOMAIN + hello)
+    except (RemoteProtocolError, ValueError) as exc:
+        raise ProbeFailed(f"{host}:{port} is not {peer_id} ({exc})") from None
+
+
+class ProbeFailed(Exception):
+    """A dial-back found nobody, or somebody else, at a peer's data address."""
 
 
 class Unavailable(Exception):

@@ -20,7 +20,8 @@ EXIT_USER_ERROR = 2
 
 def _common(p: argparse.ArgumentParser, *, role: str) -> None:
     p.add_argument("--listen", default=None, help="libp2p listen multiaddr (default /ip4/127.0.0.1/tcp/0)")
-    p.add_argument("--advertise-host", default=None, help="address others dial when --listen is 0.0.0.0")
+    p.add_argument("--advertise-host", default=None, metavar="ADDRESS", help="IP address others dial this node at (published instead of the listen address)")
+    p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR", help="publish this multiaddr instead (repeatable; port forwards, DNS names)")
     p.add_argument("--key-file", type=Path, default=None, help=f"identity key file (default {DEFAULT_KEY_DIR}/{role}.key)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
@@ -32,6 +33,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, metavar="PATH", help="local Hugging Face model directory")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this process (default 1)")
     p.add_argument("--join-deadline", type=float, default=None, help="seconds to keep trying to join")
+    p.add_argument("--data-port", type=int, default=None, help="TCP port of the weight data channel (default: any free port)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,6 +92,8 @@ def _config(args: argparse.Namespace) -> Any:
         runs_dir=str(args.runs_dir) if getattr(args, "runs_dir", None) else None,
         net__listen=args.listen,
         net__advertise_host=args.advertise_host,
+        net__announce=args.announce,
+        net__data_port=args.data_port,
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
         model__path=args.model,
@@ -104,7 +108,12 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
     from bootstrap.node import run_bootstrap
 
-    trio.run(run_bootstrap, _identity(args, "bootstrap"), args.listen or "/ip4/127.0.0.1/tcp/0", args.advertise_host)
+    from echo_node.config import NetConfig, validate_net
+    from echo_node.net.p2p import p2p_settings
+
+    net = NetConfig(listen=args.listen or NetConfig().listen, advertise_host=args.advertise_host, announce=args.announce or [])
+    validate_net(net)
+    trio.run(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True))
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from echo_node.ml import defaults as ml_defaults
+from protocol.addresses import AddressError, check_announce, check_data_host, parse_tcp_multiaddr
 
 SyncMode = Literal["pull", "async"]
 Correction = Literal["tis", "decoupled", "none"]
@@ -27,8 +28,14 @@ _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 @dataclass(kw_only=True, slots=True)
 class NetConfig:
     listen: str = "/ip4/127.0.0.1/tcp/0"
-    # What others dial when `listen` is a wildcard (0.0.0.0); default: this host name's address.
+    # The IP address others dial this node at, published with the listen port (and the data
+    # port). Default: the listen address, or this machine's interface addresses for 0.0.0.0.
     advertise_host: str | None = None
+    # Full multiaddrs to publish instead (port forwards, DNS names); they win over the above.
+    announce: list[str] = field(default_factory=list)
+    # The TCP port of the weight data channel (0: any free one). Fix it, and open or forward it
+    # next to the listen port, for other peers to fetch weights from this node.
+    data_port: int = 0
     bootstrap: list[str] = field(default_factory=list)
     # A joining peer retries the bootstrap list with exponential backoff until this deadline.
     join_deadline_s: float = 60.0
@@ -171,6 +178,22 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"seconds must be > 0, got {cfg.seconds}")
     if cfg.checkpoint.every_versions < 1:
         raise ValueError("checkpoint.every_versions must be >= 1")
+    validate_net(cfg.net)
+
+
+def validate_net(net: NetConfig) -> None:
+    try:
+        listen = parse_tcp_multiaddr(net.listen)
+        if listen.proto not in ("ip4", "ip6") or listen.peer_id:
+            raise AddressError(f"{net.listen!r}: listen on /ip4/ADDRESS/tcp/PORT or /ip6/ADDRESS/tcp/PORT")
+        if net.advertise_host is not None:
+            check_data_host(net.advertise_host, where="net.advertise_host")
+        for text in net.announce:
+            check_announce(text)
+    except AddressError as exc:
+        raise ValueError(str(exc)) from None
+    if not 0 <= net.data_port <= 65535:
+        raise ValueError(f"net.data_port must be a TCP port (0 for any), got {net.data_port}")
 
 
 def load_config(path: Path | None = None, **overrides: Any) -> RunConfig:

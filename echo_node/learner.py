@@ -19,21 +19,23 @@ import sys
 import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, TextIO
 
 import trio
 
-from echo_node.broadcast import FULL, DataServer, Served, Source, base_of
+from echo_node.broadcast import FULL, DataServer, ProbeFailed, Served, Source, base_of, probe
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import save_checkpoint, state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
-from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
+from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
+from protocol.addresses import is_loopback, unroutable_reason
 from protocol.delta import encode_delta, estimate_delta_ratio
 from protocol.envelope import open_envelope, seal
 from protocol.errors import RemoteProtocolError
@@ -85,6 +87,11 @@ DEMAND_SLACK = 1.5
 # framing and hashing on loopback, and a rollout peer fetched the 3.4 MB default model in 96 ms
 # with 64 KiB pieces, 46 ms with 256 KiB (it fetches every version in async mode). Big versions
 # keep 64 KiB pieces: there the WAN pipeline fill (peers x piece / rate) is what counts.
+# A joining peer's data address must answer a dial-back within this to be handed out as a relay
+# (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
+# once, so a burst of joins cannot make the learner open sockets without bound.
+PROBE_TIMEOUT_S = 5.0
+PROBES_AT_ONCE = 8
 SMALL_VERSION_BYTES = 16 << 20
 SMALL_VERSION_PIECE = 256 << 10
 
@@ -103,6 +110,10 @@ class PeerBook:
     penalties: Counter[str] = field(default_factory=Counter)
     joined: set[str] = field(default_factory=set)
     last_seen: dict[str, float] = field(default_factory=dict)
+    # Data addresses a dial-back proved (handed to other peers as relays), and why the others
+    # are not (they download and contribute, but are never handed out).
+    relays: dict[str, tuple[str, int]] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
 
     def active(self, now: float) -> int:
         return sum(1 for t in self.last_seen.values() if now - t <= ACTIVE_WINDOW_S)
@@ -123,10 +134,10 @@ class Learner:
         self.peers = PeerBook()
         self.buffer = ReplayBuffer(mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups)
         self.tracker = SequenceTracker()
-        self.node = P2PNode(
-            identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host, app_score=self.peers.score)
+        self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
+        self.data = DataServer(
+            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
         )
-        self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
         self.served = Served(self.data, cfg.net.keep_versions)
         self.sources: dict[tuple[int, int], Source] = {}
         self.bytes_served = 0
@@ -163,6 +174,8 @@ class Learner:
         self.rollouts_topic = rollouts_topic(cfg.run_id)
         self.versions_topic = versions_topic(cfg.run_id)
         self.metrics: MetricsWriter | None = None
+        self._nursery: trio.Nursery | None = None
+        self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -173,6 +186,7 @@ class Learner:
         self._offer_version(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
+                self._nursery = nursery
                 await nursery.start(self.node.run)
                 await nursery.start(self.data.run)
                 if self.cfg.net.bootstrap:
@@ -182,7 +196,7 @@ class Learner:
                         deadline_s=self.cfg.net.join_deadline_s,
                         backoff=Backoff(self.cfg.net.backoff_initial_s, self.cfg.net.backoff_max_s),
                     )
-                self.node.set_stream_handler(rpc.JOIN, self._serve(self._on_join))
+                self.node.set_stream_handler(rpc.JOIN, self._serve_join)
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
                 await self.node.subscribe(self.rollouts_topic, self._validate)
                 await self.node.provide(provider_key(self.cfg.run_id))
@@ -209,6 +223,11 @@ class Learner:
 
         return on_stream
 
+    async def _serve_join(self, stream: Any) -> None:
+        # The join handler also needs where the connection came from (a dial-back candidate).
+        observed = getattr(stream, "remote_host", None)
+        await self._serve(partial(self._on_join, observed=observed))(stream)
+
     def spec(self) -> RunSpec:
         s = self.cfg.sampling
         return RunSpec(
@@ -224,7 +243,7 @@ class Learner:
             learner_peer_id=self.node.peer_id,
         )
 
-    async def _on_join(self, request: Any, remote: str) -> JoinResponse:
+    async def _on_join(self, request: Any, remote: str, *, observed: str | None = None) -> JoinResponse:
         if not isinstance(request, JoinRequest):
             raise RemoteProtocolError(f"join stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
@@ -233,7 +252,42 @@ class Learner:
         self.peers.joined.add(remote)
         self.peers.last_seen[remote] = trio.current_time()
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
+        if self._nursery is not None:
+            self._nursery.start_soon(self._probe, remote, self._probe_candidates(request, observed))
         return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
+
+    def _probe_candidates(self, request: JoinRequest, observed: str | None) -> list[tuple[str, int]]:
+        """Where to dial a joiner back: the address it names, then its data port at the address
+        its connection came from (a 1:1 NAT or a port forward keeps the port). Never loopback
+        unless the learner is on loopback too, and never the learner's own data address."""
+        hosts = [request.data_host] + ([observed] if observed and observed != request.data_host else [])
+        local = is_loopback(self.data.host)
+        return [
+            (h, request.data_port) for h in hosts
+            if unroutable_reason(h) is None and (local or not is_loopback(h)) and (h, request.data_port) != (self.data.host, self.data.port)
+        ]
+
+    async def _probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
+        """Decide whether `peer_id` is handed out as a relay: only a data address that answered
+        a dial-back as that peer is."""
+        failures = []
+        async with self._probes:
+            for host, port in candidates:
+                with trio.move_on_after(PROBE_TIMEOUT_S):
+                    try:
+                        await probe(self.identity, self.cfg.run_id, peer_id, host, port)
+                    except ProbeFailed as exc:
+                        failures.append(str(exc))
+                        continue
+                    self.peers.relays[peer_id] = (host, port)
+                    self.peers.unreachable.pop(peer_id, None)
+                    log.info("peer %s is reachable at %s:%d: handed out as a relay", peer_id, host, port)
+                    return
+                failures.append(f"{host}:{port}: no answer within {PROBE_TIMEOUT_S:g}s")
+        self.peers.relays.pop(peer_id, None)
+        why = "; ".join(failures) or "it named no address this learner may dial"
+        self.peers.unreachable[peer_id] = why[:500]
+        log.info("peer %s is not reachable from outside (%s): it downloads and contributes, but is not a relay", peer_id, why)
 
     async def _on_status(self, request: Any, remote: str) -> StatusResponse:
         if not isinstance(request, StatusRequest):
@@ -433,7 +487,7 @@ class Learner:
         return source
 
     def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
-        source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.peers.joined)
+        source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.peers.joined, self.peers.relays)
         base = base_of(manifest)
         self.sources[(manifest.version, base)] = source
         self.data.register(manifest.version, source, base=base)
@@ -567,6 +621,10 @@ class Learner:
             "rollout_peers": len(self.peers.joined),
             "learner_idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
             "penalties": dict(self.peers.penalties),
+            "peers": {
+                p: {"accepted": self.peers.accepted[p], "relay": p in self.peers.relays, "unreachable": self.peers.unreachable.get(p)}
+                for p in sorted(self.peers.joined)
+            },
             "lost_messages": self.lost_messages,
             "learner_bytes_up": self.learner_bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,

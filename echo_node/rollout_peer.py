@@ -34,8 +34,8 @@ from echo_node.config import RunConfig
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
-from echo_node.net.p2p import P2PNode, P2PSettings, listen_host, provider_key
+from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_provider
+from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.delta import decode_delta
@@ -107,8 +107,10 @@ class RolloutPeer:
         self.cfg = cfg
         self.identity = identity
         self.model_path = model_path
-        self.node = P2PNode(identity, P2PSettings(listen=cfg.net.listen, advertise_host=cfg.net.advertise_host))
-        self.data = DataServer(identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host)
+        self.node = P2PNode(identity, p2p_settings(cfg.net))
+        self.data = DataServer(
+            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
+        )
         self.served = Served(self.data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
         # The newest verified weights this peer holds (running or about to be swapped in), as
@@ -176,13 +178,16 @@ class RolloutPeer:
             self.node, provider_key(self.cfg.run_id), what=f"learner for run {self.cfg.run_id!r}", deadline_s=remaining, backoff=backoff
         )
         self.learner = learner
-        await self.node.connect(learner)
+        try:
+            await self.node.connect(learner)
+        except DialError as exc:
+            raise JoinError(f"the learner of run {self.cfg.run_id!r} is unreachable: {exc}") from None
         with trio.fail_after(30):
             join = await rpc.call(
                 self.node,
                 learner.peer_id,
                 rpc.JOIN,
-                JoinRequest(run_id=self.cfg.run_id, peer_id=self.node.peer_id),
+                JoinRequest(run_id=self.cfg.run_id, peer_id=self.node.peer_id, data_host=self.data.host, data_port=self.data.port),
                 JoinResponse,
             )
         if join.spec.run_id != self.cfg.run_id or join.spec.learner_peer_id != learner.peer_id:

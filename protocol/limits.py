@@ -75,7 +75,6 @@ ERROR_CODE_PATTERN: Final = re.compile(r"[a-z][a-z0-9_]{0,63}")  # use with full
 MAX_PEER_ID_LEN: Final = 128
 
 # DNS names are at most 253 characters (RFC 1035); IPv6 literals are shorter.
-MAX_HOST_LEN: Final = 253
 
 # Generic list bound (also the largest msgpack array a decoder accepts).
 MAX_LIST: Final = 4096

@@ -29,6 +29,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Final, Literal, NoReturn, Self, TypeAlias, TypeVar, overload
 
 from protocol._wire import pack, unpack_strict
+from protocol.addresses import AddressError, check_data_host
 from protocol.drops import DropReason
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from protocol.identity import is_valid_peer_id
@@ -43,7 +44,6 @@ from protocol.limits import (
     MAX_DEMAND_GROUPS,
     MAX_FRAME_BYTES,
     MAX_GROUP_SIZE,
-    MAX_HOST_LEN,
     MAX_INT64,
     MAX_MESSAGE_BYTES,
     MAX_NAME_LEN,
@@ -95,7 +95,8 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 3  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves
+SCHEMA_VERSION: Final = 4  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+# 4: a join request names the peer's data address, and data hosts are IP literals
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
@@ -199,6 +200,13 @@ def _ints(where: str, value: object, max_len: int, lo: int, hi: int, *, min_len:
         for i, x in enumerate(items):
             _int(f"{where}[{i}]", x, lo, hi)
     return items
+
+
+def _data_host(where: str, value: object) -> str:
+    try:
+        return check_data_host(value, where=where)
+    except AddressError as exc:
+        _fail(where, str(exc).removeprefix(f"{where}: "))
 
 
 def _sha256(where: str, value: object) -> bytes:
@@ -510,17 +518,22 @@ class RolloutBatch(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinRequest(WireMessage):
-    """A rollout peer asks the learner to join `run_id`."""
+    """A rollout peer asks the learner to join `run_id`, naming where its data channel listens
+    (the learner dials it back before handing it out to others as a relay)."""
 
     KIND: ClassVar[str | None] = "join_request"
     SIGNER_FIELD: ClassVar[str | None] = "peer_id"
 
     run_id: str
     peer_id: str
+    data_host: str
+    data_port: int
 
     def __post_init__(self) -> None:
         _set(self, "run_id", _run_id("JoinRequest.run_id", self.run_id))
         _set(self, "peer_id", _peer_id("JoinRequest.peer_id", self.peer_id))
+        _set(self, "data_host", _data_host("JoinRequest.data_host", self.data_host))
+        _set(self, "data_port", _int("JoinRequest.data_port", self.data_port, 1, 65535))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -538,10 +551,7 @@ class JoinResponse(WireMessage):
         w = "JoinResponse"
         if not isinstance(self.spec, RunSpec):
             _fail(f"{w}.spec", f"expected RunSpec, got {type(self.spec).__name__}")
-        host = _str(f"{w}.data_host", self.data_host, MAX_HOST_LEN)
-        if not host.isascii() or not host.isprintable() or " " in host:
-            _fail(f"{w}.data_host", f"{_short(host)} is not a host name or address")
-        _set(self, "data_host", host)
+        _set(self, "data_host", _data_host(f"{w}.data_host", self.data_host))
         _set(self, "data_port", _int(f"{w}.data_port", self.data_port, 1, 65535))
 
 

@@ -4,6 +4,7 @@ Layout (one run; names carry the prefix and the owning pid, so runs never collid
 
     <prefix>-<pid>-hub     a namespace holding bridge `br0`; port `h<i>` per host
     <prefix>-<pid>-h<i>    host i (h0 = learner, h1..hN = peers), interface `eth0`, 10.77.x.y/16
+    <prefix>-<pid>-r<i>    only for a host with `Rates(nat=True)`: its home router (see below)
 
 Each host is joined to the hub by one veth pair created directly between the two namespaces, so
 nothing appears in (or can route to) the machine's own namespace. Shaping follows DESIGN.md
@@ -11,6 +12,24 @@ nothing appears in (or can route to) the machine's own namespace. Shaping follow
 the host's `eth0` is its uplink, egress of the hub's port `h<i>` is its downlink. A flow h1→h2
 therefore passes h1's uplink shaper, the bridge, and h2's downlink shaper, as on a WAN where
 access links are the bottleneck and the core is not.
+
+A NAT'd host (`Rates(nat=True)`) sits behind a home-router-style NAT instead:
+
+    hub: br0─h<i> ══ shaped veth ══ r<i>: eth0 [NAT] lan0 ── unshaped veth ── h<i>: eth0
+                                         10.77.x.y/16  10.P.Q.1/24              10.P.Q.2/24
+                                                                                default via 10.P.Q.1
+
+The router takes the host's place on the bridge: its `eth0` holds the bridge address the host
+would have had (`public_addr(i)`) and carries the host's shapers, so rates mean the same with or
+without NAT. The host keeps `eth0` but on a private /24 of its own, P = 100 + i // 256 and
+Q = i % 256 (P ≤ 200, so NAT'd hosts need i < 25856; each NAT'd host gets a distinct subnet and
+none overlaps 10.77/16). `addr(i)` is that private .2 address — what the host sees on its own
+interface and what a naive `--advertise-host` would announce; nothing outside r<i> can reach it
+(the bridge hosts have no route to 10.P.Q.0/24). The router forwards (`ip_forward=1`) and loads
+nftables rules: masquerade out of `eth0`; forward policy drop except established/related and
+whatever enters from `lan0`; input from `eth0` dropped except established/related. So the host
+can open connections outward (peers see `public_addr(i)` as the source) and nothing can open one
+inward, at either address — as behind a home router without port forwarding.
 
 Why a bridge and not a router: one L2 segment needs no routes, no forwarding sysctl and no
 per-link subnets; the bridge does no shaping of its own, and the bottlenecks are exactly the
@@ -42,6 +61,8 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_PREFIX = "ewan"
 SUBNET_PREFIX = "10.77"  # exists only inside this run's namespaces; nothing routes out of them
+NAT_FIRST_OCTET2 = 100  # NAT'd host i's LAN is 10.(100 + i // 256).(i % 256).0/24, above 10.77
+NAT_MAX_BLOCK = 100  # i // 256 ≤ 100 keeps the second octet ≤ 200: room left, and a valid octet
 STOP_GRACE_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
@@ -52,6 +73,9 @@ class Rates:
 
     up_mbit: float | None = 100.0
     down_mbit: float | None = 100.0
+    # True puts the host behind its own NAT router (module docstring): it can connect out, but
+    # nothing on the bridge can connect in; the rates then shape the router's side of the bridge.
+    nat: bool = False
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -86,6 +110,63 @@ def netns_available() -> str | None:
     finally:
         _ip("netns", "del", probe, check=False)
     return None
+
+
+# Home-router rules for a NAT'd host's router namespace. `eth0` faces the bridge, `lan0` the host.
+_NAT_RULES = """\
+table ip homenat {
+    chain postrouting {
+        type nat hook postrouting priority srcnat; policy accept;
+        oifname "eth0" masquerade
+    }
+    chain forward {
+        type filter hook forward priority filter; policy drop;
+        ct state established,related accept
+        iifname "lan0" accept
+    }
+    chain input {
+        type filter hook input priority filter; policy accept;
+        iifname "eth0" ct state established,related accept
+        iifname "eth0" drop
+    }
+}
+"""
+
+
+def _nft(ns: str, rules: str) -> None:
+    subprocess.run(["ip", "netns", "exec", ns, "nft", "-f", "-"], input=rules, capture_output=True, text=True, check=True, timeout=30)
+
+
+def nat_available() -> str | None:
+    """None when this process can build topologies with NAT'd hosts, else the reason it cannot."""
+    why = netns_available()
+    if why is not None:
+        return why
+    if shutil.which("nft") is None:
+        return "`nft` (nftables) is not on PATH: apt-get install nftables"
+    # nft on PATH is not enough: the kernel needs nf_tables with conntrack and NAT, so load the
+    # real rules once into a throwaway namespace.
+    probe = f"{DEFAULT_PREFIX}-{os.getpid()}-natprobe"
+    try:
+        _ip("netns", "add", probe)
+    except (subprocess.CalledProcessError, OSError) as e:
+        return f"`ip netns add` failed: {getattr(e, 'stderr', e)!s}".strip()
+    try:
+        _nft(probe, _NAT_RULES)
+    except subprocess.CalledProcessError as e:
+        return f"nftables NAT rules do not load in this kernel: {e.stderr.strip()}"
+    finally:
+        _ip("netns", "del", probe, check=False)
+    return None
+
+
+def nat_lan(host: int) -> tuple[str, str]:
+    """(router address, host address) on NAT'd host `host`'s private /24 (module docstring)."""
+    block = host // 256
+    if host < 0 or block > NAT_MAX_BLOCK:
+        raise ValueError(f"host {host}: NAT'd hosts need 0 <= index < {(NAT_MAX_BLOCK + 1) * 256} (private subnet scheme)")
+    net = f"10.{NAT_FIRST_OCTET2 + block}.{host % 256}"
+    return f"{net}.1", f"{net}.2"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -167,6 +248,9 @@ class Topology:
         with Topology([Rates(up_mbit=100, down_mbit=100)] * 9) as topo:
             proc = topo.run(1, python_argv("benchmarks.wan.calibrate", "--send", ...), cpus={1})
             topo.addr(0)  # "10.77.0.1"
+
+    With `Rates(nat=True)` for host i, `addr(i)` is its private address behind its router and
+    `public_addr(i)` the bridge address the router masquerades it as.
     """
 
     def __init__(self, hosts: Sequence[Rates], *, prefix: str = DEFAULT_PREFIX, mtu: int = 1500) -> None:
@@ -176,6 +260,9 @@ class Topology:
             raise ValueError("at most 65000 hosts fit the /16 test subnet")
         if not re.fullmatch(r"[a-z][a-z0-9]{0,15}", prefix):
             raise ValueError(f"prefix {prefix!r}: use 1-16 lowercase letters/digits, starting with a letter")
+        for i, rates in enumerate(hosts):
+            if rates.nat:
+                nat_lan(i)  # raises before anything is built if i is outside the NAT subnet scheme
         self.hosts = tuple(hosts)
         self.prefix = prefix
         self.mtu = mtu
@@ -194,14 +281,28 @@ class Topology:
         self._check_host(host)
         return f"{self.run_tag}-h{host}"
 
+    def router_ns(self, host: int) -> str | None:
+        """The namespace of host's NAT router, or None for a host on the bridge itself."""
+        self._check_host(host)
+        return f"{self.run_tag}-r{host}" if self.hosts[host].nat else None
+
     def addr(self, host: int) -> str:
+        """The address host has on its own `eth0` (for a NAT'd host: private, unreachable)."""
+        self._check_host(host)
+        if self.hosts[host].nat:
+            return nat_lan(host)[1]
+        return self.public_addr(host)
+
+    def public_addr(self, host: int) -> str:
+        """The address the bridge sees for host: its own, or its NAT router's `eth0`."""
         self._check_host(host)
         n = host + 1  # 10.77.0.0 is the network address; hosts start at .0.1
         return f"{SUBNET_PREFIX}.{n >> 8}.{n & 255}"
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.hub, *(self.ns(i) for i in range(len(self.hosts)))]
+        routers = [r for i in range(len(self.hosts)) if (r := self.router_ns(i)) is not None]
+        return [self.hub, *routers, *(self.ns(i) for i in range(len(self.hosts)))]
 
     def _check_host(self, host: int) -> None:
         if not 0 <= host < len(self.hosts):
@@ -225,16 +326,37 @@ class Topology:
         _ip("-n", self.hub, "link", "add", "br0", "type", "bridge", "stp_state", "0")
         _ip("-n", self.hub, "link", "set", "br0", "up")
         _ip("-n", self.hub, "link", "set", "lo", "up")
+        mtu = str(self.mtu)
         for i, rates in enumerate(self.hosts):
             ns, port = self.ns(i), f"h{i}"
-            self._add_ns(ns)
-            _ip("-n", self.hub, "link", "add", port, "mtu", str(self.mtu), "type", "veth", "peer", "name", "eth0", "mtu", str(self.mtu), "netns", ns)
+            # On the bridge sits the host itself, or its router (which then takes the shapers).
+            edge = self.router_ns(i) or ns
+            self._add_ns(edge)
+            _ip("-n", self.hub, "link", "add", port, "mtu", mtu, "type", "veth", "peer", "name", "eth0", "mtu", mtu, "netns", edge)
             _ip("-n", self.hub, "link", "set", port, "master", "br0", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addr(i)}/16", "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-            _tbf(ns, "eth0", rates.up_mbit)
+            _ip("-n", edge, "addr", "add", f"{self.public_addr(i)}/16", "dev", "eth0")
+            _ip("-n", edge, "link", "set", "eth0", "up")
+            _ip("-n", edge, "link", "set", "lo", "up")
+            _tbf(edge, "eth0", rates.up_mbit)
             _tbf(self.hub, port, rates.down_mbit)
+            if edge != ns:
+                self._build_nat_host(i, router=edge)
+
+    def _build_nat_host(self, host: int, *, router: str) -> None:
+        ns, mtu = self.ns(host), str(self.mtu)
+        gw, addr = nat_lan(host)
+        self._add_ns(ns)
+        # The LAN veth is unshaped: the access link (router eth0 <-> hub) is the bottleneck.
+        _ip("-n", router, "link", "add", "lan0", "mtu", mtu, "type", "veth", "peer", "name", "eth0", "mtu", mtu, "netns", ns)
+        _ip("-n", router, "addr", "add", f"{gw}/24", "dev", "lan0")
+        _ip("-n", router, "link", "set", "lan0", "up")
+        _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "route", "add", "default", "via", gw)
+        # Rules before forwarding: there is never a moment when the router forwards unfiltered.
+        _nft(router, _NAT_RULES)
+        subprocess.run(["ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1"], capture_output=True, text=True, check=True, timeout=30)
 
     def _add_ns(self, ns: str) -> None:
         if ns in list_namespaces():

@@ -22,6 +22,20 @@ class JoinError(Exception):
     """The swarm could not be joined before the deadline."""
 
 
+class DialError(Exception):
+    """No listed address of a peer could be dialed; names each address and what happened on it
+    (refused, timed out, a handshake that reached another peer id, skipped as unroutable)."""
+
+    def __init__(self, peer_id: str, outcomes: Sequence[tuple[str, str]], *, hint: str = "") -> None:
+        self.peer_id = peer_id
+        self.outcomes = tuple(outcomes)
+        self.hint = hint
+        super().__init__(f"could not reach {peer_id}: {self.tried()}{'. ' + hint if hint else ''}")
+
+    def tried(self) -> str:
+        return "; ".join(f"{addr} ({what})" for addr, what in self.outcomes) or "no address known"
+
+
 @dataclass(frozen=True, slots=True)
 class Backoff:
     initial_s: float = 0.25
@@ -65,6 +79,8 @@ async def connect_bootstrap(
                         connected.append(await node.connect_multiaddr(addr))
                 except ValueError:
                     raise
+                except DialError as exc:
+                    last_error[addr] = "; ".join(what for _, what in exc.outcomes) + (f"; {exc.hint}" if exc.hint else "")
                 except Exception as exc:  # any dial failure is retried; we report the last one
                     last_error[addr] = f"{type(exc).__name__}: {exc}".strip().rstrip(":")
             if connected:

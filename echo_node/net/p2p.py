@@ -19,14 +19,19 @@ Choices below follow what DESIGN.md measured for py-libp2p 0.8.1:
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import hashlib
 import logging
 import math
+import re
 import socket
+import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import multiaddr
 import trio
@@ -45,13 +50,27 @@ from libp2p.pubsub.pb import rpc_pb2
 from libp2p.pubsub.pubsub import Pubsub
 from libp2p.pubsub.rpc_queue import RpcQueue
 from libp2p.pubsub.score import ScoreParams, TopicScoreParams
+from libp2p.security.noise.exceptions import PeerIDMismatchesPubkey
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
 from libp2p.stream_muxer.yamux.yamux import PROTOCOL_ID as YAMUX_PROTOCOL_ID
 from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
-from echo_node.net.discovery import PeerAddr
+from echo_node.config import NetConfig
+from echo_node.net.discovery import DialError, PeerAddr
+from protocol.addresses import (
+    AddressError,
+    TcpAddr,
+    check_announce,
+    check_data_host,
+    dial_plan,
+    ip_of,
+    is_loopback,
+    parse_tcp_multiaddr,
+    publish_addrs,
+    unroutable_reason,
+)
 from protocol.identity import Identity
 
 log = logging.getLogger(__name__)
@@ -78,8 +97,57 @@ GOSSIPSUB_PROTOCOL = TProtocol("/meshsub/1.1.0")
 PROVIDER_NAMESPACE = b"/echo-node/v1/run/"
 
 
-class DialError(Exception):
-    """No listed address of a peer could be dialed before the deadline."""
+# What the DialError hint says when every address a remote published is one nobody can dial.
+UNROUTABLE_HINT = (
+    "hint: every address it published is unroutable from here; it must be started with "
+    "--advertise-host ADDRESS or --announce MULTIADDR (the address others dial)"
+)
+_REACHED_PEER = re.compile(r"remote_peer_id_from_pubkey=(\w+)")
+
+
+def describe_dial_failure(exc: BaseException) -> str:
+    """What happened on one dial, in a volunteer's words (refused, timed out, wrong peer, ...).
+
+    py-libp2p wraps the cause several layers deep (swarm, transport, exception groups), so the
+    whole chain is searched, the most telling cause first.
+    """
+    chain: list[BaseException] = []
+    stack: list[BaseException | None] = [exc]
+    while stack and len(chain) < 64:
+        e = stack.pop()
+        if e is None or any(e is c for c in chain):
+            continue
+        chain.append(e)
+        # trio's and Python's exception groups say `exceptions`, py-libp2p's MultiError `errors`.
+        stack += [e.__cause__, e.__context__, *getattr(e, "exceptions", ()), *getattr(e, "errors", ())]
+    for e in chain:
+        if isinstance(e, PeerIDMismatchesPubkey):
+            found = _REACHED_PEER.search(str(e))
+            return f"wrong peer: the handshake reached {found.group(1) if found else 'another peer id'}"
+    for e in chain:
+        if isinstance(e, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(e, (TimeoutError, trio.TooSlowError)):
+            return "timed out"
+        if isinstance(e, OSError) and e.errno in (errno.EHOSTUNREACH, errno.ENETUNREACH):
+            return "no route to host" if e.errno == errno.EHOSTUNREACH else "network unreachable"
+    return f"{type(chain[-1]).__name__}: {str(chain[-1])[:160]}".rstrip(": ")
+
+
+def interface_hosts() -> list[str]:
+    """This machine's IPv4 addresses, one per interface that has one, loopback last."""
+    found: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            found.append(socket.inet_ntoa(packed[20:24]))
+    return sorted(set(found), key=lambda h: (h.startswith("127."), found.index(h)))
+
+
+_SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
 class PeerStream:
@@ -88,6 +156,10 @@ class PeerStream:
     def __init__(self, stream: INetStream) -> None:
         self._stream = stream
         self.remote_peer_id = stream.muxed_conn.peer_id.to_base58()
+        # The IP address the connection comes from, as this node sees it (behind a NAT: the
+        # router's public address, not the one the peer knows itself by).
+        remote = stream.get_remote_address()
+        self.remote_host: str | None = remote[0] if remote else None
 
     async def receive_some(self, max_bytes: int = 65536) -> bytes:
         return await self._stream.read(max_bytes)
@@ -127,22 +199,33 @@ class P2PSettings:
     gossip_threshold: float = -10.0
     publish_threshold: float = -50.0
     app_score: Callable[[str], float] | None = None
-    # The address others reach this machine at, when listening on a wildcard address.
+    # The IP address others reach this machine at (a router's public address, a VM's floating
+    # IP): published with the listener's port instead of the address it binds.
     advertise_host: str | None = None
+    # Full multiaddrs to publish instead of anything derived from the listener (port forwards,
+    # DNS names); they win over `advertise_host`.
+    announce: tuple[str, ...] = ()
+    # How long one address may take to answer a dial before the next one is tried.
+    dial_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.advertise_host is not None:
+            self.advertise_host = check_data_host(self.advertise_host, where="--advertise-host")
+        for text in self.announce:
+            check_announce(text)
+
+
+def p2p_settings(net: NetConfig, **extra: Any) -> P2PSettings:
+    """The libp2p host's settings from the config tree's [net] table."""
+    return P2PSettings(listen=net.listen, advertise_host=net.advertise_host, announce=tuple(net.announce), **extra)
 
 
 def listen_host(listen: str) -> str:
-    """The IPv4 host of a listen multiaddr like /ip4/H/tcp/P (where the data channel binds too)."""
-    parts = listen.split("/")
-    return parts[2] if len(parts) > 2 and parts[1] == "ip4" else "127.0.0.1"
-
-
-def advertised_host(listen: str, advertise: str | None) -> str:
-    """The IPv4 address to tell peers for a listen multiaddr like /ip4/H/tcp/P."""
-    host = listen_host(listen)
-    if host != "0.0.0.0":
-        return host
-    return advertise or socket.gethostbyname(socket.gethostname())
+    """The host of a listen multiaddr like /ip4/H/tcp/P (where the data channel binds too)."""
+    try:
+        return parse_tcp_multiaddr(listen).host
+    except AddressError as exc:
+        raise ValueError(f"--listen {listen}: {exc}") from None
 
 
 def provider_key(run_id: str) -> str:
@@ -197,6 +280,8 @@ class P2PNode:
 
     def __init__(self, identity: Identity, settings: P2PSettings | None = None) -> None:
         self.settings = settings or P2PSettings()
+        self._announce = tuple(check_announce(a) for a in self.settings.announce)
+        self._interfaces = interface_hosts()
         key_pair = create_new_key_pair(identity.seed)
         self._host: IHost = new_host(
             key_pair=key_pair,
@@ -207,6 +292,11 @@ class P2PNode:
             },
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
             connection_config=ConnectionConfig(max_connections_per_peer=1),
+            # Identify, the DHT's provider and peer records and signed peer records all publish
+            # what this factory returns. Observed addresses stay out: behind a NAT they name the
+            # router's port of one outbound connection, which nobody can dial back.
+            addrs_factory=self._publishable,
+            disable_identify_address_discovery=True,
         )
         _memoize_addrs(self._host, ADDRS_TTL_S)
         self.peer_id = self._host.get_id().to_base58()
@@ -242,24 +332,60 @@ class P2PNode:
                 task_status.started()
                 await trio.sleep_forever()
 
+    # -- addresses -----------------------------------------------------------------------------
+
+    def _publishable(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
+        listening = []
+        for addr in candidates:
+            try:
+                listening.append(parse_tcp_multiaddr(str(addr)))
+            except AddressError:
+                continue  # a transport we do not publish
+        published = publish_addrs(
+            listening, announce=self._announce, advertise_host=self.settings.advertise_host,
+            interface_hosts=self._interfaces,
+        )
+        return [multiaddr.Multiaddr(a.text(with_peer=False)) for a in published]
+
     @property
     def addrs(self) -> list[str]:
-        """Full multiaddrs others can dial, each ending in /p2p/<peer id>.
-
-        A wildcard listen address is no use to anyone else, so it is reported with this
-        machine's own address (`advertise_host` or the host name's address) instead.
-        """
-        out = []
-        for a in self._host.get_addrs():
-            text = str(a)
-            if "/p2p/" not in text:
-                text += f"/p2p/{self.peer_id}"
-            out.append(text.replace("/ip4/0.0.0.0/", f"/ip4/{self.advertise_host}/", 1))
-        return out
+        """What this node publishes, each ending in /p2p/<peer id>: never a wildcard, and
+        loopback only when loopback is all this node has."""
+        return [str(a) for a in self._host.get_addrs()]
 
     @property
     def advertise_host(self) -> str:
-        return advertised_host(self.settings.listen, self.settings.advertise_host)
+        """The IP address this node's data channel is published at (same rules as `addrs`)."""
+        try:
+            bound = parse_tcp_multiaddr(self.settings.listen)
+        except AddressError as exc:
+            raise ValueError(f"--listen {self.settings.listen}: {exc}") from None
+        published = publish_addrs(
+            [TcpAddr(bound.proto, bound.host, bound.port or 1)], announce=self._announce,
+            advertise_host=self.settings.advertise_host, interface_hosts=self._interfaces,
+        )
+        for addr in published:
+            if ip_of(addr.host) is not None:
+                return addr.host
+        for addr in published:  # only names were announced: the data channel needs an address
+            return check_data_host(socket.gethostbyname(addr.host), where=f"--announce {addr.text()}")
+        raise ValueError(f"no routable address to publish for --listen {self.settings.listen}")
+
+    def _own_endpoints(self) -> tuple[set[tuple[str, int]], bool]:
+        """(host, port) pairs this node listens or publishes at, and whether all it publishes
+        is loopback (a swarm on one machine, where loopback addresses are worth dialing)."""
+        own: set[tuple[str, int]] = set()
+        published = []
+        for addr in [*self._host.get_transport_addrs(), *self._host.get_addrs()]:
+            try:
+                parsed = parse_tcp_multiaddr(str(addr))
+            except AddressError:
+                continue
+            own.add((parsed.host, parsed.port))
+        for addr in self._host.get_addrs():
+            published.append(str(addr).split("/")[2])
+        own |= {(h, port) for h in self._interfaces for (w, port) in list(own) if unroutable_reason(w)}
+        return own, all(is_loopback(h) for h in published)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self._host.get_connected_peers()]
@@ -267,10 +393,33 @@ class P2PNode:
     # -- dialing and discovery ---------------------------------------------------------------
 
     async def connect(self, peer: PeerAddr) -> None:
-        info = PeerInfo(ID.from_base58(peer.peer_id), [multiaddr.Multiaddr(a) for a in peer.addrs])
-        self._forget_dial_failures(info.peer_id)
-        await self._host.connect(info)
-        await self._seed_routing_table(info.peer_id)
+        """Connect to `peer` through the first of its addresses that answers as that peer.
+
+        Addresses that cannot work from here (unroutable, our own, another machine's loopback)
+        are skipped, the rest dialed one at a time so that the DialError can say what happened
+        on each: refused, timed out, or a handshake with another peer id.
+        """
+        pid = ID.from_base58(peer.peer_id)
+        if self._host.get_network().get_connections(pid):
+            await self._seed_routing_table(pid)
+            return
+        own, local_only = self._own_endpoints()
+        to_dial, outcomes = dial_plan(peer.addrs, own=own, local_only=local_only)
+        store = self._host.get_peerstore()
+        for text in to_dial:
+            # Only this address in the peerstore: the swarm dials every address it knows.
+            store.clear_addrs(pid)
+            self._forget_dial_failures(pid)
+            try:
+                with trio.fail_after(self.settings.dial_timeout_s):
+                    await self._host.connect(PeerInfo(pid, [multiaddr.Multiaddr(text)]))
+            except Exception as exc:
+                outcomes.append((text, describe_dial_failure(exc)))
+                continue
+            await self._seed_routing_table(pid)
+            return
+        hint = UNROUTABLE_HINT if not to_dial and peer.addrs else ""
+        raise DialError(peer.peer_id, outcomes, hint=hint)
 
     def _forget_dial_failures(self, peer_id: ID) -> None:
         # The swarm refuses to redial a peer whose addresses all failed recently (a negative
@@ -286,13 +435,9 @@ class P2PNode:
             info = info_from_p2p_addr(multiaddr.Multiaddr(maddr))
         except Exception as exc:
             raise ValueError(f"not a multiaddr with /p2p/<peer id>: {maddr!r} ({exc})") from exc
-        self._forget_dial_failures(info.peer_id)
-        try:
-            await self._host.connect(info)
-        except Exception as exc:
-            raise DialError(str(exc)) from exc
-        await self._seed_routing_table(info.peer_id)
-        return info.peer_id.to_base58()
+        peer_id = info.peer_id.to_base58()
+        await self.connect(PeerAddr(peer_id, (maddr,)))
+        return peer_id
 
     async def _seed_routing_table(self, peer_id: ID) -> None:
         if self._dht is not None and peer_id != self._host.get_id():

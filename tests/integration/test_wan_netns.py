@@ -1,12 +1,14 @@
 """The WAN harness: the broadcast bound (pure), and shaped namespaces that always go away.
 
 The namespace tests need root and iproute2 (`ip netns`, `tc`, a bridge); they build 2–3 peer
-topologies at 20 Mbit/s, move a few MB, and take ~10 s in all.
+topologies at 20 Mbit/s, move a few MB, and take ~10 s in all. The NAT test also needs nftables
+(`nft`) and takes ~3.5 s (two deliberate 1.5 s connect timeouts).
 """
 
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -17,7 +19,16 @@ import pytest
 
 from benchmarks.wan.bound import bound_s, bound_with_departures_s, star_s
 from benchmarks.wan.calibrate import measure_goodput
-from benchmarks.wan.netns import REPO_ROOT, Rates, Topology, cleanup_stale, list_namespaces, netns_available
+from benchmarks.wan.netns import (
+    REPO_ROOT,
+    Rates,
+    Topology,
+    cleanup_stale,
+    list_namespaces,
+    nat_available,
+    nat_lan,
+    netns_available,
+)
 from benchmarks.wan.scenario import Scenario
 from benchmarks.wan.star import run_star
 
@@ -168,3 +179,110 @@ def test_star_delivers_verified_copies_and_survives_a_killed_peer() -> None:
     # two survivors' copies (and part of the killed one's) all leave through the 20 Mbit uplink
     assert r["seconds"] >= 0.9 * 2 * 8 * 2 * MB / 1e6 / 20
     assert time.monotonic() - t < 15
+
+
+# --- NAT'd hosts (root + iproute2 + nftables) ---------------------------------------------------
+def test_nat_addressing_keeps_bridge_scheme_and_bounds_the_private_subnets() -> None:
+    topo = Topology([Rates(), Rates(), Rates(nat=True)], prefix="ewant")  # not built: pure addressing
+    assert topo.addr(0) == topo.public_addr(0) == "10.77.0.1"
+    assert topo.addr(1) == topo.public_addr(1) == "10.77.0.2"
+    assert topo.public_addr(2) == "10.77.0.3" and topo.addr(2) == "10.100.2.2"
+    assert topo.router_ns(2) == f"{topo.run_tag}-r2" and topo.router_ns(1) is None
+    assert topo.namespaces == [topo.hub, f"{topo.run_tag}-r2", *(topo.ns(i) for i in range(3))]
+    assert nat_lan(256) == ("10.101.0.1", "10.101.0.2")
+    assert nat_lan(25855) == ("10.200.255.1", "10.200.255.2")
+    with pytest.raises(ValueError, match="NAT'd hosts need"):
+        nat_lan(25856)
+    with pytest.raises(ValueError, match="NAT'd hosts need"):
+        Topology([Rates()] * 25856 + [Rates(nat=True)], prefix="ewant")
+
+
+_why_not_nat = nat_available()
+_PORT = 5000
+
+# Listens on every address of its namespace; prints "ready", then the peer of each connection.
+_LISTEN = f"""
+import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", {_PORT}))
+s.listen()
+print("ready", flush=True)
+while True:
+    c, peer = s.accept()
+    print(peer[0], flush=True)
+    c.close()
+"""
+
+# Tries each address in argv with a short timeout; prints "ok <own address>" or the error's name.
+_CONNECT = f"""
+import socket, sys
+for host in sys.argv[1:]:
+    try:
+        c = socket.create_connection((host, {_PORT}), timeout=1.5)
+        print("ok", c.getsockname()[0], flush=True)
+        c.close()
+    except OSError as e:
+        print(type(e).__name__, flush=True)
+"""
+
+
+def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no line within {timeout} s"
+    return proc.stdout.readline().strip()
+
+
+def _listen(topo: Topology, host: int) -> subprocess.Popen[str]:
+    proc = topo.run(host, [sys.executable, "-c", _LISTEN], stdout=subprocess.PIPE, text=True)
+    assert _readline(proc, 10) == "ready"
+    return proc
+
+
+def _connect(topo: Topology, host: int, *addrs: str) -> list[str]:
+    proc = topo.run(host, [sys.executable, "-c", _CONNECT, *addrs], stdout=subprocess.PIPE, text=True)
+    out, _ = proc.communicate(timeout=10)
+    assert proc.returncode == 0
+    return out.split("\n")[:-1]
+
+
+def _ip_in(ns: str, *args: str) -> None:
+    subprocess.run(["ip", "-n", ns, *args], check=True, capture_output=True, timeout=10)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_why_not_nat is not None, reason=f"WAN netns NAT: {_why_not_nat}")
+def test_nat_host_connects_out_masqueraded_and_accepts_nothing_in() -> None:
+    t = time.monotonic()
+    unshaped = Rates(up_mbit=None, down_mbit=None)
+    with Topology([unshaped, unshaped, Rates(up_mbit=20, down_mbit=20, nat=True)], prefix="ewant") as topo:
+        router = topo.router_ns(2)
+        assert router is not None and sorted(_ours(topo.run_tag)) == sorted(topo.namespaces)
+        assert router in topo.namespaces
+
+        # (a) out through the NAT: the host dials from its private address, h0 sees the router's
+        on_h0 = _listen(topo, 0)
+        assert _connect(topo, 2, topo.addr(0)) == [f"ok {topo.addr(2)}"]
+        assert _readline(on_h0, 5) == topo.public_addr(2) != topo.addr(2)
+
+        # control: inbound to a host on the bridge works, so (b) failing is the NAT's doing
+        _listen(topo, 1)
+        assert _connect(topo, 0, topo.addr(1)) == [f"ok {topo.addr(0)}"]
+
+        # (b) nothing gets in: the private address is unroutable from the bridge (fails at once),
+        # and the router's input chain drops a new connection to its public one (a timeout, not
+        # the RST an unfiltered router would send) ...
+        on_h2 = _listen(topo, 2)
+        assert _connect(topo, 0, topo.addr(2), topo.public_addr(2)) == ["OSError", "TimeoutError"]
+        # ... and even a peer that routes the private subnet via the router is stopped by the
+        # forward chain (without it, ip_forward=1 would deliver the connection).
+        _ip_in(topo.ns(0), "route", "add", f"{nat_lan(2)[0].rsplit('.', 1)[0]}.0/24", "via", topo.public_addr(2))
+        assert _connect(topo, 0, topo.addr(2)) == ["TimeoutError"]
+        on_h2.terminate()
+        out, _ = on_h2.communicate(timeout=5)
+        assert out == "", f"h2 accepted connections from {out.split()}"
+        tag = topo.run_tag
+    # (c) every namespace, the router's included, is gone
+    assert _ours(tag) == [] and router not in list_namespaces()
+    assert time.monotonic() - t < 10

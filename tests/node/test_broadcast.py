@@ -32,8 +32,12 @@ PEERS = [Identity.from_seed(bytes([0x10 + i]) * 32) for i in range(3)]
 MANIFEST = build_manifest(run_id="run-1", version=7, payload=PAYLOAD, piece_size=PIECE)
 
 
-def run_broadcast(*, peers: list[Identity] = PEERS, kill_after: int | None = None, gather: bool = True):
-    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, (p.peer_id for p in PEERS))
+def run_broadcast(
+    *, peers: list[Identity] = PEERS, kill_after: int | None = None, gather: bool = True, unreachable: frozenset[str] = frozenset()
+):
+    # What the learner's dial-back proved: every peer but the `unreachable` ones (behind a NAT).
+    relays: dict[str, tuple[str, int]] = {}
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, (p.peer_id for p in PEERS), relays)
     results: dict[str, bytes] = {}
     receivers: dict[str, Receiver] = {}
 
@@ -45,8 +49,10 @@ def run_broadcast(*, peers: list[Identity] = PEERS, kill_after: int | None = Non
             if gather:
                 source.gate = trio.Event()
             servers = {p.peer_id: DataServer(p, "run-1") for p in peers}
-            for server in servers.values():
+            for pid, server in servers.items():
                 await nursery.start(server.run)
+                if pid not in unreachable:
+                    relays[pid] = ("127.0.0.1", server.port)
 
             async def fetch(p: Identity) -> None:
                 async with trio.open_nursery() as links:
@@ -95,6 +101,27 @@ def test_all_peers_go_live_and_the_learner_uploads_about_one_copy() -> None:
     # A star would upload three full copies; here each piece leaves the learner about once.
     assert source.stats.bytes_up < 1.2 * len(PAYLOAD)
     assert sum(r.stats.bytes_up for r in receivers.values()) >= 1.5 * len(PAYLOAD)
+
+
+def test_a_peer_nobody_can_dial_dials_the_others_and_still_relays() -> None:
+    nat = PEERS[2].peer_id
+    source, receivers, results = run_broadcast(unreachable=frozenset({nat}))
+    assert all(results[p.peer_id] == PAYLOAD for p in PEERS)
+    # The source listed it without an address (it learns so from its own entry), the others with.
+    assert not receivers[nat].reachable and all(receivers[p.peer_id].reachable for p in PEERS[:2])
+    # It relays over the links it dialed (the only ones it has): the learner still sends ~one copy.
+    assert receivers[nat].stats.bytes_up > 0.2 * len(PAYLOAD)
+    assert source.stats.bytes_up < 1.2 * len(PAYLOAD)
+
+
+def test_two_peers_behind_nats_get_from_the_source_what_they_cannot_get_from_each_other() -> None:
+    nats = frozenset({PEERS[1].peer_id, PEERS[2].peer_id})
+    source, receivers, results = run_broadcast(unreachable=nats)
+    assert all(results[p.peer_id] == PAYLOAD for p in PEERS)
+    # The pieces the source handed to one of them first reach the other only from the source
+    # (the reachable peer does not re-push what it was pushed): m NAT'd peers of N cost the
+    # learner about m(m-1)/N extra copies, 2/3 here.
+    assert source.stats.bytes_up < (1 + 2 / 3 + 0.2) * len(PAYLOAD)
 
 
 def test_a_relay_killed_mid_transfer_costs_only_re_requests() -> None:

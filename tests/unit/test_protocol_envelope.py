@@ -112,7 +112,7 @@ def test_signer_must_match_claimed_peer_id() -> None:
     with pytest.raises(RemoteProtocolError, match="claims") as info:
         open_envelope(frame)
     assert info.value.reason is DropReason.WRONG_SENDER
-    join = JoinRequest(run_id="r", peer_id=ALICE.peer_id)
+    join = JoinRequest(run_id="r", peer_id=ALICE.peer_id, data_host="10.0.0.2", data_port=4002)
     payload = msgpack.packb(join.to_wire(), use_bin_type=True)
     frame = reframe([SCHEMA_VERSION, "join_request", payload, MALLORY.public_key, MALLORY.sign(signing_input("join_request", payload))])
     with pytest.raises(RemoteProtocolError, match="claims"):

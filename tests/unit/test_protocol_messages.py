@@ -45,7 +45,6 @@ from protocol.limits import (
     MAX_DEMAND_GROUPS,
     MAX_FRAME_BYTES,
     MAX_GROUP_SIZE,
-    MAX_HOST_LEN,
     MAX_NAME_LEN,
     MAX_PROMPT_TOKENS,
     MAX_REPAIR_SEQS,
@@ -123,7 +122,7 @@ ALL_MESSAGES: list[WireMessage] = [
     spec(),
     batch(),
     build_manifest(run_id="r", version=3, payload=b"x" * 40000, piece_size=16384),
-    JoinRequest(run_id="r", peer_id=PEER),
+    JoinRequest(run_id="r", peer_id=PEER, data_host="10.0.0.2", data_port=7001),
     JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000),
     StatusRequest(run_id="r"),
     StatusResponse(run_id="r", version=3, weights_size=123, weights_sha256=SHA, demand_groups=8),
@@ -272,9 +271,14 @@ def test_bound_at_limit_accepted_over_rejected(name: str, factory: Any, at: dict
 @pytest.mark.parametrize(
     ("factory", "kwargs"),
     [
-        (lambda **k: JoinResponse(**{"spec": spec(), "data_host": "h", "data_port": 1, **k}),
-         [{"data_port": 0}, {"data_port": 65536},
-          {"data_host": ""}, {"data_host": "h" * (MAX_HOST_LEN + 1)}, {"data_host": "a b"}, {"spec": sampling()}]),
+        (lambda **k: JoinResponse(**{"spec": spec(), "data_host": "192.0.2.1", "data_port": 1, **k}),
+         [{"data_port": 0}, {"data_port": 65536}, {"data_port": 2**63},
+          {"data_host": ""}, {"data_host": "h" * 300}, {"data_host": "a b"}, {"data_host": "a..b"},
+          {"data_host": "learner.example"}, {"data_host": "0.0.0.0"}, {"data_host": "::"}, {"data_host": "224.0.0.1"},
+          {"data_host": "255.255.255.255"}, {"data_host": 7}, {"spec": sampling()}]),
+        (lambda **k: JoinRequest(**{"run_id": "r", "peer_id": PEER, "data_host": "2001:db8::1", "data_port": 4002, **k}),
+         [{"data_port": 0}, {"data_port": -1}, {"data_port": 65536}, {"data_port": True}, {"data_host": "0.0.0.0"},
+          {"data_host": "10.0.0.256"}, {"data_host": "\u0661.1.1.1"}, {"data_host": "fe80::1"}, {"data_host": b"10.0.0.1"}]),
         (lambda **k: StatusResponse(**{"run_id": "r", "version": 0, "weights_size": 0, "weights_sha256": SHA, "demand_groups": 1, **k}),
          [{"weights_size": MAX_WEIGHTS_BYTES + 1}, {"weights_size": -1}, {"weights_sha256": SHA[:31]},
           {"weights_sha256": SHA + b"\x00"}, {"version": -1}, {"demand_groups": 0},
@@ -298,7 +302,7 @@ def test_other_bounds(factory: Any, kwargs: list[dict[str, Any]]) -> None:
 def test_other_bounds_at_limit() -> None:
     RepairRequest(run_id="r", peer_id=PEER, seqs=tuple(range(MAX_REPAIR_SEQS)))
     RepairResponse(envelopes=(b"x" * MAX_FRAME_BYTES,) * 2, unavailable=tuple(range(MAX_REPAIR_SEQS)))
-    JoinResponse(spec=spec(), data_host="h" * MAX_HOST_LEN, data_port=65535)
+    JoinResponse(spec=spec(), data_host="127.0.0.1", data_port=65535)
     ErrorResponse(code="a" * 64, message="m" * MAX_STR)
 
 
