@@ -29,7 +29,9 @@ def start_learner(
 
 def start_peer(swarm: Swarm, root: Path, common: list[str], index: int, *, cpus: set[int], args: list[str] | None = None) -> Child:
     key = root / f"peer{index}.key"
-    return swarm.spawn(f"peer{index}", ["join", *common, "--key-file", str(key), *(args or [])], cpus=cpus)
+    return swarm.spawn(
+        f"peer{index}", ["join", *common, "--key-file", str(key), "--runs-dir", str(root / "runs"), *(args or [])], cpus=cpus
+    )
 
 
 def metrics_path(root: Path, run_id: str) -> Path:

@@ -34,6 +34,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads for this process (default 1)")
     p.add_argument("--join-deadline", type=float, default=None, help="seconds to keep trying to join")
     p.add_argument("--data-port", type=int, default=None, help="TCP port of the weight data channel (default: any free port)")
+    p.add_argument("--runs-dir", type=Path, default=None, help="where runs/<run-id>/ is written (default ./runs)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-every", type=int, default=None, metavar="K", help="async: publish every K-th version (K <= S)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
     p.add_argument("--max-versions", type=int, default=None)
-    p.add_argument("--runs-dir", type=Path, default=None, help="where runs/<run-id>/ is written (default ./runs)")
 
     p = sub.add_parser("join", help="contribute rollouts to a run as a volunteer peer")
     _common(p, role="peer")
@@ -166,11 +166,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BaseException as exc:
+        if _is_interrupt(exc):  # Ctrl-C inside trio arrives wrapped in exception groups
+            return 130
         user_error = _find_user_error(exc)
         if user_error is None or getattr(args, "log_level", "") == "DEBUG":
             raise
         print(f"echo-node {role}: error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR
+
+
+def _is_interrupt(exc: BaseException) -> bool:
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_is_interrupt(inner) for inner in exc.exceptions)
+    return isinstance(exc, KeyboardInterrupt)
 
 
 def _find_user_error(exc: BaseException) -> BaseException | None:

@@ -107,11 +107,11 @@ def run_demo(args: argparse.Namespace) -> int:
             boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(keys / "bootstrap.key")])
             boot_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
             progress.note(f"bootstrap at {boot_addr}")
-            common = ["--bootstrap", boot_addr, "--run-id", run_id]
+            common = ["--bootstrap", boot_addr, "--run-id", run_id, "--runs-dir", str(args.runs_dir)]
             learner = swarm.spawn(
                 "learner",
                 ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", args.mode,
-                 "--staleness", str(args.staleness), "--seconds", str(args.seconds), "--runs-dir", str(args.runs_dir)],
+                 "--staleness", str(args.staleness), "--seconds", str(args.seconds)],
             )
             progress.note("learner warming up (cached after the first run)")
             _wait_line(learner, _is_ready, READY_TIMEOUT_S, "ready")

@@ -282,12 +282,18 @@ class Learner:
                     self.peers.relays[peer_id] = (host, port)
                     self.peers.unreachable.pop(peer_id, None)
                     log.info("peer %s is reachable at %s:%d: handed out as a relay", peer_id, host, port)
+                    self._write({"event": "reachability", "peer": peer_id, "relay": True, "addr": f"{host}:{port}"})
                     return
                 failures.append(f"{host}:{port}: no answer within {PROBE_TIMEOUT_S:g}s")
         self.peers.relays.pop(peer_id, None)
         why = "; ".join(failures) or "it named no address this learner may dial"
         self.peers.unreachable[peer_id] = why[:500]
         log.info("peer %s is not reachable from outside (%s): it downloads and contributes, but is not a relay", peer_id, why)
+        self._write({"event": "reachability", "peer": peer_id, "relay": False, "why": why[:500]})
+
+    def _write(self, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.write({**record, "wall": round(time.time(), 4)})
 
     async def _on_status(self, request: Any, remote: str) -> StatusResponse:
         if not isinstance(request, StatusRequest):
@@ -381,9 +387,9 @@ class Learner:
         for group in batch.groups:
             if self.buffer.offer(group, self.version) is not None:
                 continue
-            if not self.peers.accepted[origin] and self.metrics is not None:
+            if not self.peers.accepted[origin]:
                 # Wall-clock time, so a benchmark can compare it with when it started the peer.
-                self.metrics.write({"event": "first_accept", "peer": origin, "wall": time.time(), "version": self.version})
+                self._write({"event": "first_accept", "peer": origin, "version": self.version})
             self.peers.accepted[origin] += len(group.samples)
             self._arrived.set()
 
@@ -575,6 +581,8 @@ class Learner:
             {
                 "event": "train",
                 "t": round(time.monotonic() - self._started, 3),
+                # Wall-clock time, so a benchmark can line a publication up with peers' installs.
+                "wall": round(time.time(), 4),
                 "version": self.version,
                 "published": self.published,
                 "reward_mean": stats.get("reward_mean", 0.0),

@@ -31,6 +31,7 @@ import trio
 
 from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from echo_node.config import RunConfig
+from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
@@ -147,14 +148,29 @@ class RolloutPeer:
         self._last_contact = 0.0
         self.first_publish_s: float | None = None
         self._t0 = time.monotonic()
+        # Whether the learner hands this peer out as a relay (it could dial our data port back).
+        self.reachable: bool | None = None
+        # runs/<run id>/peers/<peer id>.jsonl: when each version went live here, and the like.
+        self.metrics: MetricsWriter | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._t0 = time.monotonic()
+        try:
+            await self._run(task_status)
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
+
+    async def _run(self, task_status: trio.TaskStatus[None]) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.node.run)
             await nursery.start(self.data.run)
             await self._join_run()
+            # Written only once joined: a join that fails leaves nothing behind.
+            self.metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
+            self.metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
+                                "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
             assert self.spec is not None
             self.node.set_stream_handler(rpc.REPAIR, self._serve_repair)
             await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
@@ -225,11 +241,16 @@ class RolloutPeer:
 
     async def _fetch(self, target: Target) -> None:
         """Fetch and verify `target`, then leave it for the engine to take (`_take_pending`)."""
+        t0 = time.monotonic()
         with trio.fail_after(FETCH_TIMEOUT_S):
             blob: bytes | memoryview | None = await self._fetch_delta(target)
+            delta = blob is not None
             if blob is None:
                 blob = await self._nursery_start(target, FULL)
         self._hand_over(blob, target.version)
+        if self.metrics is not None:
+            self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(),
+                                "fetch_s": round(time.monotonic() - t0, 4), "delta": delta})
 
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
         """Verified weights become the delta base and wait for the engine (`_take_pending`)."""
@@ -302,7 +323,8 @@ class RolloutPeer:
         try:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as links:
-                    payload, _ = await receive_version(self.data, links, manifest, stream, learner_id=self.learner.peer_id)
+                    payload, receiver = await receive_version(self.data, links, manifest, stream, learner_id=self.learner.peer_id)
+                    self._note_reachability(receiver.reachable)
                     self.served.add(target.version, scope)
                     served = True
                     task_status.started(payload)
@@ -310,6 +332,22 @@ class RolloutPeer:
         finally:
             if not served:  # abandoned before it verified: stop routing peers to it
                 self.data.unregister(target.version)
+
+    def _note_reachability(self, reachable: bool) -> None:
+        """Tell the volunteer, once per change, whether other peers can fetch weights from it."""
+        if reachable == self.reachable:
+            return
+        self.reachable = reachable
+        if self.metrics is not None:
+            self.metrics.write({"event": "reachability", "relay": reachable, "wall": time.time()})
+        if reachable:
+            log.info("the learner reached this peer's data port %s:%d: other peers fetch weights from it", self.data.host, self.data.port)
+        else:
+            log.warning(
+                "the learner could not dial this peer's data port %s:%d back: it downloads and contributes, but relays "
+                "only over links it opens itself (behind a NAT, forward TCP port %d and pass --advertise-host "
+                "PUBLIC_ADDRESS --data-port %d to help the swarm)", self.data.host, self.data.port, self.data.port, self.data.port,
+            )
 
     def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
         assert self.spec is not None

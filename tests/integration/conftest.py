@@ -34,7 +34,9 @@ class Cluster:
 
     def start_peer(self, name: str, run_id: str) -> Child:
         return self.swarm.spawn(
-            name, ["join", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--key-file", str(self.keys / f"{name}.key")]
+            name,
+            ["join", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--key-file", str(self.keys / f"{name}.key"),
+             "--runs-dir", str(self.root / "runs")],
         )
 
     def run_dir(self, run_id: str) -> Path:
