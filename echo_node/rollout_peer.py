@@ -249,7 +249,7 @@ class RolloutPeer:
                 blob = await self._nursery_start(target, FULL)
         self._hand_over(blob, target.version)
         if self.metrics is not None:
-            self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(),
+            self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
                                 "fetch_s": round(time.monotonic() - t0, 4), "delta": delta})
 
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:

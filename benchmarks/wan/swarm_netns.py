@@ -8,6 +8,9 @@ NAT that is a private address nobody else can reach, as a volunteer would pass i
 weights on data port 4002. Logs go to `<root>/<name>.log`; the learner writes
 `<root>/runs/<run id>/`, each peer `<root>/runs/<run id>/peers/<peer id>.jsonl`.
 
+Without a topology (`topo=None`) the same roles run on this machine's loopback, each on its own
+free port: the benchmark's comparison case.
+
 Shared by `tests/integration/test_multihost.py` and `benchmarks/wan_swarm.py`, so the test runs
 exactly what the benchmark measures.
 """
@@ -15,6 +18,7 @@ exactly what the benchmark measures.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -40,7 +44,7 @@ def echo_node_argv() -> list[str]:
 
 @dataclass
 class NetnsSwarm:
-    topo: Topology
+    topo: Topology | None
     root: Path
     run_id: str
     procs: dict[str, subprocess.Popen[Any]] = field(default_factory=dict)
@@ -52,12 +56,19 @@ class NetnsSwarm:
     def _node_flags(self, host: int, name: str) -> list[str]:
         key = self.root / "keys" / f"{name}.key"
         self.peer_ids[name] = load_or_create_key_file(key).peer_id
+        if self.topo is None:
+            return ["--listen", "/ip4/127.0.0.1/tcp/0", "--key-file", str(key)]
         return ["--listen", LISTEN, "--advertise-host", self.topo.addr(host), "--key-file", str(key)]
 
     def _spawn(self, host: int, name: str, args: list[str], *, cpus: set[int] | None = None) -> subprocess.Popen[Any]:
         log, out = (self.root / f"{name}.log").open("w"), (self.root / f"{name}.out").open("w")
         self._logs += [log, out]
-        proc = self.topo.run(host, [*echo_node_argv(), *args], cpus=cpus, stdout=out, stderr=log)
+        argv = [*echo_node_argv(), *args]
+        if self.topo is not None:
+            proc = self.topo.run(host, argv, cpus=cpus, stdout=out, stderr=log)
+        else:
+            pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=log, start_new_session=True, preexec_fn=pin)
         self.procs[name] = proc
         self.started[name] = time.time()
         return proc
@@ -68,8 +79,8 @@ class NetnsSwarm:
         return self.bootstrap_addr
 
     def _run_flags(self) -> list[str]:
-        return ["--bootstrap", self.bootstrap_addr, "--run-id", self.run_id, "--data-port", str(DATA_PORT),
-                "--runs-dir", str(self.root / "runs")]
+        ports = ["--data-port", str(DATA_PORT)] if self.topo is not None else []
+        return ["--bootstrap", self.bootstrap_addr, "--run-id", self.run_id, *ports, "--runs-dir", str(self.root / "runs")]
 
     def start_learner(self, *extra: str, cpus: set[int] | None = None, timeout: float = 300) -> dict[str, Any]:
         args = ["learn", *self._node_flags(LEARNER_HOST, "learner"), *self._run_flags(), *extra]
@@ -136,5 +147,15 @@ class NetnsSwarm:
         return summary
 
     def close(self) -> None:
+        """Stop what still runs (a topology also does so on exit) and close the log files."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs.values():
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
         for log in self._logs:
             log.close()
