@@ -52,7 +52,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -98,15 +98,22 @@ def netns_available() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"`{tool}` (iproute2) is not on PATH"
-    probe = f"{DEFAULT_PREFIX}-{os.getpid()}-probe"
+    return _in_throwaway_namespace(
+        "probe", lambda ns: _ip("-n", ns, "link", "add", "br0", "type", "bridge"), "no Linux bridge in this kernel"
+    )
+
+
+def _in_throwaway_namespace(tag: str, check: Callable[[str], object], failure: str) -> str | None:
+    """Run `check(namespace)` in a namespace made for it; None if it passed, else why not."""
+    probe = f"{DEFAULT_PREFIX}-{os.getpid()}-{tag}"
     try:
         _ip("netns", "add", probe)
     except (subprocess.CalledProcessError, OSError) as e:
         return f"`ip netns add` failed: {getattr(e, 'stderr', e)!s}".strip()
     try:
-        _ip("-n", probe, "link", "add", "br0", "type", "bridge")
+        check(probe)
     except subprocess.CalledProcessError as e:
-        return f"no Linux bridge in this kernel: {e.stderr.strip()}"
+        return f"{failure}: {e.stderr.strip()}"
     finally:
         _ip("netns", "del", probe, check=False)
     return None
@@ -146,18 +153,7 @@ def nat_available() -> str | None:
         return "`nft` (nftables) is not on PATH: apt-get install nftables"
     # nft on PATH is not enough: the kernel needs nf_tables with conntrack and NAT, so load the
     # real rules once into a throwaway namespace.
-    probe = f"{DEFAULT_PREFIX}-{os.getpid()}-natprobe"
-    try:
-        _ip("netns", "add", probe)
-    except (subprocess.CalledProcessError, OSError) as e:
-        return f"`ip netns add` failed: {getattr(e, 'stderr', e)!s}".strip()
-    try:
-        _nft(probe, _NAT_RULES)
-    except subprocess.CalledProcessError as e:
-        return f"nftables NAT rules do not load in this kernel: {e.stderr.strip()}"
-    finally:
-        _ip("netns", "del", probe, check=False)
-    return None
+    return _in_throwaway_namespace("natprobe", lambda ns: _nft(ns, _NAT_RULES), "nftables NAT rules do not load in this kernel")
 
 
 def nat_lan(host: int) -> tuple[str, str]:
