@@ -14,11 +14,13 @@ from echo_node.broadcast import (
     BACKLOG_PIECES,
     DataServer,
     HelloChecker,
+    ProbeFailed,
     Receiver,
     Source,
     Unavailable,
     fetch_version,
     make_hello,
+    probe,
 )
 from protocol import Identity, seal
 from protocol.delta import decode_delta, encode_delta
@@ -250,3 +252,52 @@ def test_a_peer_holding_the_base_fetches_the_delta_and_others_fall_back_to_full(
 
     trio.run(main)
     assert got["delta"] == new_b
+
+
+def test_a_dial_back_proves_who_listens_where() -> None:
+    outcomes: dict[str, str] = {}
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            peer, other = DataServer(PEERS[0], "run-1"), DataServer(PEERS[1], "run-1")
+            await nursery.start(peer.run)
+            await nursery.start(other.run)
+            closed = trio.socket.socket()
+            await closed.bind(("127.0.0.1", 0))
+            closed_port = closed.getsockname()[1]
+            closed.close()
+            cases = {"right": peer.port, "impostor": other.port, "nobody": closed_port}
+            for name, port in cases.items():
+                with trio.fail_after(5):
+                    try:
+                        await probe(LEARNER, "run-1", PEERS[0].peer_id, "127.0.0.1", port)
+                        outcomes[name] = "ok"
+                    except ProbeFailed as exc:
+                        outcomes[name] = str(exc)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert outcomes["right"] == "ok"
+    # Another node at that address does not answer a probe meant for someone else.
+    assert outcomes["impostor"].startswith("127.0.0.1:") and "did not answer" in outcomes["impostor"]
+    assert "127.0.0.1" in outcomes["nobody"]
+
+
+@pytest.mark.parametrize(
+    ("host", "port"),
+    [("a..b", 4002), ("0.0.0.0", 4002), ("224.0.0.1", 4002), ("learner.example", 4002), ("10.0.0.1", 0),
+     ("10.0.0.1", 2**63), ("10.0.0.1", -1), ("", 4002), ("x" * 300, 1)],
+)
+def test_hellos_naming_an_address_nobody_can_dial_are_refused(host: str, port: int) -> None:
+    checker = HelloChecker(LEARNER.peer_id, "run-1")
+    hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=1, host=host, port=port)
+    with pytest.raises(RemoteProtocolError, match="malformed data-channel hello"):
+        checker.check(hello)
+
+
+def test_a_source_swarm_list_with_a_bad_address_is_refused_whole() -> None:
+    r = Receiver(DataServer(PEERS[1], "run-1"), MANIFEST, source_id=LEARNER.peer_id)
+    for entry in (["p", "a..b", 1], ["p", "10.0.0.1", 70000], ["p", "", 5], ["p", "0.0.0.0", 4002], ["p", "10.0.0.1", True]):
+        with pytest.raises(RemoteProtocolError):
+            r._add_peers([entry])
+    assert r.members == {LEARNER.peer_id}
