@@ -5,8 +5,8 @@ share it, as volunteers' machines would not, so this is an upper bound under con
 and reads the learner's `first_accept` events. Also reports the size on the wire of one
 signed rollout message of the embedded task. Prints one JSON object as its last line.
 
-    .venv/bin/python benchmarks/join_latency.py --peers 2
-    .venv/bin/python benchmarks/join_latency.py --peers 8
+    .venv/bin/python -m benchmarks.join_latency --peers 2
+    .venv/bin/python -m benchmarks.join_latency --peers 8
 """
 
 from __future__ import annotations

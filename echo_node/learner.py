@@ -92,6 +92,9 @@ DEMAND_SLACK = 1.5
 # once, so a burst of joins cannot make the learner open sockets without bound.
 PROBE_TIMEOUT_S = 5.0
 PROBES_AT_ONCE = 8
+# Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
+# until it joins again, and a flood of joins cannot queue tasks without bound.
+MAX_PENDING_PROBES = 256
 SMALL_VERSION_BYTES = 16 << 20
 SMALL_VERSION_PIECE = 256 << 10
 
@@ -176,6 +179,7 @@ class Learner:
         self.metrics: MetricsWriter | None = None
         self._nursery: trio.Nursery | None = None
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
+        self._probing: set[str] = set()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -252,8 +256,7 @@ class Learner:
         self.peers.joined.add(remote)
         self.peers.last_seen[remote] = trio.current_time()
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
-        if self._nursery is not None:
-            self._nursery.start_soon(self._probe, remote, self._probe_candidates(request, observed))
+        self._schedule_probe(remote, self._probe_candidates(request, observed))
         return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
 
     def _probe_candidates(self, request: JoinRequest, observed: str | None) -> list[tuple[str, int]]:
@@ -267,29 +270,48 @@ class Learner:
             if unroutable_reason(h) is None and (local or not is_loopback(h)) and (h, request.data_port) != (self.data.host, self.data.port)
         ]
 
+    def _schedule_probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
+        if self._nursery is None or peer_id in self._probing:
+            return
+        if len(self._probing) >= MAX_PENDING_PROBES:
+            self._verdict(peer_id, None, f"not probed: {MAX_PENDING_PROBES} dial-backs already pending")
+            return
+        self._probing.add(peer_id)
+        self._nursery.start_soon(self._probe, peer_id, candidates)
+
     async def _probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
         """Decide whether `peer_id` is handed out as a relay: only a data address that answered
         a dial-back as that peer is."""
         failures = []
-        async with self._probes:
-            for host, port in candidates:
-                with trio.move_on_after(PROBE_TIMEOUT_S):
-                    try:
-                        await probe(self.identity, self.cfg.run_id, peer_id, host, port)
-                    except ProbeFailed as exc:
-                        failures.append(str(exc))
-                        continue
-                    self.peers.relays[peer_id] = (host, port)
-                    self.peers.unreachable.pop(peer_id, None)
-                    log.info("peer %s is reachable at %s:%d: handed out as a relay", peer_id, host, port)
-                    self._write({"event": "reachability", "peer": peer_id, "relay": True, "addr": f"{host}:{port}"})
-                    return
-                failures.append(f"{host}:{port}: no answer within {PROBE_TIMEOUT_S:g}s")
+        try:
+            async with self._probes:
+                for host, port in candidates:
+                    with trio.move_on_after(PROBE_TIMEOUT_S):
+                        try:
+                            await probe(self.identity, self.cfg.run_id, peer_id, host, port)
+                        except ProbeFailed as exc:
+                            failures.append(str(exc))
+                            continue
+                        self._verdict(peer_id, (host, port), "")
+                        return
+                    failures.append(f"{host}:{port}: no answer within {PROBE_TIMEOUT_S:g}s")
+            self._verdict(peer_id, None, "; ".join(failures) or "it named no address this learner may dial")
+        finally:
+            self._probing.discard(peer_id)
+
+    def _verdict(self, peer_id: str, relay: tuple[str, int] | None, why: str) -> None:
+        """Record whether `peer_id` is a relay (at `relay`) or not (and `why`); logged and written."""
+        if relay is not None:
+            self.peers.relays[peer_id] = relay
+            self.peers.unreachable.pop(peer_id, None)
+            log.info("peer %s is reachable at %s:%d: handed out as a relay", peer_id, *relay)
+            self._write({"event": "reachability", "peer": peer_id, "relay": True, "addr": "%s:%d" % relay})
+            return
+        why = why[:500]  # it quotes what the peer's address answered
         self.peers.relays.pop(peer_id, None)
-        why = "; ".join(failures) or "it named no address this learner may dial"
-        self.peers.unreachable[peer_id] = why[:500]
+        self.peers.unreachable[peer_id] = why
         log.info("peer %s is not reachable from outside (%s): it downloads and contributes, but is not a relay", peer_id, why)
-        self._write({"event": "reachability", "peer": peer_id, "relay": False, "why": why[:500]})
+        self._write({"event": "reachability", "peer": peer_id, "relay": False, "why": why})
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.metrics is not None:

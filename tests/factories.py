@@ -5,12 +5,22 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import trio
 
 from protocol import Identity, RolloutBatch, RolloutGroup, Sample, encode_frame, seal
 from protocol.framing import decode_frame
 
 ALICE = Identity.from_seed(b"\x0a" * 32)
 MALLORY = Identity.from_seed(b"\x0b" * 32)
+
+
+async def closed_port() -> int:
+    """A loopback TCP port nothing listens on (bound, then released)."""
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    port: int = sock.getsockname()[1]
+    sock.close()
+    return port
 
 
 def make_group(

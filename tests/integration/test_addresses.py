@@ -4,12 +4,16 @@ address, what happened (refused, another peer id, skipped as unroutable)."""
 
 from __future__ import annotations
 
+import gc
+from functools import partial
+
 import pytest
 import trio
 
 from echo_node.net.discovery import DialError, PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
 from protocol import Identity
+from tests.factories import closed_port
 
 pytestmark = pytest.mark.integration
 
@@ -39,6 +43,7 @@ def test_a_wildcard_listener_publishes_its_advertised_address_in_the_dht() -> No
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    gc.collect()  # collect the hosts' leaked sockets here, under this test's warning filter
     assert published and all(a.startswith("/ip4/127.0.0.1/tcp/") for a in published), published
     assert found[0].addrs and not any("0.0.0.0" in a for a in found[0].addrs), found
 
@@ -48,16 +53,20 @@ def test_a_failed_dial_names_each_address_and_what_happened() -> None:
     errors: list[DialError] = []
 
     async def main() -> None:
-        target, other, me = Identity.generate(), P2PNode(Identity.generate()), P2PNode(Identity.generate())
+        target, other = Identity.generate(), P2PNode(Identity.generate())
+        me = P2PNode(Identity.generate(), P2PSettings(dial_timeout_s=2.0))
+
+        async def silent(stream: trio.SocketStream) -> None:  # accepts, never says a word
+            await trio.sleep_forever()
+
         async with trio.open_nursery() as nursery:
             await nursery.start(other.run)
             await nursery.start(me.run)
-            closed = trio.socket.socket()
-            await closed.bind(("127.0.0.1", 0))
-            closed_port = closed.getsockname()[1]
-            closed.close()
+            nobody = await closed_port()
+            mute = (await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1")))[0].socket.getsockname()[1]
             other_port = other.addrs[0].split("/")[4]
-            addrs = (f"/ip4/0.0.0.0/tcp/{other_port}", f"/ip4/127.0.0.1/tcp/{closed_port}", f"/ip4/127.0.0.1/tcp/{other_port}")
+            addrs = (f"/ip4/0.0.0.0/tcp/{other_port}", f"/ip4/127.0.0.1/tcp/{nobody}", f"/ip4/127.0.0.1/tcp/{other_port}",
+                     f"/ip4/127.0.0.1/tcp/{mute}")
             with pytest.raises(DialError) as info:
                 await me.connect(PeerAddr(target.peer_id, addrs))
             errors.append(info.value)
@@ -67,9 +76,11 @@ def test_a_failed_dial_names_each_address_and_what_happened() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    gc.collect()  # as above
     outcomes = dict(errors[0].outcomes)
     assert "unspecified" in next(v for k, v in outcomes.items() if "0.0.0.0" in k)
     assert list(outcomes.values())[1] == "connection refused"
     assert list(outcomes.values())[2].startswith("wrong peer: the handshake reached 12D3KooW")
+    assert list(outcomes.values())[3] == "timed out"
     assert errors[0].hint == ""
     assert "--advertise-host" in errors[1].hint and "\n" not in str(errors[1])

@@ -5,7 +5,9 @@ killed mid-transfer costs the others only re-requests, and only swarm members ar
 from __future__ import annotations
 
 import os
+from functools import partial
 
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -25,7 +27,9 @@ from echo_node.broadcast import (
 from protocol import Identity, seal
 from protocol.delta import decode_delta, encode_delta
 from protocol.errors import RemoteProtocolError
+from protocol.framing import encode_length_prefixed
 from protocol.manifest import build_manifest
+from tests.factories import closed_port
 
 PIECE = 16 * 1024
 PAYLOAD = os.urandom(64 * PIECE + 123)
@@ -262,11 +266,8 @@ def test_a_dial_back_proves_who_listens_where() -> None:
             peer, other = DataServer(PEERS[0], "run-1"), DataServer(PEERS[1], "run-1")
             await nursery.start(peer.run)
             await nursery.start(other.run)
-            closed = trio.socket.socket()
-            await closed.bind(("127.0.0.1", 0))
-            closed_port = closed.getsockname()[1]
-            closed.close()
-            cases = {"right": peer.port, "impostor": other.port, "nobody": closed_port}
+            nobody = await closed_port()
+            cases = {"right": peer.port, "impostor": other.port, "nobody": nobody}
             for name, port in cases.items():
                 with trio.fail_after(5):
                     try:
@@ -301,3 +302,56 @@ def test_a_source_swarm_list_with_a_bad_address_is_refused_whole() -> None:
         with pytest.raises(RemoteProtocolError):
             r._add_peers([entry])
     assert r.members == {LEARNER.peer_id}
+
+
+# What a hostile (or confused) listener at a joiner's data address may answer a dial-back with.
+_SIG = b"\0" * 64
+HOSTILE_ANSWERS = {
+    "closes at once": None,
+    "garbage frame": encode_length_prefixed(b"\xc1\xc1\xc1", max_len=1024),
+    "oversized frame": (1 << 20).to_bytes(4, "big") + b"x" * 64,
+    "not a list": encode_length_prefixed(msgpack.packb({"reachable": True}), max_len=1024),
+    "wrong signature": encode_length_prefixed(msgpack.packb(["reachable", _SIG]), max_len=1024),
+    "signature not bytes": encode_length_prefixed(msgpack.packb(["reachable", "sig"]), max_len=1024),
+    "cut off mid-frame": encode_length_prefixed(msgpack.packb(["reachable", _SIG]), max_len=1024)[:20],
+}
+
+
+@pytest.mark.parametrize("answer", list(HOSTILE_ANSWERS), ids=list(HOSTILE_ANSWERS))
+def test_a_dial_back_refuses_every_answer_but_the_right_signature(answer: str) -> None:
+    failures: list[str] = []
+
+    async def hostile(stream: trio.SocketStream) -> None:
+        await stream.receive_some(4096)  # the probe hello
+        if HOSTILE_ANSWERS[answer] is not None:
+            await stream.send_all(HOSTILE_ANSWERS[answer])
+        await stream.aclose()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, hostile, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            with trio.fail_after(5):
+                with pytest.raises(ProbeFailed) as info:
+                    await probe(LEARNER, "run-1", PEERS[0].peer_id, "127.0.0.1", port)
+            failures.append(str(info.value))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert failures[0].startswith("127.0.0.1:")
+
+
+def test_a_dial_back_that_never_answers_is_cut_by_the_callers_deadline() -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            with trio.move_on_after(0.3) as scope:
+                await probe(LEARNER, "run-1", PEERS[0].peer_id, "127.0.0.1", port)
+            assert scope.cancelled_caught
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)

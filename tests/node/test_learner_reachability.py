@@ -1,0 +1,92 @@
+"""The learner's dial-back of joining peers: a relay only where a peer proved to be, never an
+address of the joiner's choosing on the learner's own machine, and a flood of joins whose
+addresses never answer neither delays join answers nor queues probes without bound."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import trio
+
+from echo_node import learner as learner_module
+from echo_node.broadcast import DataServer
+from echo_node.learner import Learner
+from protocol import Identity
+from protocol.messages import JoinRequest, JoinResponse
+
+
+def join(learner: Learner, identity: Identity, host: str, port: int) -> JoinRequest:
+    return JoinRequest(run_id="run-1", peer_id=identity.peer_id, data_host=host, data_port=port)
+
+
+def test_candidates_are_the_named_address_then_the_observed_one(learner: Learner) -> None:
+    peer = Identity.generate()
+    learner.data.host, learner.data.port = "203.0.113.1", 4002
+    assert learner._probe_candidates(join(learner, peer, "192.168.1.5", 4002), "198.51.100.7") == [
+        ("192.168.1.5", 4002), ("198.51.100.7", 4002)]
+    # A remote learner never dials loopback for a joiner (its own machine's services), nor itself.
+    assert learner._probe_candidates(join(learner, peer, "127.0.0.1", 22), None) == []
+    assert learner._probe_candidates(join(learner, peer, "203.0.113.1", 4002), "203.0.113.1") == []
+    assert learner._probe_candidates(join(learner, peer, "10.0.0.9", 4002), "10.0.0.9") == [("10.0.0.9", 4002)]
+
+
+def test_a_peer_proves_its_address_and_one_that_never_answers_is_not_a_relay(
+    learner: Learner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(learner_module, "PROBE_TIMEOUT_S", 0.3)
+    honest, silent = Identity.generate(), Identity.generate()
+
+    async def main() -> None:
+        async def hold(stream: trio.SocketStream) -> None:
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            learner._nursery = nursery
+            learner.data.port = 4002  # its data server is not started here; the answer names a port
+            server = DataServer(honest, "run-1")
+            await nursery.start(server.run)
+            holder = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
+            hold_port = holder[0].socket.getsockname()[1]
+            answer = await learner._on_join(join(learner, honest, "127.0.0.1", server.port), honest.peer_id)
+            assert isinstance(answer, JoinResponse)
+            await learner._on_join(join(learner, silent, "127.0.0.1", hold_port), silent.peer_id)
+            with trio.fail_after(learner_module.PROBE_TIMEOUT_S + 5):
+                while len(learner.peers.relays) + len(learner.peers.unreachable) < 2:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert learner.peers.relays == {honest.peer_id: ("127.0.0.1", learner.peers.relays[honest.peer_id][1])}
+    assert "no answer" in learner.peers.unreachable[silent.peer_id]
+    assert not learner._probing
+
+
+def test_a_flood_of_joins_that_never_answer_is_bounded(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(learner_module, "MAX_PENDING_PROBES", 16)
+    monkeypatch.setattr(learner_module, "PROBE_TIMEOUT_S", 0.2)
+    joiners = [Identity.generate() for _ in range(40)]
+    pending: list[int] = []
+
+    async def main() -> None:
+        async def hold(stream: trio.SocketStream) -> None:
+            await trio.sleep_forever()
+
+        async with trio.open_nursery() as nursery:
+            learner._nursery = nursery
+            learner.data.port = 4002  # its data server is not started here; the answer names a port
+            holder = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
+            port = holder[0].socket.getsockname()[1]
+            with trio.fail_after(2):  # every join is answered at once, probes or not
+                for peer in joiners + joiners[:5]:  # a repeated join does not add a probe
+                    await learner._on_join(join(learner, peer, "127.0.0.1", port), peer.peer_id)
+            pending.append(len(learner._probing))
+            with trio.fail_after(10):
+                while learner._probing:
+                    await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert pending == [16]
+    assert set(learner.peers.unreachable) == {p.peer_id for p in joiners} and not learner.peers.relays
+    assert sum("not probed" in why for why in learner.peers.unreachable.values()) == 24
