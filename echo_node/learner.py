@@ -83,10 +83,6 @@ REPAIR_TIMEOUT_S = 10.0
 # Ask for this much more than one update consumes, so that jitter or a lost message never
 # leaves the learner waiting; the excess is what the staleness rule drops.
 DEMAND_SLACK = 1.5
-# Pieces of a version this small are 256 KiB, not 64: each piece costs ~1-2 ms of request,
-# framing and hashing on loopback, and a rollout peer fetched the 3.4 MB default model in 96 ms
-# with 64 KiB pieces, 46 ms with 256 KiB (it fetches every version in async mode). Big versions
-# keep 64 KiB pieces: there the WAN pipeline fill (peers x piece / rate) is what counts.
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
 # (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
 # once, so a burst of joins cannot make the learner open sockets without bound.
@@ -95,6 +91,10 @@ PROBES_AT_ONCE = 8
 # Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
 # until it joins again, and a flood of joins cannot queue tasks without bound.
 MAX_PENDING_PROBES = 256
+# Pieces of a version this small are 256 KiB, not 64: each piece costs ~1-2 ms of request,
+# framing and hashing on loopback, and a rollout peer fetched the 3.4 MB default model in 96 ms
+# with 64 KiB pieces, 46 ms with 256 KiB (it fetches every version in async mode). Big versions
+# keep 64 KiB pieces: there the WAN pipeline fill (peers x piece / rate) is what counts.
 SMALL_VERSION_BYTES = 16 << 20
 SMALL_VERSION_PIECE = 256 << 10
 

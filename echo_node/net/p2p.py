@@ -150,6 +150,18 @@ def interface_hosts() -> list[str]:
 _SIOCGIFADDR = 0x8915  # linux/sockios.h
 
 
+def _tcp_addrs(addrs: Sequence[multiaddr.Multiaddr]) -> list[TcpAddr]:
+    """The TCP addresses among libp2p's multiaddrs (other transports are neither published nor
+    counted as ours)."""
+    out = []
+    for addr in addrs:
+        try:
+            out.append(parse_tcp_multiaddr(str(addr)))
+        except AddressError:
+            continue
+    return out
+
+
 class PeerStream:
     """A libp2p stream seen as a trio-style byte stream (what tests replace with memory streams)."""
 
@@ -335,14 +347,8 @@ class P2PNode:
     # -- addresses -----------------------------------------------------------------------------
 
     def _publishable(self, candidates: list[multiaddr.Multiaddr]) -> list[multiaddr.Multiaddr]:
-        listening = []
-        for addr in candidates:
-            try:
-                listening.append(parse_tcp_multiaddr(str(addr)))
-            except AddressError:
-                continue  # a transport we do not publish
         published = publish_addrs(
-            listening, announce=self._announce, advertise_host=self.settings.advertise_host,
+            _tcp_addrs(candidates), announce=self._announce, advertise_host=self.settings.advertise_host,
             interface_hosts=self._interfaces,
         )
         return [multiaddr.Multiaddr(a.text(with_peer=False)) for a in published]
@@ -374,18 +380,12 @@ class P2PNode:
     def _own_endpoints(self) -> tuple[set[tuple[str, int]], bool]:
         """(host, port) pairs this node listens or publishes at, and whether all it publishes
         is loopback (a swarm on one machine, where loopback addresses are worth dialing)."""
-        own: set[tuple[str, int]] = set()
-        published = []
-        for addr in [*self._host.get_transport_addrs(), *self._host.get_addrs()]:
-            try:
-                parsed = parse_tcp_multiaddr(str(addr))
-            except AddressError:
-                continue
-            own.add((parsed.host, parsed.port))
-        for addr in self._host.get_addrs():
-            published.append(str(addr).split("/")[2])
-        own |= {(h, port) for h in self._interfaces for (w, port) in list(own) if unroutable_reason(w)}
-        return own, all(is_loopback(h) for h in published)
+        listening = _tcp_addrs(self._host.get_transport_addrs())
+        published = _tcp_addrs(self._host.get_addrs())
+        own = {(a.host, a.port) for a in listening + published}
+        # A wildcard listener is reachable at every interface address on its port.
+        own |= {(h, a.port) for a in listening if unroutable_reason(a.host) for h in self._interfaces}
+        return own, all(is_loopback(a.host) for a in published)
 
     def connected_peers(self) -> list[str]:
         return [p.to_base58() for p in self._host.get_connected_peers()]
