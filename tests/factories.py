@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -20,6 +21,17 @@ async def closed_port() -> int:
     await sock.bind(("127.0.0.1", 0))
     port: int = sock.getsockname()[1]
     sock.close()
+    return port
+
+
+async def silent_listener(nursery: trio.Nursery) -> int:
+    """A loopback TCP port that accepts connections and never says a word (until `nursery` ends)."""
+
+    async def hold(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
+    port: int = listeners[0].socket.getsockname()[1]
     return port
 
 

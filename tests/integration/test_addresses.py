@@ -5,7 +5,6 @@ address, what happened (refused, another peer id, skipped as unroutable)."""
 from __future__ import annotations
 
 import gc
-from functools import partial
 
 import pytest
 import trio
@@ -13,7 +12,7 @@ import trio
 from echo_node.net.discovery import DialError, PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
 from protocol import Identity
-from tests.factories import closed_port
+from tests.factories import closed_port, silent_listener
 
 pytestmark = pytest.mark.integration
 
@@ -56,14 +55,11 @@ def test_a_failed_dial_names_each_address_and_what_happened() -> None:
         target, other = Identity.generate(), P2PNode(Identity.generate())
         me = P2PNode(Identity.generate(), P2PSettings(dial_timeout_s=2.0))
 
-        async def silent(stream: trio.SocketStream) -> None:  # accepts, never says a word
-            await trio.sleep_forever()
-
         async with trio.open_nursery() as nursery:
             await nursery.start(other.run)
             await nursery.start(me.run)
             nobody = await closed_port()
-            mute = (await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1")))[0].socket.getsockname()[1]
+            mute = await silent_listener(nursery)  # accepts, never says a word
             other_port = other.addrs[0].split("/")[4]
             addrs = (f"/ip4/0.0.0.0/tcp/{other_port}", f"/ip4/127.0.0.1/tcp/{nobody}", f"/ip4/127.0.0.1/tcp/{other_port}",
                      f"/ip4/127.0.0.1/tcp/{mute}")

@@ -29,7 +29,7 @@ from protocol.delta import decode_delta, encode_delta
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_length_prefixed
 from protocol.manifest import build_manifest
-from tests.factories import closed_port
+from tests.factories import closed_port, silent_listener
 
 PIECE = 16 * 1024
 PAYLOAD = os.urandom(64 * PIECE + 123)
@@ -342,13 +342,9 @@ def test_a_dial_back_refuses_every_answer_but_the_right_signature(answer: str) -
 
 
 def test_a_dial_back_that_never_answers_is_cut_by_the_callers_deadline() -> None:
-    async def silent(stream: trio.SocketStream) -> None:
-        await trio.sleep_forever()
-
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
-            port = listeners[0].socket.getsockname()[1]
+            port = await silent_listener(nursery)
             with trio.move_on_after(0.3) as scope:
                 await probe(LEARNER, "run-1", PEERS[0].peer_id, "127.0.0.1", port)
             assert scope.cancelled_caught

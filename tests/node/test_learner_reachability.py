@@ -4,8 +4,6 @@ addresses never answer neither delays join answers nor queues probes without bou
 
 from __future__ import annotations
 
-from functools import partial
-
 import pytest
 import trio
 
@@ -14,10 +12,18 @@ from echo_node.broadcast import DataServer
 from echo_node.learner import Learner
 from protocol import Identity
 from protocol.messages import JoinRequest, JoinResponse
+from tests.factories import silent_listener
 
 
 def join(learner: Learner, identity: Identity, host: str, port: int) -> JoinRequest:
     return JoinRequest(run_id="run-1", peer_id=identity.peer_id, data_host=host, data_port=port)
+
+
+def attach(learner: Learner, nursery: trio.Nursery) -> None:
+    """What `Learner.run` sets up that a join needs: a nursery for probes, a data port to name
+    (its data server is not started here)."""
+    learner._nursery = nursery
+    learner.data.port = 4002
 
 
 def test_candidates_are_the_named_address_then_the_observed_one(learner: Learner) -> None:
@@ -38,16 +44,11 @@ def test_a_peer_proves_its_address_and_one_that_never_answers_is_not_a_relay(
     honest, silent = Identity.generate(), Identity.generate()
 
     async def main() -> None:
-        async def hold(stream: trio.SocketStream) -> None:
-            await trio.sleep_forever()
-
         async with trio.open_nursery() as nursery:
-            learner._nursery = nursery
-            learner.data.port = 4002  # its data server is not started here; the answer names a port
+            attach(learner, nursery)
             server = DataServer(honest, "run-1")
             await nursery.start(server.run)
-            holder = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
-            hold_port = holder[0].socket.getsockname()[1]
+            hold_port = await silent_listener(nursery)
             answer = await learner._on_join(join(learner, honest, "127.0.0.1", server.port), honest.peer_id)
             assert isinstance(answer, JoinResponse)
             await learner._on_join(join(learner, silent, "127.0.0.1", hold_port), silent.peer_id)
@@ -69,14 +70,9 @@ def test_a_flood_of_joins_that_never_answer_is_bounded(learner: Learner, monkeyp
     pending: list[int] = []
 
     async def main() -> None:
-        async def hold(stream: trio.SocketStream) -> None:
-            await trio.sleep_forever()
-
         async with trio.open_nursery() as nursery:
-            learner._nursery = nursery
-            learner.data.port = 4002  # its data server is not started here; the answer names a port
-            holder = await nursery.start(partial(trio.serve_tcp, hold, 0, host="127.0.0.1"))
-            port = holder[0].socket.getsockname()[1]
+            attach(learner, nursery)
+            port = await silent_listener(nursery)
             with trio.fail_after(2):  # every join is answered at once, probes or not
                 for peer in joiners + joiners[:5]:  # a repeated join does not add a probe
                     await learner._on_join(join(learner, peer, "127.0.0.1", port), peer.peer_id)
