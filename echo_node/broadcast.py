@@ -37,7 +37,7 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -344,15 +344,15 @@ class Source:
         manifest: WeightManifest,
         sealed_manifest: bytes,
         payload: bytes,
-        members: Iterable[str],
+        members: Container[str],
         relays: Mapping[str, tuple[str, int]] | None = None,
     ) -> None:
         self.identity = identity
         self.sealed_manifest = sealed_manifest
         self.store = PieceStore(manifest, payload)
-        # A live set (the learner's joined peers) is kept by reference, so a peer that joins
-        # after the version was published can still fetch it.
-        self.members = members if isinstance(members, set) else set(members)
+        # The learner's live table of joined peers, kept by reference: a peer that joins after
+        # the version was published can still fetch it, and one banned since cannot.
+        self.members = members
         # Data addresses proven by a dial-back (`probe`), also kept by reference; a member not
         # in it is listed without an address and dials the others itself.
         self.relays: Mapping[str, tuple[str, int]] = {} if relays is None else relays

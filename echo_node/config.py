@@ -49,6 +49,13 @@ class NetConfig:
     repair_history: int = 512
     # Weight versions each node keeps serving on the data channel (relaying, late joiners).
     keep_versions: int = 4
+    # The learner takes at most this many joined peers; a join beyond it replaces the peer
+    # heard from least recently if that one is idle, else it is refused as "full".
+    max_peers: int = 1024
+    # A peer refused this many times (bad rollouts, requests or pieces) is banned for ban_s
+    # seconds: its rollouts are dropped unopened, its joins and data connections refused.
+    ban_after: int = 3
+    ban_s: float = 600.0
 
 
 @dataclass(kw_only=True, slots=True)
@@ -82,8 +89,13 @@ class RLConfig:
     is_cap: float = 2.0
     # Optimizer steps per update (decoupled PPO's clip only matters from the second one on).
     minibatches: int = 1
-    # Replay-buffer capacity in groups; on overflow the oldest group is dropped as "overload".
+    # Replay-buffer capacity in groups and in (estimated) bytes; on overflow the oldest group of
+    # the peer holding the most is dropped as "overload".
     buffer_groups: int = 256
+    buffer_bytes: int = 64 << 20
+    # A training step takes at most this share of its groups from one peer while others have
+    # admissible ones.
+    max_peer_share: float = 0.5
     # async: the learner publishes (snapshots, hashes, announces and serves) every k-th version
     # only. Versions still count every update, so staleness is measured as before; a peer's
     # weights are up to k - 1 versions older. Pull needs every version (k = 1), and k <= S
@@ -169,6 +181,8 @@ def validate(cfg: RunConfig) -> None:
             f"rl.publish_every = {rl.publish_every} needs async mode with staleness >= it (got mode "
             f"{rl.mode!r}, staleness {rl.staleness}): a peer's newest weights would be too old to train on"
         )
+    if rl.buffer_bytes < 1 << 20 or not 0 < rl.max_peer_share <= 1:
+        raise ValueError(f"rl.buffer_bytes must be >= 1 MiB and rl.max_peer_share in (0, 1], got {rl.buffer_bytes}, {rl.max_peer_share}")
     if not rl.is_cap > 0 or rl.minibatches < 1:
         raise ValueError(f"rl.is_cap must be > 0 and rl.minibatches >= 1, got {rl.is_cap} and {rl.minibatches}")
     s = cfg.sampling
@@ -194,6 +208,8 @@ def validate_net(net: NetConfig) -> None:
         raise ValueError(str(exc)) from None
     if not 0 <= net.data_port <= 65535:
         raise ValueError(f"net.data_port must be a TCP port (0 for any), got {net.data_port}")
+    if net.max_peers < 1 or net.ban_after < 1 or not net.ban_s >= 0:
+        raise ValueError(f"net.max_peers and net.ban_after must be >= 1, net.ban_s >= 0 (got {net.max_peers}, {net.ban_after}, {net.ban_s})")
 
 
 def load_config(path: Path | None = None, **overrides: Any) -> RunConfig:

@@ -33,11 +33,12 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy
+from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.addresses import is_loopback, unroutable_reason
 from protocol.delta import encode_delta, estimate_delta_ratio
-from protocol.envelope import open_envelope, seal
+from protocol.envelope import seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
@@ -46,7 +47,6 @@ from protocol.messages import (
     JoinResponse,
     RepairRequest,
     RepairResponse,
-    RolloutBatch,
     RolloutGroup,
     RunSpec,
     SamplingParams,
@@ -54,15 +54,12 @@ from protocol.messages import (
     StatusResponse,
     VersionAnnounce,
 )
-from protocol.sequence import Observation, SequenceTracker
-from protocol.staleness import DropReason, judge_batch
+from protocol.admission import RunBounds
+from protocol.drops import DropReason
+from protocol.limits import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
-# A peer whose penalties pass this is ignored by GossipSub (graylisted) until they decay.
-PENALTY_WEIGHT = 10.0
-# A peer counts as active (for splitting demand) while it was heard from this recently.
-ACTIVE_WINDOW_S = 15.0
 # A version is also offered as a lossless delta against the previous one when that saves at
 # least this share of the bytes (bf16 weights after an RL step: ~97%; fp32: ~55%, not worth
 # the learner's encode time). After a delta that did not pay, try again this many versions on,
@@ -75,11 +72,6 @@ DELTA_MIN_SAVING = 0.7
 DELTA_RETRY_VERSIONS = 50
 DELTA_RETRY_MAX_VERSIONS = 3200
 DELTA_ESTIMATE_SLACK = 0.05
-# Verified batches waiting for the consumer; more than a subscription queue's worth means the
-# consumer fell behind and re-checks the rest.
-CHECKED_CACHE = 1024
-# A publisher that does not answer a repair request within this is treated as gone.
-REPAIR_TIMEOUT_S = 10.0
 # Ask for this much more than one update consumes, so that jitter or a lost message never
 # leaves the learner waiting; the excess is what the staleness rule drops.
 DEMAND_SLACK = 1.5
@@ -105,26 +97,6 @@ def piece_size_for(payload_size: int) -> int:
     return choose_piece_size(payload_size)
 
 
-@dataclass(slots=True)
-class PeerBook:
-    """What the learner knows about each rollout peer: contributions and penalties."""
-
-    accepted: Counter[str] = field(default_factory=Counter)
-    penalties: Counter[str] = field(default_factory=Counter)
-    joined: set[str] = field(default_factory=set)
-    last_seen: dict[str, float] = field(default_factory=dict)
-    # Data addresses a dial-back proved (handed to other peers as relays), and why the others
-    # are not (they download and contribute, but are never handed out).
-    relays: dict[str, tuple[str, int]] = field(default_factory=dict)
-    unreachable: dict[str, str] = field(default_factory=dict)
-
-    def active(self, now: float) -> int:
-        return sum(1 for t in self.last_seen.values() if now - t <= ACTIVE_WINDOW_S)
-
-    def score(self, peer_id: str) -> float:
-        return -PENALTY_WEIGHT * self.penalties[peer_id]
-
-
 class Learner:
     def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
         self.cfg = cfg
@@ -134,10 +106,20 @@ class Learner:
         self.version = 0
         # The newest version peers can fetch: every rl.publish_every-th one.
         self.published = 0
-        self.peers = PeerBook()
-        self.buffer = ReplayBuffer(mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups)
-        self.tracker = SequenceTracker()
+        # Tables the intake owns, also read here (demand, relays, the summary).
+        self.peers = PeerBook(max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s)
+        self.buffer = ReplayBuffer(
+            mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups,
+            capacity_bytes=cfg.rl.buffer_bytes, max_share=cfg.rl.max_peer_share,
+        )
+        self.rollouts_topic = rollouts_topic(cfg.run_id)
+        self.versions_topic = versions_topic(cfg.run_id)
+        self.intake = RolloutIntake(
+            run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
+            bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept,
+        )
         self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
+        self.intake.node = self.node
         self.data = DataServer(
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
         )
@@ -165,17 +147,10 @@ class Learner:
             minibatches=cfg.rl.minibatches,
         )
         self.trained_rewards: list[float] = []
-        # Messages seen missing from a publisher's sequence and never recovered by repair. They
-        # never reached the learner, so they are not in the rollout ledger; counted here instead.
-        self.lost_messages = 0
+        self.train_errors = 0
         self.idle_s = 0.0
         self.train_s = 0.0
-        self._arrived = trio.Event()
-        # Batches the gossip validator verified, by their bytes, for the consumer to take.
-        self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
         self._started = 0.0
-        self.rollouts_topic = rollouts_topic(cfg.run_id)
-        self.versions_topic = versions_topic(cfg.run_id)
         self.metrics: MetricsWriter | None = None
         self._nursery: trio.Nursery | None = None
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
@@ -202,11 +177,11 @@ class Learner:
                     )
                 self.node.set_stream_handler(rpc.JOIN, self._serve_join)
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
-                await self.node.subscribe(self.rollouts_topic, self._validate)
+                await self.node.subscribe(self.rollouts_topic, self.intake.validate)
                 await self.node.provide(provider_key(self.cfg.run_id))
                 self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": 0})
-                nursery.start_soon(self._consume)
-                nursery.start_soon(self._repair_loop)
+                nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
+                nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
                 nursery.start_soon(self._provide_loop)
                 await self._train_loop()
                 nursery.cancel_scope.cancel()
@@ -223,7 +198,7 @@ class Learner:
     def _serve(self, handler: rpc.Handler) -> Any:
         async def on_stream(stream: Any) -> None:
             with trio.move_on_after(30):
-                await rpc.serve_one(stream, handler, on_bad=self._penalize)
+                await rpc.serve_one(stream, handler, on_bad=self._bad_request)
 
         return on_stream
 
@@ -253,8 +228,10 @@ class Learner:
         self._check_run(request.run_id)
         if request.peer_id != remote:
             raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
-        self.peers.joined.add(remote)
-        self.peers.last_seen[remote] = trio.current_time()
+        try:
+            self.peers.join(remote, trio.current_time())
+        except JoinRefused as exc:
+            raise rpc.RequestRefused(exc.code, str(exc)) from None
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
         self._schedule_probe(remote, self._probe_candidates(request, observed))
         return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
@@ -321,7 +298,7 @@ class Learner:
         if not isinstance(request, StatusRequest):
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
-        self.peers.last_seen[remote] = trio.current_time()
+        self.peers.touch(remote, trio.current_time())
         manifest = self.sources[(self.published, FULL)].store.manifest
         return StatusResponse(
             run_id=self.cfg.run_id,
@@ -332,122 +309,19 @@ class Learner:
         )
 
     def demand_groups(self) -> int:
-        """Groups each peer should sample per published version: the updates' worth until the
-        next one is published, split, with slack."""
-        active = max(1, self.peers.active(trio.current_time()))
-        per_version = self.cfg.rl.groups_per_step * self.cfg.rl.publish_every
-        return max(1, math.ceil(per_version * DEMAND_SLACK / active))
+        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.cfg.rl.publish_every, DEMAND_SLACK)
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
             raise rpc.RequestRefused("wrong_run", f"this learner serves run {self.cfg.run_id!r}, not {run_id!r}")
 
-    # -- rollout intake ------------------------------------------------------------------------
-
-    def _check(self, data: bytes, origin: str) -> tuple[RolloutBatch | None, DropReason | None, int]:
-        """Verify and judge one gossip message: (batch, None, rollouts) to take it, or
-        (batch or None, reason, rollouts to count as dropped)."""
-        try:
-            batch, _ = open_envelope(data, expected_kind=RolloutBatch, expected_sender=origin)
-        except RemoteProtocolError as exc:
-            reason = getattr(exc, "reason", None) or DropReason.MALFORMED
-            log.warning("rejected a rollout message from %s: %s", origin, exc)
-            return None, DropReason(reason), 1
-        assert isinstance(batch, RolloutBatch)
-        n = batch.num_samples
-        reason = judge_batch(batch, run_id=self.cfg.run_id, group_size=self.cfg.rl.group_size, current_version=self.version)
-        if reason is not None:
-            log.warning(
-                "rejected %d rollouts from %s: %s (run %r, newest token version %d, learner at %d)",
-                n, origin, reason, batch.run_id, batch.max_version, self.version,
-            )
-        return batch, reason, n
-
-    def _validate(self, forwarder: str, origin: str, data: bytes) -> bool:
-        batch, reason, n = self._check(data, origin)
-        if reason is None:
-            assert batch is not None
-            # The consumer takes it from here instead of verifying the signature a second time.
-            self._checked[data] = batch
-            while len(self._checked) > CHECKED_CACHE:
-                self._checked.popitem(last=False)
-            return True
-        self.buffer.reject(reason, n)
-        self.peers.penalties[origin] += 1
-        if forwarder != origin:
-            self.peers.penalties[forwarder] += 1
-        return False
-
-    def _penalize(self, peer_id: str, exc: Exception) -> None:
+    def _bad_request(self, peer_id: str, exc: Exception) -> None:
         log.warning("bad request from %s: %s", peer_id, exc)
-        self.peers.penalties[peer_id] += 1
-        self.node.penalize(peer_id, self.rollouts_topic)
+        self.intake.penalize(peer_id, f"bad request: {exc}")
 
-    async def _consume(self) -> None:
-        async for msg in self.node.messages(self.rollouts_topic):
-            self._deliver(msg.data, msg.sender)
-
-    def _deliver(self, data: bytes, origin: str) -> None:
-        """Ingest a message the gossip validator passed, as the validator decoded it."""
-        batch = self._checked.pop(data, None)
-        if batch is None:  # fell out of the cache: check it again
-            batch, reason, n = self._check(data, origin)
-            if reason is not None or batch is None:
-                # Valid a moment ago in the validator; the version cannot go backwards, so only
-                # a bug reaches this line. Count it rather than lose it.
-                self.buffer.reject(reason or DropReason.MALFORMED, n)
-                return
-        self._ingest(batch, origin)
-
-    def _ingest(self, batch: RolloutBatch, origin: str) -> None:
-        observation = self.tracker.observe(origin, batch.seq)
-        if observation is not Observation.NEW:
-            reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
-            self.buffer.reject(reason, batch.num_samples)
-            return
-        self.peers.last_seen[origin] = trio.current_time()
-        for group in batch.groups:
-            if self.buffer.offer(group, self.version) is not None:
-                continue
-            if not self.peers.accepted[origin]:
-                # Wall-clock time, so a benchmark can compare it with when it started the peer.
-                self._write({"event": "first_accept", "peer": origin, "version": self.version})
-            self.peers.accepted[origin] += len(group.samples)
-            self._arrived.set()
-
-    async def _repair_loop(self) -> None:
-        while True:
-            await trio.sleep(self.cfg.net.repair_interval_s)
-            for peer_id in list(self.peers.joined):
-                missing = self.tracker.missing(peer_id)
-                if missing:
-                    await self._repair(peer_id, missing)
-
-    async def _repair(self, peer_id: str, missing: list[int]) -> None:
-        request = RepairRequest(run_id=self.cfg.run_id, peer_id=peer_id, seqs=tuple(missing[:256]))
-        try:
-            with trio.fail_after(REPAIR_TIMEOUT_S):
-                response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
-        except Exception as exc:
-            # The publisher is gone or will not answer: what it alone held is lost in transit.
-            log.info("gap repair from %s failed (%s); giving up on %d messages", peer_id, exc, len(missing))
-            self.tracker.mark_given_up(peer_id, missing)
-            self.lost_messages += len(missing)
-            return
-        recovered = 0
-        for envelope in response.envelopes:
-            batch, reason, n = self._check(envelope, peer_id)
-            if reason is not None or batch is None:
-                self.buffer.reject(reason or DropReason.MALFORMED, n)
-                self._penalize(peer_id, RemoteProtocolError(f"bad repaired rollout: {reason}"))
-                continue
-            self._ingest(batch, peer_id)
-            recovered += 1
-        # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
-        # not fit in this response stay missing and are asked for on the next round.
-        self.tracker.mark_given_up(peer_id, list(response.unavailable))
-        self.lost_messages += len(response.unavailable)
-        log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
+    def _first_accept(self, peer_id: str) -> None:
+        # Wall-clock time, so a benchmark can compare it with when it started the peer.
+        self._write({"event": "first_accept", "peer": peer_id, "version": self.version})
 
     async def _provide_loop(self) -> None:
         while True:
@@ -466,8 +340,8 @@ class Learner:
     async def _wait_for_batch(self) -> None:
         need = self.cfg.rl.groups_per_step
         while self.buffer.count_admissible(self.version) < need:
-            await self._arrived.wait()
-            self._arrived = trio.Event()
+            await self.intake.arrived.wait()
+            self.intake.arrived = trio.Event()
 
     async def _train_loop(self) -> None:
         with trio.move_on_at(self._deadline()):
@@ -482,6 +356,9 @@ class Learner:
                 with trio.CancelScope(shield=True):
                     try:
                         stats = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
+                    except Exception:
+                        self._train_failed(groups)
+                        continue
                     except BaseException:
                         self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
                         raise
@@ -500,6 +377,19 @@ class Learner:
                     self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
                 if self.version % self.cfg.checkpoint.every_versions == 0:
                     await trio.to_thread.run_sync(self._checkpoint)
+
+    def _train_failed(self, groups: list[RolloutGroup]) -> None:
+        """A step raised on this batch: drop it (`train_error`) and go on. Admission should make
+        this unreachable, so the first one is logged with its traceback (it is a bug here or a
+        check missing there), later ones as a count."""
+        self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
+        self.train_errors += 1
+        origins = sorted({self.buffer.origin(g) or "?" for g in groups})
+        if self.train_errors == 1:
+            log.exception("a training step failed; dropped its %d groups (from %s) as train_error", len(groups), ", ".join(origins))
+        else:
+            log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
+        self._write({"event": "train_error", "version": self.version, "groups": len(groups), "origins": origins})
 
     def _offer_version(self, version: int, blob: bytes) -> Source:
         """Make `version` fetchable: a signed manifest and a broadcast source on the data server."""
@@ -623,7 +513,7 @@ class Learner:
                 "peers": len(self.peers.joined),
                 "learner_bytes_up": self.learner_bytes_up(),
                 "deltas_offered": self.deltas_offered,
-                "lost_messages": self.lost_messages,
+                "lost_messages": self.intake.lost_messages,
                 **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
             }
         )
@@ -655,7 +545,9 @@ class Learner:
                 p: {"accepted": self.peers.accepted[p], "relay": p in self.peers.relays, "unreachable": self.peers.unreachable.get(p)}
                 for p in sorted(self.peers.joined)
             },
-            "lost_messages": self.lost_messages,
+            "lost_messages": self.intake.lost_messages,
+            "train_errors": self.train_errors,
+            "banned": sorted(self.peers.banned),
             "learner_bytes_up": self.learner_bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
@@ -668,6 +560,22 @@ class Learner:
         plot_rewards(records, self.cfg.run_dir / "reward.png", title=title)
         plot_run(records, self.cfg.run_dir, title=title)
         return summary
+
+
+def run_bounds(cfg: RunConfig, policy: Policy) -> RunBounds:
+    """What this run's rollouts can hold: ids the model embeds, as many new tokens as the run
+    samples, prompts that fit the context next to them, rewards in the task's range."""
+    context = int(getattr(policy.model.config, "max_position_embeddings", MAX_PROMPT_TOKENS) or MAX_PROMPT_TOKENS)
+    low, high = policy.task.reward_range
+    return RunBounds(
+        run_id=cfg.run_id,
+        group_size=cfg.rl.group_size,
+        vocab_size=int(policy.model.config.vocab_size),
+        max_new_tokens=cfg.sampling.max_new_tokens,
+        max_prompt_tokens=max(1, min(MAX_PROMPT_TOKENS, context - cfg.sampling.max_new_tokens)),
+        reward_low=low,
+        reward_high=high,
+    )
 
 
 def _train_group(g: RolloutGroup) -> TrainGroup:

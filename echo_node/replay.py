@@ -9,10 +9,17 @@ Admission follows Echo's two sync modes (protocol.staleness): in pull mode only 
 current version are admissible; in async mode a group is admissible while its oldest token's
 version is >= current - S. Admissibility is checked on arrival and again when a batch is taken,
 because the learner's version advances while a group waits.
+
+Bounds (peers are untrusted, so the buffer is what a flood fills first): at most
+`capacity_groups` groups and `capacity_bytes` of estimated memory (`group_bytes`). On overflow the
+oldest group *of the origin holding the most* goes, as "overload": a peer that floods evicts its
+own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
+while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -35,15 +42,32 @@ class Ledger:
         }
 
 
+def group_bytes(group: RolloutGroup) -> int:
+    """What a decoded group costs in memory, estimated from CPython's object sizes: per
+    completion token a token id, a float64 log-prob object and a version (~80 B with their
+    tuple slots), per prompt token ~16 B, per sample ~200 B of objects."""
+    return 256 + 16 * len(group.prompt_ids) + sum(200 + 80 * len(s.completion_ids) for s in group.samples)
+
+
 class ReplayBuffer:
-    def __init__(self, *, mode: str, staleness: int, capacity_groups: int) -> None:
-        if capacity_groups < 1:
-            raise ValueError("capacity_groups must be >= 1")
+    def __init__(
+        self, *, mode: str, staleness: int, capacity_groups: int, capacity_bytes: int = 1 << 62, max_share: float = 1.0
+    ) -> None:
+        if capacity_groups < 1 or capacity_bytes < 1:
+            raise ValueError("capacity_groups and capacity_bytes must be >= 1")
+        if not 0 < max_share <= 1:
+            raise ValueError(f"max_share must be in (0, 1], got {max_share}")
         self.mode = mode
         self.staleness = staleness
         self.capacity_groups = capacity_groups
+        self.capacity_bytes = capacity_bytes
+        self.max_share = max_share
         self.ledger = Ledger()
         self._groups: deque[RolloutGroup] = deque()
+        # Per buffered (or taken, until marked trained or restored) group: its origin and size.
+        self._origin: dict[int, str] = {}
+        self._size: dict[int, int] = {}
+        self.bytes = 0
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -52,13 +76,16 @@ class ReplayBuffer:
     def buffered_rollouts(self) -> int:
         return sum(len(g.samples) for g in self._groups)
 
+    def origin(self, group: RolloutGroup) -> str:
+        return self._origin.get(id(group), "")
+
     def reject(self, reason: DropReason | str, rollouts: int = 1) -> None:
         """Count rollouts that arrived but never entered the buffer."""
         self.ledger.received += rollouts
         self._drop(reason, rollouts)
 
-    def offer(self, group: RolloutGroup, current_version: int) -> DropReason | None:
-        """Admit a verified group, or count it dropped and return the reason."""
+    def offer(self, group: RolloutGroup, current_version: int, origin: str = "") -> DropReason | None:
+        """Admit a verified group from `origin`, or count it dropped and return the reason."""
         n = len(group.samples)
         self.ledger.received += n
         reason = admissible(group.min_version, current_version, self.staleness, self.mode)
@@ -66,11 +93,28 @@ class ReplayBuffer:
             self._drop(reason, n)
             return reason
         self._groups.append(group)
-        while len(self._groups) > self.capacity_groups:
-            # The oldest group is the closest to going stale; keep the freshest data.
-            old = self._groups.popleft()
-            self._drop(DropReason.OVERLOAD, len(old.samples))
+        self._origin[id(group)] = origin
+        self._size[id(group)] = size = group_bytes(group)
+        self.bytes += size
+        while len(self._groups) > self.capacity_groups or self.bytes > self.capacity_bytes:
+            self._evict_one()
         return None
+
+    def _evict_one(self) -> None:
+        """Drop the oldest group of the origin holding the most bytes (the oldest is the
+        closest to going stale; the heaviest origin is the one flooding, if any)."""
+        load: Counter[str] = Counter()
+        for g in self._groups:
+            load[self._origin[id(g)]] += self._size[id(g)]
+        heaviest = load.most_common(1)[0][0]
+        victim = next(g for g in self._groups if self._origin[id(g)] == heaviest)
+        self._groups.remove(victim)
+        self._forget(victim)
+        self._drop(DropReason.OVERLOAD, len(victim.samples))
+
+    def _forget(self, group: RolloutGroup) -> None:
+        self.bytes -= self._size.pop(id(group), 0)
+        self._origin.pop(id(group), None)
 
     def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
         """Pop up to `n_groups` admissible groups, freshest first; stale ones are dropped.
@@ -81,11 +125,23 @@ class ReplayBuffer:
         old at S = 4); taken freshest first, the surplus is what ages out, counted as stale.
         """
         self.evict_stale(current_version)
-        n = min(n_groups, len(self._groups))
-        picked = sorted(range(len(self._groups)), key=lambda i: (self._groups[i].min_version, i), reverse=True)[:n]
-        batch = [self._groups[i] for i in picked]
+        order = sorted(range(len(self._groups)), key=lambda i: (self._groups[i].min_version, i), reverse=True)
+        # First pass: at most `share` groups per origin; second: fill up from whatever is left,
+        # so a lone peer still fills a step.
+        share = max(1, math.floor(n_groups * self.max_share))
+        per_origin: Counter[str] = Counter()
+        picked: list[int] = []
+        for i in order:
+            if len(picked) < n_groups and per_origin[self._origin[id(self._groups[i])]] < share:
+                picked.append(i)
+                per_origin[self._origin[id(self._groups[i])]] += 1
         chosen = set(picked)
+        picked += [i for i in order if i not in chosen][: n_groups - len(picked)]
+        chosen = set(picked)
+        batch = [self._groups[i] for i in picked]
         self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)
+        for g in batch:
+            self.bytes -= self._size[id(g)]  # no longer held here; forgotten when trained
         return batch
 
     def count_admissible(self, current_version: int) -> int:
@@ -103,6 +159,7 @@ class ReplayBuffer:
             if reason is None:
                 kept.append(g)
             else:
+                self._forget(g)
                 self._drop(reason, len(g.samples))
                 evicted += 1
         self._groups = kept
@@ -110,15 +167,30 @@ class ReplayBuffer:
 
     def restore(self, groups: list[RolloutGroup]) -> None:
         """Put back groups taken for a step that did not happen; the next `take` picks them again."""
-        self._groups.extend(reversed(groups))
+        for g in reversed(groups):
+            self._groups.append(g)
+            self.bytes += self._size.get(id(g), 0)
 
     def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
-        self.ledger.trained += sum(len(g.samples) for g in groups)
+        for g in groups:
+            self.ledger.trained += len(g.samples)
+            self._size.pop(id(g), None)
+            self._origin.pop(id(g), None)
+
+    def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:
+        """Count taken groups whose training step failed as dropped (they are not put back: a
+        batch that broke a step once would break it again)."""
+        for g in groups:
+            self._size.pop(id(g), None)
+            self._origin.pop(id(g), None)
+            self._drop(reason, len(g.samples))
 
     def close(self) -> None:
         """At shutdown, whatever is still buffered was received but never trained on."""
         while self._groups:
-            self._drop(DropReason.UNUSED_AT_EXIT, len(self._groups.popleft().samples))
+            g = self._groups.popleft()
+            self._forget(g)
+            self._drop(DropReason.UNUSED_AT_EXIT, len(g.samples))
 
     def check(self) -> None:
         total = self.ledger.trained + sum(self.ledger.dropped.values()) + self.buffered_rollouts

@@ -9,6 +9,7 @@ Errors: a peer's bad bytes raise `RemoteProtocolError` (with a `DropReason` in `
 building something invalid locally raises `LocalProtocolError`.
 """
 
+from protocol.admission import RunBounds, judge_batch
 from protocol.delta import decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.envelope import (
@@ -67,7 +68,7 @@ from protocol.messages import (
 )
 from protocol.pieces import Cancel, PieceSwarm, Request
 from protocol.sequence import Observation, SequenceTracker
-from protocol.staleness import admissible, judge_batch
+from protocol.staleness import admissible
 
 __all__ = [
     "MESSAGE_TYPES",
@@ -91,6 +92,7 @@ __all__ = [
     "Request",
     "RolloutBatch",
     "RolloutGroup",
+    "RunBounds",
     "RunSpec",
     "Sample",
     "SamplingParams",

@@ -76,6 +76,11 @@ class SequenceTracker:
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._publishers
 
+    @property
+    def capacity(self) -> int:
+        """Publishers tracked at most; observing a new one beyond this forgets the least recent."""
+        return self._max_publishers
+
     def observe(self, peer_id: str, seq: int) -> Observation:
         """Record that `seq` from `peer_id` arrived; say whether it is new."""
         if not 0 <= seq <= MAX_SEQ:

@@ -10,16 +10,16 @@ Rules (Echo, arXiv 2508.05387, "sync modes"; DESIGN.md):
   (A group's oldest token decides staleness; its newest token decides `future_version`.)
 
 Invariant: the result is either None (admit) or exactly one DropReason, so each rollout is
-counted once. `judge_batch` is what a learner checks on arrival (a whole signed batch is taken or
-refused); staleness is judged per group, when the group is buffered and again when it is taken.
+counted once. Staleness is judged per group, when the group is buffered and again when it is
+taken; what a whole signed batch must satisfy on arrival is `admission.judge_batch`.
 """
 
 from __future__ import annotations
 
 from protocol.drops import DropReason
-from protocol.messages import SYNC_MODES, RolloutBatch
+from protocol.messages import SYNC_MODES
 
-__all__ = ["DropReason", "admissible", "judge_batch"]
+__all__ = ["DropReason", "admissible"]
 
 
 def admissible(
@@ -43,20 +43,3 @@ def admissible(
         return DropReason.FUTURE_VERSION
     oldest_allowed = current_version if mode == "pull" else current_version - staleness
     return None if min_version >= oldest_allowed else DropReason.STALE
-
-
-def judge_batch(batch: RolloutBatch, *, run_id: str, group_size: int, current_version: int) -> DropReason | None:
-    """The arrival checks of one decoded, verified rollout batch against a run (its id and
-    group size, the learner's version), as one verdict: a batch signed by its publisher is
-    honest or not as a whole.
-
-    Order matters for counting: a batch for another run is `wrong_run` whatever it holds. Not
-    staleness: that is per group, and a buffer judges it with `admissible`.
-    """
-    if batch.run_id != run_id:
-        return DropReason.WRONG_RUN
-    if any(len(g.samples) != group_size for g in batch.groups):
-        return DropReason.BAD_GROUP  # GRPO's advantage baseline assumes the full group
-    if batch.max_version > current_version:
-        return DropReason.FUTURE_VERSION
-    return None

@@ -103,4 +103,26 @@ def bad_rollout_messages(identity: Identity, run_id: str, *, seq0: int = 1000) -
         ("wrong schema version", _reframe([99, *fields[1:]]), "unsupported_schema", 1),
         ("wrong run id", seal(make_batch(run_id="another-run", identity=identity, seq=seq0 + 1), identity), "wrong_run", 8),
         ("version that never existed", seal(make_batch(run_id=run_id, identity=identity, seq=seq0 + 2, version=10**6), identity), "future_version", 8),
+        # Valid for the wire, not for the run: each once ended or stalled the learner's step.
+        ("token outside the vocabulary", seal(_reshaped(run_id, identity, seq0 + 3, token=5000), identity), "out_of_vocab", 8),
+        ("prompt outside the vocabulary", seal(_reshaped(run_id, identity, seq0 + 4, prompt=(1, 70_000)), identity), "out_of_vocab", 8),
+        ("256-token completions", seal(_reshaped(run_id, identity, seq0 + 5, length=256), identity), "too_long", 8),
+        ("reward outside the task's range", seal(_reshaped(run_id, identity, seq0 + 6, reward=1e5), identity), "bad_reward", 8),
     ]
+
+
+def _reshaped(
+    run_id: str, identity: Identity, seq: int, *, token: int = 3, prompt: tuple[int, ...] = (1, 5), length: int = 2,
+    reward: float = 1.0,
+) -> RolloutBatch:
+    """A well-formed batch of one 8-sample group whose tokens, prompt or reward break a run's
+    bounds (the default run: tiny model, 4 new tokens, rewards in [0, 1])."""
+    group = RolloutGroup(
+        group_id="hostile",
+        prompt_ids=prompt,
+        samples=tuple(
+            Sample(completion_ids=(token,) * length, behaviour_logprobs=(-0.5,) * length, token_versions=(0,) * length, reward=reward)
+            for _ in range(8)
+        ),
+    )
+    return RolloutBatch(run_id=run_id, peer_id=identity.peer_id, seq=seq, groups=(group,))

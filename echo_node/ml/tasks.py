@@ -27,6 +27,8 @@ class Task(Protocol):
     name: str
     max_new_tokens: int
     reward: RewardFn
+    # Every reward `reward` returns lies in [low, high]; the learner refuses rollouts outside it.
+    reward_range: tuple[float, float]
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[str]: ...
 
@@ -72,6 +74,7 @@ class AdditionTask:
     answer_len = 3
     max_new_tokens = answer_len + 1  # the answer and its eos
     reward: RewardFn = exact_match_reward
+    reward_range = (0.0, 1.0)
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[str]:
         return [f"{rng.randrange(100):02d}+{rng.randrange(100):02d}=" for _ in range(n)]

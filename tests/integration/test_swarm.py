@@ -19,7 +19,8 @@ from echo_node.metrics import read_metrics
 from echo_node.net.discovery import connect_bootstrap, find_provider
 from echo_node.net.p2p import P2PNode, provider_key
 from echo_node.topics import rollouts_topic
-from protocol import Identity
+from echo_node.net import rpc
+from protocol import Identity, JoinRequest, JoinResponse
 from tests.factories import bad_rollout_messages
 from tests.integration.conftest import Cluster
 
@@ -55,6 +56,10 @@ async def attack(bootstrap: str, run_id: str, attacker: Identity) -> None:
         await connect_bootstrap(node, [bootstrap], deadline_s=30)
         learner = await find_provider(node, provider_key(run_id), what="learner", deadline_s=30)
         await node.connect(learner)
+        # Only joined peers may publish; a join is one signed-in request away for anyone.
+        request = JoinRequest(run_id=run_id, peer_id=node.peer_id, data_host="127.0.0.1", data_port=9)
+        with trio.fail_after(30):
+            await rpc.call(node, learner.peer_id, rpc.JOIN, request, JoinResponse)
         topic = rollouts_topic(run_id)
         with trio.fail_after(30):
             while learner.peer_id not in node.gossip_peers(topic):
@@ -94,8 +99,12 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     assert int(s["versions"]) >= versions_at_kill + 20
     penalties = s["penalties"]
     assert isinstance(penalties, dict) and penalties.get(attacker.peer_id, 0) >= 3
+    # Three strikes: banned. What it sent after that, GossipSub's score gate dropped before the
+    # learner's validator saw it (docs/architecture.md: what the ledger does not see).
+    assert s["banned"] == [attacker.peer_id]
     dropped = s["rollouts_dropped"]
     assert isinstance(dropped, dict) and dropped.get("malformed", 0) >= 1
+    assert s["train_errors"] == 0
     log = (cluster.swarm.run_dir / "logs" / "learner.log").read_text()
     assert f"rejected a rollout message from {attacker.peer_id}" in log
     assert (cluster.run_dir(run_id) / "checkpoint.safetensors").stat().st_size > 0

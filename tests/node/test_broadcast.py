@@ -43,7 +43,7 @@ def run_broadcast(
 ):
     # What the learner's dial-back proved: every peer but the `unreachable` ones (behind a NAT).
     relays: dict[str, tuple[str, int]] = {}
-    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, (p.peer_id for p in PEERS), relays)
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, {p.peer_id for p in PEERS}, relays)
     results: dict[str, bytes] = {}
     receivers: dict[str, Receiver] = {}
 

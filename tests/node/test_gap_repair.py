@@ -13,7 +13,8 @@ import trio
 import trio.testing
 
 from echo_node.config import RunConfig
-from echo_node.learner import REPAIR_TIMEOUT_S, Learner
+from echo_node.intake import REPAIR_TIMEOUT_S
+from echo_node.learner import Learner
 from echo_node.rollout_peer import RolloutPeer
 from protocol import seal
 from tests.factories import ALICE, make_batch
@@ -61,21 +62,22 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             link = Link(nursery, peer, learner.node.peer_id)
-            learner.node = link  # type: ignore[assignment]
+            learner.intake.node = link  # type: ignore[assignment]
+            learner.peers.join(ALICE.peer_id, 0.0)
             for s in (10, 14):  # what gossip delivered
-                batch, reason, _ = learner._check(sealed[s], ALICE.peer_id)
+                batch, reason, _ = learner.intake.check(sealed[s], ALICE.peer_id)
                 assert reason is None and batch is not None
-                learner._ingest(batch, ALICE.peer_id)
-            missing = learner.tracker.missing(ALICE.peer_id)
+                learner.intake.ingest(batch, ALICE.peer_id)
+            missing = learner.intake.tracker.missing(ALICE.peer_id)
             assert missing == [11, 12, 13]
             with trio.fail_after(5):
-                await learner._repair(ALICE.peer_id, missing)
+                await learner.intake.repair(ALICE.peer_id, missing)
             assert link.opened == 1 and link.penalized == []
-            assert learner.tracker.missing(ALICE.peer_id) == []
+            assert learner.intake.tracker.missing(ALICE.peer_id) == []
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert sorted(g.group_id for g in learner.buffer.take(10, 0)) == [f"g{s}000" for s in (10, 11, 13, 14)]
-    assert learner.lost_messages == 1  # seq 12: the publisher no longer had it
+    assert learner.intake.lost_messages == 1  # seq 12: the publisher no longer had it
     assert learner.buffer.ledger.received == 32
 
 
@@ -86,16 +88,17 @@ def test_a_dead_publisher_costs_only_a_bounded_wait(learner: Learner) -> None:
             await trio.sleep_forever()  # the dial hangs: the peer vanished
 
     async def main() -> float:
-        learner.node = Dead()  # type: ignore[assignment]
+        learner.intake.node = Dead()  # type: ignore[assignment]
+        learner.peers.join(ALICE.peer_id, 0.0)
         for s in (2, 5):
-            batch, _, _ = learner._check(seal(make_batch(identity=ALICE, seq=s), ALICE), ALICE.peer_id)
+            batch, _, _ = learner.intake.check(seal(make_batch(identity=ALICE, seq=s), ALICE), ALICE.peer_id)
             assert batch is not None
-            learner._ingest(batch, ALICE.peer_id)
+            learner.intake.ingest(batch, ALICE.peer_id)
         start = trio.current_time()
-        await learner._repair(ALICE.peer_id, learner.tracker.missing(ALICE.peer_id))
+        await learner.intake.repair(ALICE.peer_id, learner.intake.tracker.missing(ALICE.peer_id))
         return trio.current_time() - start
 
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert elapsed == REPAIR_TIMEOUT_S
     # Given up: counted as lost in transit and never asked for again.
-    assert learner.lost_messages == 2 and learner.tracker.missing(ALICE.peer_id) == []
+    assert learner.intake.lost_messages == 2 and learner.intake.tracker.missing(ALICE.peer_id) == []

@@ -25,7 +25,7 @@ def next_weights(learner: Learner, step: int) -> bytes:
 
 
 def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
-    learner.peers.joined.add(PEER.peer_id)
+    learner.peers.join(PEER.peer_id, 0.0)
     blobs: list[bytes] = []
 
     async def fetch(peer: DataServer, version: int, base: int) -> tuple[int | None, bytes]:

@@ -18,13 +18,21 @@ from protocol import seal
 from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch
 
 
+@pytest.fixture(autouse=True)
+def joined(learner: Learner) -> None:
+    """Alice and Mallory joined the run (only joined peers may publish); bans are tested below."""
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    learner.peers.ban_after = 1000
+
+
 def offer(learner: Learner, data: bytes, origin: str, forwarder: str | None = None) -> bool:
     """What the gossip path does: validate, and deliver what passes."""
 
     async def go() -> bool:
-        if not learner._validate(forwarder or origin, origin, data):
+        if not learner.intake.validate(forwarder or origin, origin, data):
             return False
-        learner._deliver(data, origin)
+        learner.intake.deliver(data, origin)
         return True
 
     return trio.run(go)
@@ -35,7 +43,7 @@ def test_every_bad_message_is_counted_penalized_and_logged(learner: Learner, cap
     assert offer(learner, good, ALICE.peer_id)
     for name, data, reason, rollouts in bad_rollout_messages(MALLORY, "run-1"):
         before = learner.buffer.ledger.dropped[reason]
-        with caplog.at_level(logging.WARNING, logger="echo_node.learner"):
+        with caplog.at_level(logging.WARNING, logger="echo_node.intake"):
             assert not offer(learner, data, MALLORY.peer_id), name
         assert learner.buffer.ledger.dropped[reason] == before + rollouts, name
         assert MALLORY.peer_id in caplog.records[-1].getMessage(), name
@@ -61,9 +69,9 @@ def test_duplicates_and_group_size(learner: Learner) -> None:
     assert not offer(learner, seal(make_batch(seq=8, samples=4), ALICE), ALICE.peer_id)
 
     async def replay() -> None:
-        batch, _, _ = learner._check(msg, ALICE.peer_id)
+        batch, _, _ = learner.intake.check(msg, ALICE.peer_id)
         assert batch is not None
-        learner._ingest(batch, ALICE.peer_id)  # e.g. delivered again by gap repair
+        learner.intake.ingest(batch, ALICE.peer_id)  # e.g. delivered again by gap repair
 
     trio.run(replay)
     assert learner.buffer.ledger.dropped == {"bad_group": 4, "duplicate": 16}
@@ -82,7 +90,7 @@ def test_one_bad_group_refuses_the_whole_signed_batch(learner: Learner) -> None:
 
 def test_a_validated_message_is_verified_once(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
     """The validator's decoded batch goes to the consumer: one signature check per message."""
-    import echo_node.learner as learner_module
+    import echo_node.intake as learner_module
 
     opened: list[bytes] = []
     real = learner_module.open_envelope
@@ -95,19 +103,25 @@ def test_a_validated_message_is_verified_once(learner: Learner, monkeypatch: pyt
     msgs = [seal(make_batch(seq=s, groups=2), ALICE) for s in range(3)]
     for m in msgs:
         assert offer(learner, m, ALICE.peer_id)
-    assert opened == msgs and len(learner.buffer) == 6 and not learner._checked
+    assert opened == msgs and len(learner.buffer) == 6 and not learner.intake._checked
 
 
 def test_demand_is_split_among_active_peers(learner: Learner) -> None:
     async def go() -> list[int]:
+        for p in list(learner.peers.joined):
+            learner.peers.leave(p)
         out = [learner.demand_groups()]
         for i in range(4):
-            learner.peers.last_seen[f"p{i}"] = trio.current_time()
+            learner.peers.join(f"p{i}", trio.current_time())
+        out.append(learner.demand_groups())
+        # Strangers asking for status are answered but never split the demand (Sybils).
+        for i in range(12):
+            learner.peers.touch(f"sybil{i}", trio.current_time())
         out.append(learner.demand_groups())
         return out
 
     # groups_per_step=8 with 1.5x slack: 12 for a lone peer, 3 each for four.
-    assert trio.run(go) == [12, 3]
+    assert trio.run(go) == [12, 3, 3]
 
 
 def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from echo_node.replay import ReplayBuffer
+from echo_node.replay import ReplayBuffer, group_bytes
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
 from tests.factories import make_group
@@ -112,4 +112,45 @@ def test_a_completion_spanning_versions_is_judged_by_its_oldest_token() -> None:
     # One version later the admitted group's oldest tokens are 5 behind: it ages out.
     assert buf.take(1, current_version=11) == []
     assert buf.ledger.dropped == {"stale": 16}
+    buf.check()
+
+
+def test_a_flood_evicts_the_flooders_own_groups() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=4)
+    buf.offer(make_group(n=1), 0, "honest")
+    for i in range(10):
+        buf.offer(make_group(n=100 + i), 0, "flooder")
+    kept = {buf.origin(g) for g in buf.take(4, 0)}
+    assert kept == {"honest", "flooder"} and buf.ledger.dropped == {"overload": 7 * 8}
+
+
+def test_bytes_are_bounded_as_well_as_groups() -> None:
+    one = group_bytes(make_group(tokens=64))
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=1000, capacity_bytes=3 * one)
+    for i in range(10):
+        buf.offer(make_group(n=i, tokens=64), 0, "p")
+    assert len(buf) == 3 and buf.bytes == 3 * one
+    buf.mark_trained(buf.take(2, 0))
+    assert buf.bytes == one
+    buf.check()
+
+
+def test_one_origin_gets_at_most_its_share_of_a_step_while_others_have_data() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=100, max_share=0.5)
+    for i in range(6):
+        buf.offer(make_group(n=i, version=1), 1, "fast")
+    for i in range(2):
+        buf.offer(make_group(n=10 + i, version=0), 1, "slow")
+    step = buf.take(4, 1)
+    assert sorted(buf.origin(g) for g in step) == ["fast", "fast", "slow", "slow"]
+    # Alone, a peer still fills a whole step.
+    assert [buf.origin(g) for g in buf.take(4, 1)] == ["fast"] * 4
+
+
+def test_a_failed_step_is_counted_not_restored() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=10)
+    for i in range(3):
+        buf.offer(make_group(n=i), 0, "p")
+    buf.mark_failed(buf.take(2, 0), DropReason.TRAIN_ERROR)
+    assert buf.ledger.dropped == {"train_error": 16} and len(buf) == 1
     buf.check()

@@ -1,0 +1,357 @@
+"""The learner's rollout intake: who may publish, what is admitted, and what every drop was.
+
+Dataflow: gossip validator (`validate`: signature, then the run's admission rules) -> consumer
+(`deliver`) -> sequence tracker (duplicates; gaps become repair requests) -> replay buffer.
+
+Rules:
+- Only peers that joined publish. A message from anyone else is a counted `not_joined` drop: a
+  join is what puts a peer in the (bounded) peer table, so everything kept per publisher is
+  bounded by it.
+- A rejected message is a counted drop with its reason and a penalty for its sender (and for the
+  forwarder that relayed it). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
+  are refused and its rollouts dropped as `banned` without being opened. Bans are written to
+  `bans.json` in the run directory and read back at start, so a restart does not forgive them.
+- Eviction never re-admits: the peer table evicts only peers idle for `ACTIVE_WINDOW_S`, and
+  when the sequence tracker has to forget a publisher, a publisher it does not know must bring
+  newer tokens than the learner's version at that moment (an old signed batch, replayed, cannot).
+- Gap repair runs at most `REPAIRS_AT_ONCE` requests at a time, one per publisher, each bounded
+  by `REPAIR_TIMEOUT_S`: peers that accept a repair stream and never answer cost one timeout
+  each, in parallel, not one after the other.
+
+Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
+reason, exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import trio
+
+from echo_node.net import rpc
+from echo_node.replay import ReplayBuffer
+from protocol.admission import RunBounds, judge_batch
+from protocol.drops import DropReason
+from protocol.envelope import open_envelope
+from protocol.errors import RemoteProtocolError
+from protocol.limits import MAX_REPAIR_SEQS
+from protocol.messages import RepairRequest, RepairResponse, RolloutBatch
+from protocol.sequence import Observation, SequenceTracker
+
+log = logging.getLogger(__name__)
+
+# A peer counts as active (for splitting demand, and against eviction) while heard this recently.
+ACTIVE_WINDOW_S = 15.0
+# A publisher that does not answer a repair request within this is treated as gone.
+REPAIR_TIMEOUT_S = 10.0
+REPAIRS_AT_ONCE = 8
+# Verified batches waiting for the consumer; more than a subscription queue's worth means the
+# consumer fell behind and re-checks the rest.
+CHECKED_CACHE = 1024
+# Penalty counts kept for peers that never joined (forwarders, strangers), oldest forgotten
+# first; bans kept at most, the one ending first forgotten first.
+MAX_STRANGERS = 4096
+MAX_BANS = 65536
+
+
+class JoinRefused(Exception):
+    """A join the learner will not take (banned, or the peer table is full of active peers)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(slots=True)
+class PeerBook:
+    """What the learner knows about each peer. Bounded: `max_peers` joined peers (the least
+    recently heard idle one makes room), `MAX_STRANGERS` penalty entries for the rest."""
+
+    max_peers: int = 1024
+    ban_after: int = 3
+    ban_s: float = 600.0
+    # Joined peers -> when last heard (trio time), least recent first. Kept by reference by the
+    # weight sources, which serve only members.
+    joined: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    accepted: Counter[str] = field(default_factory=Counter)
+    penalties: Counter[str] = field(default_factory=Counter)
+    # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process).
+    banned: dict[str, float] = field(default_factory=dict)
+    # Data addresses a dial-back proved (handed to other peers as relays), and why the others
+    # are not (they download and contribute, but are never handed out).
+    relays: dict[str, tuple[str, int]] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+
+    def join(self, peer_id: str, now: float) -> None:
+        """Admit `peer_id` (JoinRefused if banned, or if the table is full of active peers)."""
+        if self.is_banned(peer_id):
+            raise JoinRefused("banned", f"{peer_id} is banned from this run for bad messages")
+        if peer_id not in self.joined and len(self.joined) >= self.max_peers:
+            oldest, seen = next(iter(self.joined.items()))
+            if now - seen <= ACTIVE_WINDOW_S:
+                raise JoinRefused("full", f"this run has {self.max_peers} active peers, the most it takes")
+            self.leave(oldest)
+        self.joined[peer_id] = now
+        self.joined.move_to_end(peer_id)
+
+    def leave(self, peer_id: str) -> None:
+        self.joined.pop(peer_id, None)
+        self.relays.pop(peer_id, None)
+        self.unreachable.pop(peer_id, None)
+        self.accepted.pop(peer_id, None)
+
+    def touch(self, peer_id: str, now: float) -> None:
+        """Heard from a joined peer (a stranger's requests are answered, never counted)."""
+        if peer_id in self.joined:
+            self.joined[peer_id] = now
+            self.joined.move_to_end(peer_id)
+
+    def active(self, now: float) -> int:
+        return sum(1 for t in self.joined.values() if now - t <= ACTIVE_WINDOW_S)
+
+    def penalize(self, peer_id: str) -> bool:
+        """Count one offence; True if it got the peer banned just now."""
+        self.penalties[peer_id] += 1
+        excess = len(self.penalties) - self.max_peers - MAX_STRANGERS
+        if excess > 0:  # forget the oldest strangers' counts (insertion order)
+            for p in [p for p in self.penalties if p not in self.joined and p != peer_id][:excess]:
+                del self.penalties[p]
+        if self.penalties[peer_id] < self.ban_after or self.is_banned(peer_id):
+            return False
+        if len(self.banned) >= MAX_BANS:
+            del self.banned[min(self.banned, key=self.banned.__getitem__)]  # the ban ending first
+        self.banned[peer_id] = time.time() + self.ban_s
+        self.leave(peer_id)
+        return True
+
+    def is_banned(self, peer_id: str) -> bool:
+        until = self.banned.get(peer_id)
+        if until is None:
+            return False
+        if until <= time.time():
+            del self.banned[peer_id]
+            self.penalties.pop(peer_id, None)
+            return False
+        return True
+
+    def score(self, peer_id: str) -> float:
+        """GossipSub's application score: a peer below its graylist threshold is ignored."""
+        return -10.0 * self.penalties.get(peer_id, 0) - (1000.0 if peer_id in self.banned else 0.0)
+
+    def save_bans(self, path: Path) -> None:
+        now = time.time()
+        live = {p: until for p, until in self.banned.items() if until > now}
+        path.write_text(json.dumps(live, indent=1, sort_keys=True))
+
+    def load_bans(self, path: Path) -> None:
+        """Bans of an earlier run of this learner that have not ended. A file that does not
+        parse is an operator's problem worth a warning, not a reason to refuse to start."""
+        if not path.exists():
+            return
+        try:
+            data = json.loads(path.read_text())
+            bans = {str(p): float(t) for p, t in data.items()}
+        except (ValueError, AttributeError, TypeError) as exc:
+            log.warning("ignored %s: %s", path, exc)
+            return
+        now = time.time()
+        self.banned.update({p: t for p, t in bans.items() if t > now})
+
+
+class Gossip(Protocol):
+    """What the intake needs of the libp2p node."""
+
+    async def open_stream(self, peer_id: str, protocol_id: str) -> Any: ...
+
+    def penalize(self, peer_id: str, topic: str) -> None: ...
+
+
+class RolloutIntake:
+    def __init__(
+        self,
+        run: RunBounds,
+        buffer: ReplayBuffer,
+        peers: PeerBook,
+        *,
+        version: Callable[[], int],
+        topic: str,
+        bans_path: Path | None = None,
+        on_first_accept: Callable[[str], None] = lambda peer: None,
+    ) -> None:
+        self.run = run
+        self.buffer = buffer
+        self.peers = peers
+        self.version = version
+        self.topic = topic
+        self.bans_path = bans_path
+        self.on_first_accept = on_first_accept
+        self.node: Gossip | None = None
+        self.tracker = SequenceTracker()
+        # The learner's version when the tracker last forgot a publisher (see the module rules).
+        self._forgot_at = -1
+        # Messages seen missing from a publisher's sequence and never recovered by repair. They
+        # never reached the learner, so they are not in the rollout ledger; counted here instead.
+        self.lost_messages = 0
+        self.arrived = trio.Event()
+        # Batches the gossip validator verified, by their bytes, for the consumer to take.
+        self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
+        self._repairing: set[str] = set()
+        self._repair_slots = trio.CapacityLimiter(REPAIRS_AT_ONCE)
+        if bans_path is not None:
+            peers.load_bans(bans_path)
+
+    # -- checks ----------------------------------------------------------------------------------
+
+    def check(self, data: bytes, origin: str) -> tuple[RolloutBatch | None, DropReason | None, int]:
+        """Verify and judge one message from `origin`: (batch, None, rollouts) to take it, or
+        (batch or None, reason, rollouts to count as dropped)."""
+        if self.peers.is_banned(origin):
+            return None, DropReason.BANNED, 1
+        if origin not in self.peers.joined:
+            log.info("dropped a rollout message from %s, which has not joined the run", origin)
+            return None, DropReason.NOT_JOINED, 1
+        try:
+            batch, _ = open_envelope(data, expected_kind=RolloutBatch, expected_sender=origin)
+        except RemoteProtocolError as exc:
+            log.warning("rejected a rollout message from %s: %s", origin, exc)
+            return None, exc.reason, 1
+        assert isinstance(batch, RolloutBatch)
+        n = batch.num_samples
+        reason = judge_batch(batch, run=self.run, current_version=self.version())
+        if reason is not None:
+            log.warning(
+                "rejected %d rollouts from %s: %s (run %r, newest token version %d, learner at %d)",
+                n, origin, reason, batch.run_id, batch.max_version, self.version(),
+            )
+        return batch, reason, n
+
+    def validate(self, forwarder: str, origin: str, data: bytes) -> bool:
+        """The gossip validator: True passes the message on (to other subscribers and to
+        `deliver`); a refusal is counted, and charged to the origin and the forwarder."""
+        batch, reason, n = self.check(data, origin)
+        if reason is None:
+            assert batch is not None
+            # The consumer takes it from here instead of verifying the signature a second time.
+            self._checked[data] = batch
+            while len(self._checked) > CHECKED_CACHE:
+                self._checked.popitem(last=False)
+            return True
+        self.buffer.reject(reason, n)
+        if reason not in (DropReason.NOT_JOINED, DropReason.BANNED):
+            self.penalize(origin, f"rollout refused: {reason}")
+            if forwarder != origin:
+                self.penalize(forwarder, f"relayed a refused rollout of {origin}")
+        return False
+
+    def penalize(self, peer_id: str, why: str) -> None:
+        if self.peers.penalize(peer_id):
+            log.warning("banned %s for %.0fs: %s", peer_id, self.peers.ban_s, why)
+            self.tracker.forget(peer_id)
+            if self.bans_path is not None:
+                self.peers.save_bans(self.bans_path)
+        if self.node is not None:
+            self.node.penalize(peer_id, self.topic)
+
+    def deliver(self, data: bytes, origin: str) -> None:
+        """Ingest a message the gossip validator passed, as the validator decoded it."""
+        batch = self._checked.pop(data, None)
+        if batch is None:  # fell out of the cache: check it again
+            batch, reason, n = self.check(data, origin)
+            if reason is not None or batch is None:
+                # Valid a moment ago; the peer was banned or evicted since, or the cache
+                # overflowed on a version boundary. Counted, not lost.
+                self.buffer.reject(reason or DropReason.MALFORMED, n)
+                return
+        self.ingest(batch, origin)
+
+    def ingest(self, batch: RolloutBatch, origin: str) -> None:
+        current = self.version()
+        known = origin in self.tracker
+        if not known and batch.max_version <= self._forgot_at:
+            # The tracker may have forgotten this publisher: an old batch is indistinguishable
+            # from a replay, and only newer tokens than at that moment prove it is not one.
+            self.buffer.reject(DropReason.TOO_OLD, batch.num_samples)
+            return
+        forgetting = not known and len(self.tracker) >= self.tracker.capacity
+        observation = self.tracker.observe(origin, batch.seq)
+        if forgetting:
+            self._forgot_at = current
+        if observation is not Observation.NEW:
+            reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
+            self.buffer.reject(reason, batch.num_samples)
+            return
+        self.peers.touch(origin, trio.current_time())
+        for group in batch.groups:
+            if self.buffer.offer(group, current, origin) is not None:
+                continue
+            if not self.peers.accepted[origin]:
+                self.on_first_accept(origin)
+            self.peers.accepted[origin] += len(group.samples)
+            self.arrived.set()
+
+    async def consume(self, messages: Any) -> None:
+        async for msg in messages:
+            self.deliver(msg.data, msg.sender)
+
+    # -- gap repair ------------------------------------------------------------------------------
+
+    async def repair_loop(self, interval_s: float) -> None:
+        async with trio.open_nursery() as nursery:
+            while True:
+                await trio.sleep(interval_s)
+                for peer_id in list(self.peers.joined):
+                    missing = self.tracker.missing(peer_id)
+                    if missing and peer_id not in self._repairing:
+                        self._repairing.add(peer_id)
+                        nursery.start_soon(self._repair_slot, peer_id, missing)
+
+    async def _repair_slot(self, peer_id: str, missing: list[int]) -> None:
+        try:
+            async with self._repair_slots:
+                await self.repair(peer_id, missing)
+        finally:
+            self._repairing.discard(peer_id)
+
+    async def repair(self, peer_id: str, missing: list[int]) -> None:
+        assert self.node is not None
+        request = RepairRequest(run_id=self.run.run_id, peer_id=peer_id, seqs=tuple(missing[:MAX_REPAIR_SEQS]))
+        try:
+            with trio.fail_after(REPAIR_TIMEOUT_S):
+                response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
+        except Exception as exc:
+            # The publisher is gone or will not answer: what it alone held is lost in transit.
+            log.info("gap repair from %s failed (%s); giving up on %d messages", peer_id, exc, len(missing))
+            self.tracker.mark_given_up(peer_id, missing)
+            self.lost_messages += len(missing)
+            return
+        recovered = 0
+        for envelope in response.envelopes:
+            batch, reason, n = self.check(envelope, peer_id)
+            if reason is not None or batch is None:
+                self.buffer.reject(reason or DropReason.MALFORMED, n)
+                self.penalize(peer_id, f"bad repaired rollout: {reason}")
+                continue
+            self.ingest(batch, peer_id)
+            recovered += 1
+        # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
+        # not fit in this response stay missing and are asked for on the next round.
+        self.tracker.mark_given_up(peer_id, list(response.unavailable))
+        self.lost_messages += len(response.unavailable)
+        log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
+
+    # -- demand ----------------------------------------------------------------------------------
+
+    def demand_groups(self, per_version: int, slack: float) -> int:
+        """Groups each joined, active peer should sample per published version: the updates'
+        worth until the next publication, split among them, with slack. Only joined peers
+        count: a status request answers anyone, but a stranger's cannot shrink honest demand."""
+        active = max(1, self.peers.active(trio.current_time()))
+        return max(1, math.ceil(per_version * slack / active))

@@ -1,0 +1,294 @@
+"""The weight data channel's wire protocol: typed, bounded frames and the signed hello. No I/O.
+
+Job: everything a node reads from a data connection is decoded here, with the same strictness as
+the gossip messages (messages.py): a frame is one msgpack array whose first element names its
+kind; the kind fixes the arity and the type and range of every element. Anything else raises
+`RemoteProtocolError`, and nothing else escapes a decoder.
+
+Frames (each a length-prefixed msgpack array on plain TCP; `docs/wire.md` has the byte layout):
+- dialer -> listener, first: `hello` (signed, see `make_hello`).
+- source (the learner) -> peer: `["manifest", sealed manifest, session]` first, then
+  `["peers", [[peer id, host, port], ...]]` and `["none"]` (its queue is empty);
+  `["unavailable", session]` instead of a manifest when it does not serve what was asked.
+  `session` is the learner's signature over the domain and the peer's whole hello: it binds the
+  connection to the learner's key and to this hello's fresh nonce, so the control frames that
+  follow on it (who to dial, "stop asking") come from the learner, not from whoever answered.
+- either side: `["next"]` (source only: hand me the next piece), `["get", index]`,
+  `["piece", index, bytes]`.
+- probe answer: `["reachable", signature over PROBE_DOMAIN + hello]`.
+
+Rules: piece indices lie in [0, pieces of the version); a piece's bytes are at most
+MAX_PIECE_SIZE (the manifest's hash check says whether they are the right ones); `peers` lists at
+most MAX_SWARM_ENTRIES entries of valid peer ids with an IP-literal host and a port, or with
+("", 0) for a peer nobody can dial; control frames (`manifest`, `peers`, `none`, `unavailable`)
+are accepted only on the connection to the source.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Final, TypeAlias
+
+from protocol._wire import pack, unpack_strict
+from protocol.addresses import AddressError, check_data_host, check_port
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity, is_valid_peer_id, peer_id_from_public_key, public_key_from_peer_id, verify
+from protocol.limits import (
+    ED25519_PUBLIC_KEY_BYTES,
+    ED25519_SIGNATURE_BYTES,
+    MAX_PIECE_SIZE,
+    MAX_PIECES,
+    MAX_RUN_ID_LEN,
+    MAX_VERSION,
+)
+
+__all__ = [
+    "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Frame", "Get", "Hello", "HelloChecker",
+    "ManifestFrame", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "Unavailable", "decode_frame", "decode_probe_answer",
+    "encode", "make_hello", "probe_answer", "session_signature", "verify_session",
+]
+
+# A frame is one piece at most plus a small header.
+MAX_WIRE_FRAME: Final = MAX_PIECE_SIZE + 1024
+HELLO_MAX: Final = 1024
+HELLO_TTL_S: Final = 60.0
+# Hellos remembered against replay (each for its lifetime); the oldest is forgotten beyond this.
+MAX_SEEN_NONCES: Final = 65536
+MAX_SWARM_ENTRIES: Final = 1024
+NONCE_BYTES: Final = 16
+# v2: the source binds its answer to the hello (`session`); v1 peers are refused at the hello.
+HELLO_DOMAIN: Final = b"echo-node/v2/data-hello\x00"
+PROBE_DOMAIN: Final = b"echo-node/v2/data-probe\x00"
+SESSION_DOMAIN: Final = b"echo-node/v2/data-session\x00"
+UNAVAILABLE_DOMAIN: Final = b"echo-node/v2/data-unavailable\x00"
+FULL: Final = -1  # the `base` of a full snapshot (a delta names the version it applies to)
+# A hello whose version is PROBE asks the target to prove it listens there (see `probe_answer`).
+PROBE: Final = -1
+
+
+# --- the hello ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    sender: str
+    target: str
+    run_id: str
+    version: int
+    base: int
+    host: str
+    port: int
+    raw: bytes  # the signed bytes as received: what a session or probe answer signs
+
+
+def make_hello(
+    identity: Identity, *, target: str, run_id: str, version: int, base: int = FULL, host: str = "", port: int = 0,
+    now: float, nonce: bytes | None = None,
+) -> bytes:
+    """A signed hello: [body, signature], body = [public key, target, run, version, base, nonce,
+    expiry (float64 seconds since the epoch), host, port]."""
+    body = pack([identity.public_key, target, run_id, version, base, nonce or os.urandom(NONCE_BYTES), float(now + HELLO_TTL_S), host, port])
+    return pack([body, identity.sign(HELLO_DOMAIN + body)])
+
+
+def _hello_fields(data: bytes) -> tuple[bytes, bytes, list[Any]]:
+    if len(data) > HELLO_MAX:
+        raise RemoteProtocolError(f"data-channel hello of {len(data)} bytes exceeds {HELLO_MAX}")
+    outer = unpack_strict(data, what="data-channel hello")
+    if not (isinstance(outer, list) and len(outer) == 2 and isinstance(outer[0], bytes) and isinstance(outer[1], bytes)):
+        raise RemoteProtocolError("malformed data-channel hello: not [body, signature]")
+    body, signature = outer
+    fields = unpack_strict(body, what="data-channel hello body")
+    if not (isinstance(fields, list) and len(fields) == 9):
+        raise RemoteProtocolError("malformed data-channel hello: the body has not 9 fields")
+    public_key, target, run_id, version, base, nonce, expiry, host, port = fields
+    typed = (
+        isinstance(public_key, bytes) and len(public_key) == ED25519_PUBLIC_KEY_BYTES and len(signature) == ED25519_SIGNATURE_BYTES
+        and isinstance(target, str) and is_valid_peer_id(target) and isinstance(run_id, str) and len(run_id) <= MAX_RUN_ID_LEN
+        and _is_int(version, PROBE, MAX_VERSION) and _is_int(base, FULL, MAX_VERSION)
+        and isinstance(nonce, bytes) and len(nonce) == NONCE_BYTES and type(expiry) is float
+        and isinstance(host, str) and _is_int(port, 0, 65535)
+    )
+    if not typed:
+        raise RemoteProtocolError("malformed data-channel hello: a field has the wrong type or range")
+    return body, signature, fields
+
+
+class HelloChecker:
+    """Verifies hellos addressed to `me` for `run_id`; each nonce is accepted once."""
+
+    def __init__(self, me: str, run_id: str) -> None:
+        self.me = me
+        self.run_id = run_id
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+
+    def check(self, data: bytes, now: float) -> Hello:
+        body, signature, fields = _hello_fields(data)
+        public_key, target, run_id, version, base, nonce, expiry, host, port = fields
+        if (host, port) != ("", 0):  # a probe, or a peer nobody can dial, names no address
+            try:
+                host, port = check_data_host(host, where="hello host"), check_port(port, where="hello port")
+            except AddressError as exc:
+                raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
+        verify(public_key, signature, HELLO_DOMAIN + body)
+        sender = peer_id_from_public_key(public_key)
+        if target != self.me or run_id != self.run_id:
+            raise RemoteProtocolError(f"hello from {sender} is for another target or run")
+        while self._seen and (next(iter(self._seen.values())) <= now or len(self._seen) >= MAX_SEEN_NONCES):
+            self._seen.popitem(last=False)
+        if not now <= expiry <= now + 2 * HELLO_TTL_S or nonce in self._seen:
+            raise RemoteProtocolError(f"hello from {sender} is expired or replayed")
+        self._seen[nonce] = expiry
+        return Hello(sender, target, run_id, version, base, host, port, data)
+
+
+def _is_int(value: object, lo: int, hi: int) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+def _sign_hello(identity: Identity, domain: bytes, hello: bytes) -> bytes:
+    return identity.sign(domain + hello)
+
+
+def session_signature(identity: Identity, hello: bytes, *, available: bool = True) -> bytes:
+    """The source's proof, on its first frame, that it is the learner answering this hello."""
+    return _sign_hello(identity, SESSION_DOMAIN if available else UNAVAILABLE_DOMAIN, hello)
+
+
+def verify_session(learner_id: str, hello: bytes, signature: bytes, *, available: bool = True) -> None:
+    """RemoteProtocolError unless `signature` is the learner's session signature over `hello`."""
+    verify(public_key_from_peer_id(learner_id), signature, (SESSION_DOMAIN if available else UNAVAILABLE_DOMAIN) + hello)
+
+
+def probe_answer(identity: Identity, hello: bytes) -> bytes:
+    return encode(Reachable(_sign_hello(identity, PROBE_DOMAIN, hello)))
+
+
+def decode_probe_answer(data: bytes, peer_id: str, hello: bytes) -> None:
+    """RemoteProtocolError unless `data` is `peer_id`'s answer to our probe `hello`."""
+    frame = unpack_strict(data, what="probe answer")
+    if not (isinstance(frame, list) and len(frame) == 2 and frame[0] == "reachable" and isinstance(frame[1], bytes)):
+        raise RemoteProtocolError("not a probe answer")
+    verify(public_key_from_peer_id(peer_id), frame[1], PROBE_DOMAIN + hello)
+
+
+# --- frames -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    index: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Next:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class NoMore:
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PeerEntry:
+    peer_id: str
+    host: str  # "" with port 0: listed, but nobody can dial it
+    port: int
+
+
+@dataclass(frozen=True, slots=True)
+class Peers:
+    entries: tuple[PeerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFrame:
+    sealed: bytes
+    session: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Unavailable:
+    session: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reachable:
+    signature: bytes
+
+
+Frame: TypeAlias = Piece | Get | Next | NoMore | Peers | ManifestFrame | Unavailable | Reachable
+_KINDS: Final[dict[type, str]] = {
+    Piece: "piece", Get: "get", Next: "next", NoMore: "none", Peers: "peers", ManifestFrame: "manifest",
+    Unavailable: "unavailable", Reachable: "reachable",
+}
+_FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "none", "unavailable"})
+
+
+def encode(frame: Frame) -> bytes:
+    """The msgpack array of `frame` (the caller length-prefixes it)."""
+    kind = _KINDS[type(frame)]
+    if isinstance(frame, Piece):
+        return pack([kind, frame.index, frame.data])
+    if isinstance(frame, Get):
+        return pack([kind, frame.index])
+    if isinstance(frame, Peers):
+        return pack([kind, [[e.peer_id, e.host, e.port] for e in frame.entries]])
+    if isinstance(frame, ManifestFrame):
+        return pack([kind, frame.sealed, frame.session])
+    if isinstance(frame, (Unavailable,)):
+        return pack([kind, frame.session])
+    if isinstance(frame, Reachable):
+        return pack([kind, frame.signature])
+    return pack([kind])
+
+
+def decode_frame(data: bytes, *, num_pieces: int = MAX_PIECES, from_source: bool = False) -> Frame:
+    """One frame read from a data connection (see the module rules)."""
+    if len(data) > MAX_WIRE_FRAME:
+        raise RemoteProtocolError(f"data frame of {len(data)} bytes exceeds {MAX_WIRE_FRAME}")
+    frame = unpack_strict(data, what="data frame")
+    if not (isinstance(frame, list) and frame and isinstance(frame[0], str)):
+        raise RemoteProtocolError("malformed data frame: not an array starting with its kind")
+    kind, args = frame[0], frame[1:]
+    if kind in _FROM_SOURCE_ONLY and not from_source:
+        raise RemoteProtocolError(f"a {kind!r} frame from a peer that is not the source")
+    if kind == "piece" and len(args) == 2 and _is_int(args[0], 0, num_pieces - 1) and isinstance(args[1], bytes):
+        if len(args[1]) > MAX_PIECE_SIZE:
+            raise RemoteProtocolError(f"piece of {len(args[1])} bytes exceeds {MAX_PIECE_SIZE}")
+        return Piece(args[0], args[1])
+    if kind == "get" and len(args) == 1 and _is_int(args[0], 0, num_pieces - 1):
+        return Get(args[0])
+    if kind == "next" and not args:
+        return Next()
+    if kind == "none" and not args:
+        return NoMore()
+    if kind == "peers" and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= MAX_SWARM_ENTRIES:
+        return Peers(tuple(_peer_entry(e) for e in args[0]))
+    if kind == "manifest" and len(args) == 2 and isinstance(args[0], bytes) and isinstance(args[1], bytes):
+        return ManifestFrame(args[0], args[1])
+    if kind == "unavailable" and len(args) == 1 and isinstance(args[0], bytes):
+        return Unavailable(args[0])
+    raise RemoteProtocolError(f"malformed data frame of kind {kind[:32]!r}")
+
+
+def _peer_entry(entry: object) -> PeerEntry:
+    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str) and is_valid_peer_id(entry[0])
+            and isinstance(entry[1], str) and _is_int(entry[2], 0, 65535)):
+        raise RemoteProtocolError("malformed peers entry")
+    peer_id, host, port = entry
+    if (host, port) == ("", 0):
+        return PeerEntry(peer_id, host, port)
+    try:
+        return PeerEntry(peer_id, check_data_host(host, where="peers entry"), check_port(port, where="peers entry"))
+    except AddressError as exc:
+        raise RemoteProtocolError(str(exc)) from None
