@@ -37,32 +37,46 @@ import os
 import socket
 import time
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Container, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import msgpack
 import trio
 
 from echo_node.net.framing import read_frame, write_frame
-from protocol.addresses import AddressError, check_data_host, check_port
+from protocol.datachannel import (
+    FULL,
+    HELLO_MAX,
+    MAX_SWARM_ENTRIES,
+    MAX_WIRE_FRAME,
+    PROBE,
+    Frame,
+    Get,
+    Hello,
+    HelloChecker,
+    ManifestFrame,
+    Next,
+    NoMore,
+    PeerEntry,
+    Peers,
+    Piece,
+    NotServed,
+    decode_frame,
+    decode_probe_answer,
+    encode,
+    make_hello,
+    probe_answer,
+    session_signature,
+    verify_session,
+)
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
-from protocol.identity import Identity, peer_id_from_public_key, public_key_from_peer_id, verify
+from protocol.identity import Identity
 from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
 
 log = logging.getLogger(__name__)
 
-# Frames are one piece at most plus a small header; pieces are at most 4 MiB (protocol.limits).
-MAX_WIRE_FRAME = 4 * 1024 * 1024 + 1024
-HELLO_MAX = 1024
-HELLO_DOMAIN = b"echo-node/v1/data-hello\x00"
-HELLO_TTL_S = 60.0
-# A hello whose version is PROBE asks the target to prove it listens there: it answers with its
-# signature over the hello (fresh nonce: no replay) and closes.
-PROBE = -1
-PROBE_DOMAIN = b"echo-node/v1/data-probe\x00"
 # What a vanished peer looks like on a data connection: handled as "this link is gone".
 LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 # A peer asks the source for another piece only while fewer than this many piece-pushes wait in
@@ -82,68 +96,21 @@ STALL_S = 3.0
 # A connection for a version this node has not started yet waits this long for it (the dialer
 # may have seen the announcement first).
 ROUTE_WAIT_S = 5.0
-MAX_SWARM_ENTRIES = 1024
-
-
-FULL = -1  # the `base` of a full snapshot (a delta names the version it applies to)
+# A data link on which nothing was sent or received for this long is closed.
+LINK_IDLE_S = 60.0
+# What a peer may make us queue towards it by asking (`get`, `next`) without reading: beyond
+# this many bytes, it is disconnected rather than buffered.
+LINK_QUEUE_PIECES = 8
+LINK_QUEUE_MIN_BYTES = 1 << 20
+# A peer that sent a bad piece or a bad frame is refused on the data channel this long; at most
+# this many bans are kept (the one ending first is forgotten first).
+DATA_BAN_S = 600.0
+MAX_DATA_BANS = 4096
 
 
 def base_of(manifest: WeightManifest) -> int:
     """The routing base of a manifest: FULL, or the version its delta applies to."""
     return FULL if manifest.base_version is None else manifest.base_version
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    sender: str
-    target: str
-    run_id: str
-    version: int
-    base: int
-    host: str
-    port: int
-
-
-def make_hello(
-    identity: Identity, *, target: str, run_id: str, version: int, base: int = FULL, host: str = "", port: int = 0
-) -> bytes:
-    body = msgpack.packb([identity.public_key, target, run_id, version, base, os.urandom(16), time.time() + HELLO_TTL_S, host, port])
-    return msgpack.packb([body, identity.sign(HELLO_DOMAIN + body)])
-
-
-class HelloChecker:
-    """Verifies hellos addressed to `me` for `run_id`; each nonce is accepted once."""
-
-    def __init__(self, me: str, run_id: str) -> None:
-        self.me = me
-        self.run_id = run_id
-        self._seen: dict[bytes, float] = {}
-
-    def check(self, data: bytes) -> Hello:
-        try:
-            body, signature = msgpack.unpackb(data)
-            public_key, target, run_id, version, base, nonce, expiry, host, port = msgpack.unpackb(body)
-            typed = (isinstance(version, int) and isinstance(base, int) and isinstance(nonce, bytes) and isinstance(expiry, float)
-                     and isinstance(host, str) and isinstance(port, int) and isinstance(target, str))
-        except Exception as exc:
-            raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
-        if not typed or not isinstance(public_key, bytes) or not isinstance(signature, bytes):
-            raise RemoteProtocolError("malformed data-channel hello")
-        try:
-            if (host, port) != ("", 0):  # a probe names no address of its own
-                host, port = check_data_host(host, where="hello host"), check_port(port, where="hello port")
-        except AddressError as exc:
-            raise RemoteProtocolError(f"malformed data-channel hello: {exc}") from None
-        verify(public_key, signature, HELLO_DOMAIN + body)
-        sender = peer_id_from_public_key(public_key)
-        now = time.time()
-        self._seen = {n: t for n, t in self._seen.items() if t > now}
-        if target != self.me or run_id != self.run_id:
-            raise RemoteProtocolError(f"hello from {sender} is for another target or run")
-        if not now <= expiry <= now + 2 * HELLO_TTL_S or nonce in self._seen:
-            raise RemoteProtocolError(f"hello from {sender} is expired or replayed")
-        self._seen[nonce] = expiry
-        return Hello(sender, target, run_id, version, base, host, port)
 
 
 @dataclass
@@ -153,34 +120,56 @@ class Stats:
     bad_pieces: dict[str, int] = field(default_factory=dict)
 
 
-def encode_frame(*frame: Any) -> bytes:
-    """A length-prefixed msgpack array, ready for the wire."""
-    return encode_length_prefixed(msgpack.packb(list(frame)), max_len=MAX_WIRE_FRAME)
+def encode_frame(frame: Frame) -> bytes:
+    """A length-prefixed frame, ready for the wire."""
+    return encode_length_prefixed(encode(frame), max_len=MAX_WIRE_FRAME)
+
+
+class LinkOverflow(RemoteProtocolError):
+    """The peer keeps asking but does not read: it is disconnected rather than buffered."""
 
 
 class Link:
-    """One data connection; frames are msgpack arrays, sent by one task so they never interleave."""
+    """One data connection; frames are typed (protocol.datachannel), sent by one task so they
+    never interleave.
 
-    def __init__(self, stream: trio.abc.Stream, remote: str, stats: Stats, on_sent: Callable[[], None] | None = None) -> None:
+    Bounds: what the remote makes us queue by asking (`answer`) is capped at `queue_cap` bytes
+    (LinkOverflow past it); what we push on our own (relays) is at most one copy of each piece of
+    the version per link. A link idle both ways for LINK_IDLE_S ends."""
+
+    def __init__(
+        self, stream: trio.abc.Stream, remote: str, stats: Stats, on_sent: Callable[[], None] | None = None, *,
+        num_pieces: int, piece_size: int, from_source: bool = False,
+    ) -> None:
         self.stream = stream
         self.remote = remote
         self.stats = stats
         self.on_sent = on_sent
-        # Unbounded in count, bounded in practice: pieces enter only via the backpressured
-        # source pull (at most BACKLOG_PIECES waiting) or as answers to our own requests.
+        self.num_pieces = num_pieces
+        self.from_source = from_source
+        self.queue_cap = max(LINK_QUEUE_MIN_BYTES, LINK_QUEUE_PIECES * piece_size)
         self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes]](math.inf)
         self.queued_pieces = 0
+        self.queued_bytes = 0
+        self.last_active = trio.current_time()
         if isinstance(stream, trio.SocketStream):
             # The backlog check only sees our own queue; a multi-MB kernel send buffer would
             # hide a slow uplink behind it and let that peer keep taking pieces from the source.
             stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
-    def send(self, *frame: Any) -> None:
-        self.send_packed(frame[0] == "piece", encode_frame(*frame))
+    def send(self, frame: Frame) -> None:
+        self.send_packed(isinstance(frame, Piece), encode_frame(frame))
+
+    def answer(self, frame: Frame) -> None:
+        """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks."""
+        if self.queued_bytes > self.queue_cap:
+            raise LinkOverflow(f"{self.remote} asks without reading ({self.queued_bytes} bytes queued)")
+        self.send(frame)
 
     def send_packed(self, is_piece: bool, data: bytes) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
         self.queued_pieces += is_piece
+        self.queued_bytes += len(data)
         self._send.send_nowait((is_piece, data))
 
     async def sender(self) -> None:
@@ -189,33 +178,37 @@ class Link:
                 await self.stream.send_all(data)
             except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
+            self.queued_bytes -= len(data)
+            self.last_active = trio.current_time()
             if is_piece:
                 self.queued_pieces -= 1
                 self.stats.bytes_up += len(data)
                 if self.on_sent is not None:
                     self.on_sent()
 
-    async def frames(self) -> Any:
+    async def frames(self) -> AsyncIterator[Frame]:
+        """Decoded frames until the link ends (closed, idle, or cut mid-frame); a frame that does
+        not decode raises RemoteProtocolError."""
         # Buffered: one read brings many small frames (requests, haves) or most of a piece; a
         # read per length prefix and per 64 KiB was ~10 % of a rollout peer's core in async mode.
         reader = LengthPrefixedReader(max_len=MAX_WIRE_FRAME)
         while True:
             try:
                 while (data := reader.next_message()) is None:
-                    chunk = await self.stream.receive_some(min(MAX_READ_BYTES, max(MIN_READ_BYTES, reader.missing)))
+                    with trio.move_on_at(self.last_active + LINK_IDLE_S) as idle:
+                        chunk = await self.stream.receive_some(min(MAX_READ_BYTES, max(MIN_READ_BYTES, reader.missing)))
+                    if idle.cancelled_caught:
+                        if trio.current_time() >= self.last_active + LINK_IDLE_S:
+                            return
+                        continue  # we sent meanwhile: not idle
                     if not chunk:
                         reader.feed_eof()  # raises if the stream stopped inside a frame
                         return
+                    self.last_active = trio.current_time()
                     reader.feed(chunk)
             except (RemoteProtocolError, *LINK_ERRORS):
                 return
-            try:
-                frame = msgpack.unpackb(data)
-            except Exception:
-                raise RemoteProtocolError(f"{self.remote} sent an undecodable frame") from None
-            if not isinstance(frame, list) or not frame or not isinstance(frame[0], str):
-                raise RemoteProtocolError(f"{self.remote} sent a malformed frame")
-            yield frame
+            yield decode_frame(data, num_pieces=self.num_pieces, from_source=self.from_source)
 
     def close(self) -> None:
         self._send.close()
@@ -277,6 +270,11 @@ class DataServer:
         self.host = advertise_host or bind_host
         self.port = port
         self.checker = HelloChecker(identity.peer_id, run_id)
+        # Peers caught sending a bad piece or frame -> wall-clock end of their ban, for every
+        # version this node serves or fetches; `on_ban` tells the owner (the learner penalizes).
+        self.bans: dict[str, float] = {}
+        self.ban_s = DATA_BAN_S
+        self.on_ban: Callable[[str, str], None] | None = None
         self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
         # Asked for a (version, base) that is not registered while the version is: the owner may
@@ -294,8 +292,27 @@ class DataServer:
 
     def hello(self, *, target: str, version: int, base: int = FULL) -> bytes:
         return make_hello(
-            self.identity, target=target, run_id=self.run_id, version=version, base=base, host=self.host, port=self.port
+            self.identity, target=target, run_id=self.run_id, version=version, base=base, host=self.host, port=self.port,
+            now=time.time(),
         )
+
+    def ban(self, peer_id: str, why: str) -> None:
+        """Refuse `peer_id` on the data channel for `ban_s`, across versions."""
+        if self.is_banned(peer_id):
+            return
+        while len(self.bans) >= MAX_DATA_BANS:
+            del self.bans[min(self.bans, key=self.bans.__getitem__)]
+        self.bans[peer_id] = time.time() + self.ban_s
+        log.warning("banned %s from the data channel for %.0fs: %s", peer_id, self.ban_s, why)
+        if self.on_ban is not None:
+            self.on_ban(peer_id, why)
+
+    def is_banned(self, peer_id: str) -> bool:
+        until = self.bans.get(peer_id)
+        if until is not None and until <= time.time():
+            del self.bans[peer_id]
+            return False
+        return until is not None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.bind_host)
@@ -308,18 +325,23 @@ class DataServer:
         try:
             with trio.fail_after(10):
                 raw = await read_frame(stream, max_len=HELLO_MAX)
-                hello = self.checker.check(raw)
+                hello = self.checker.check(raw, time.time())
                 if hello.version == PROBE:
-                    await write_frame(stream, msgpack.packb(["reachable", self.identity.sign(PROBE_DOMAIN + raw)]))
+                    await write_frame(stream, probe_answer(self.identity, raw))
                     await stream.aclose()
                     return
+            if self.is_banned(hello.sender):
+                raise RemoteProtocolError(f"{hello.sender} is banned from this node's data channel")
             handler = await self._route(hello.version, hello.base)
             if handler is None:
                 # "unavailable" lets a peer asking for a delta fall back to the full snapshot at
-                # once instead of waiting out a timeout.
-                await write_frame(stream, msgpack.packb(["unavailable"]))
+                # once instead of waiting out a timeout; signed, so nobody else can say it.
+                await write_frame(stream, encode(NotServed(session_signature(self.identity, raw, available=False))))
                 raise RemoteProtocolError(f"{hello.sender} asked for {hello.version}/{hello.base}, which is not served here")
             await handler.serve(stream, hello)
+        except Misbehaved as exc:
+            self.ban(hello.sender, str(exc))
+            await stream.aclose()
         except (RemoteProtocolError, trio.TooSlowError, *LINK_ERRORS) as exc:
             log.info("data connection closed: %s", exc)
             await stream.aclose()
@@ -368,61 +390,56 @@ class Source:
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         if hello.sender not in self.members:
             raise RemoteProtocolError(f"{hello.sender} is not a member of this run")
-        link = Link(stream, hello.sender, self.stats)
+        manifest = self.store.manifest
+        link = Link(stream, hello.sender, self.stats, num_pieces=manifest.num_pieces, piece_size=manifest.piece_size)
+        misbehaved: RemoteProtocolError | None = None
         async with stream, trio.open_nursery() as nursery:
             nursery.start_soon(link.sender)
-            link.send("manifest", self.sealed_manifest)
+            link.send(ManifestFrame(self.sealed_manifest, session_signature(self.identity, hello.raw)))
             # Frozen for this version, so every member hears the same about each other.
             host, port = self.relays.get(hello.sender, ("", 0))
-            entry = [hello.sender, host, port]
-            others = [[p, h, pt] for p, (h, pt) in self.swarm.items() if p != hello.sender]
-            link.send("peers", [entry, *others][:MAX_SWARM_ENTRIES])
+            entry = PeerEntry(hello.sender, host, port)
+            others = [PeerEntry(p, h, pt) for p, (h, pt) in self.swarm.items() if p != hello.sender]
+            link.send(Peers(tuple([entry, *others][:MAX_SWARM_ENTRIES])))
             for other in self._links.values():
-                other.send("peers", [entry])
+                other.send(Peers((entry,)))
             self.swarm[hello.sender] = (host, port)
             self._links[hello.sender] = link
             try:
                 await self.gate.wait()
                 async for frame in link.frames():
-                    if frame[0] == "next":
+                    if isinstance(frame, Next):
                         self._send_next(link)
-                    elif frame[0] == "get" and len(frame) == 2 and isinstance(frame[1], int):
-                        self._send_piece(link, frame[1])
+                    elif isinstance(frame, Get):
+                        self._send_piece(link, frame.index)
+                    # A piece pushed to the source is of no use to it; harmless, ignored.
             except RemoteProtocolError as exc:
-                log.warning("data connection from %s: %s", hello.sender, exc)
+                misbehaved = exc
             finally:
                 self._links.pop(hello.sender, None)
                 self.swarm.pop(hello.sender, None)
                 link.close()
                 nursery.cancel_scope.cancel()
+        if misbehaved is not None:
+            raise Misbehaved(f"{hello.sender}: {misbehaved}")
 
     def _send_next(self, link: Link) -> None:
         if self.queue:
             self._send_piece(link, self.queue.popleft())
         else:
-            link.send("none")
+            link.answer(NoMore())
 
     def _send_piece(self, link: Link, index: int) -> None:
         data = self.store.get(index)
         if data is not None:
-            link.send("piece", index, data)
+            link.answer(Piece(index, data))  # type: ignore[arg-type]  (a read-only view packs as bin)
+
+
+class Misbehaved(RemoteProtocolError):
+    """A peer sent a frame that breaks the protocol on an established data link: banned."""
 
 
 Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
-
-
-def _peers_entry(entry: Any) -> tuple[str, str, int]:
-    """One [peer id, host, port] of a source's swarm list; port 0 (host "") = not dialable."""
-    if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
-            and isinstance(entry[1], str) and type(entry[2]) is int):
-        raise RemoteProtocolError("malformed peers entry")
-    peer_id, host, port = entry
-    if (host, port) == ("", 0):
-        return peer_id, host, port
-    try:
-        return peer_id, check_data_host(host, where="peers entry"), check_port(port, where="peers entry")
-    except AddressError as exc:
-        raise RemoteProtocolError(str(exc)) from None
 
 
 async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
@@ -469,6 +486,8 @@ class Receiver:
         await self._run_link(stream, hello.sender)
 
     async def _dial(self, peer_id: str, host: str, port: int) -> None:
+        if self.server.is_banned(peer_id):
+            return
         try:
             stream = await self.connect(host, port)
             hello = self.server.hello(target=peer_id, version=self.manifest.version, base=base_of(self.manifest))
@@ -478,14 +497,11 @@ class Receiver:
             return
         await self._run_link(stream, peer_id)
 
-    def _add_peers(self, entries: Any) -> None:
-        if not isinstance(entries, list):
-            raise RemoteProtocolError("peers frame is not a list")
-        checked = [_peers_entry(e) for e in entries[:MAX_SWARM_ENTRIES]]
-        for peer_id, host, port in checked:
+    def _add_peers(self, entries: tuple[PeerEntry, ...]) -> None:
+        for peer_id, host, port in ((e.peer_id, e.host, e.port) for e in entries):
             if peer_id == self.identity.peer_id:
                 self.reachable = port != 0
-        for peer_id, host, port in checked:
+        for peer_id, host, port in ((e.peer_id, e.host, e.port) for e in entries):
             if peer_id == self.identity.peer_id or peer_id in self.members:
                 continue
             self.members.add(peer_id)
@@ -497,8 +513,10 @@ class Receiver:
         self._members_changed = trio.Event()
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
+        m = self.manifest
         try:
-            link = Link(stream, remote, self.stats, on_sent=self._refill_source)
+            link = Link(stream, remote, self.stats, on_sent=self._refill_source, num_pieces=m.num_pieces,
+                        piece_size=m.piece_size, from_source=remote == self.source_id)
         except LINK_ERRORS:
             return  # gone before the first byte
         self.links[remote] = link
@@ -509,12 +527,18 @@ class Receiver:
                     self._refill_source()
                 else:
                     for index in self.relaying:  # what this peer missed before the link existed
-                        link.send("piece", index, self.store.get(index))
+                        link.send(Piece(index, self.store.get(index)))  # type: ignore[arg-type]
                 try:
                     async for frame in link.frames():
                         self._on_frame(link, frame)
                 except RemoteProtocolError as exc:
-                    log.warning("data connection with %s: %s", remote, exc)
+                    # A bad frame or piece, or asking without reading: cut and refused for a
+                    # while, for every version (the learner's link is bound to its key: only
+                    # logged).
+                    if remote == self.source_id:
+                        log.warning("data connection with the learner: %s", exc)
+                    else:
+                        self.server.ban(remote, str(exc))
                 nursery.cancel_scope.cancel()
         finally:
             link.close()
@@ -524,19 +548,21 @@ class Receiver:
 
     # -- frames ------------------------------------------------------------------------------
 
-    def _on_frame(self, link: Link, frame: list[Any]) -> None:
-        kind = frame[0]
-        if kind == "piece" and len(frame) == 3 and isinstance(frame[1], int) and isinstance(frame[2], bytes):
-            self._on_piece(link, frame[1], frame[2])
-        elif kind == "get" and len(frame) == 2 and isinstance(frame[1], int):
-            data = self.store.get(frame[1])
+    def _on_frame(self, link: Link, frame: Frame) -> None:
+        """One decoded frame (control frames only ever come from the source: `Link` checks)."""
+        if isinstance(frame, Piece):
+            self._on_piece(link, frame.index, frame.data)
+        elif isinstance(frame, Get):
+            data = self.store.get(frame.index)
             if data is not None:
-                link.send("piece", frame[1], data)
-        elif kind == "none" and link.remote == self.source_id:
+                link.answer(Piece(frame.index, data))  # type: ignore[arg-type]
+        elif isinstance(frame, NoMore):
             self._source_empty = True
             self._source_outstanding = 0
-        elif kind == "peers" and len(frame) == 2 and link.remote == self.source_id:
-            self._add_peers(frame[1])
+        elif isinstance(frame, Peers):
+            self._add_peers(frame.entries)
+        elif not isinstance(frame, Next):
+            raise RemoteProtocolError(f"unexpected {type(frame).__name__} frame on an established link")
         self._wake.set()
 
     def _on_piece(self, link: Link, index: int, data: bytes) -> None:
@@ -545,10 +571,9 @@ class Receiver:
         try:
             new = self.store.put(index, data)
         except RemoteProtocolError as exc:
-            log.warning("bad piece %d from %s: %s", index, link.remote, exc)
             self.stats.bad_pieces[link.remote] = self.stats.bad_pieces.get(link.remote, 0) + 1
             self.swarm.received(link.remote, index, False, now)
-            return
+            raise RemoteProtocolError(f"bad piece {index}: {exc}") from None
         self.swarm.received(link.remote, index, True, now)
         if link.remote != self.source_id:
             self.swarm.peer_has(link.remote, [index])
@@ -560,7 +585,7 @@ class Receiver:
             if from_source:
                 # First receiver of a piece the source handed out: relay it to everyone now.
                 self.relaying.append(index)
-                frame = encode_frame("piece", index, data)
+                frame = encode_frame(Piece(index, data))
                 for other in list(self.links.values()):
                     if other.remote != self.source_id:
                         other.send_packed(True, frame)
@@ -576,7 +601,7 @@ class Receiver:
             return
         backlog = max((l.queued_pieces for l in self.links.values() if l is not source), default=0)
         while self._source_outstanding < SOURCE_PIPELINE and backlog < BACKLOG_PIECES:
-            source.send("next")
+            source.send(Next())
             self._source_outstanding += 1
 
     # -- the download loop --------------------------------------------------------------------
@@ -592,11 +617,17 @@ class Receiver:
             # Events that free our relay backlog (a dead link removed) must also reopen the
             # pull from the source, or a peer waits on pushes that will never come.
             self._refill_source()
-            quiet = trio.current_time() - self._last_progress
-            if (self._source_empty and quiet >= ENDGAME_QUIET_S) or quiet >= STALL_S:
-                self._repair(trio.current_time())
+            now = trio.current_time()
+            # Repair from whoever has what we lack once the source is empty and the pushes went
+            # quiet, or when nothing arrived for STALL_S; then at the swarm's own deadlines.
+            quiet = ENDGAME_QUIET_S if self._source_empty else STALL_S
+            wake_at = self._last_progress + quiet
+            if now >= wake_at:
+                self._repair(now)
+                deadline = self.swarm.next_deadline()
+                wake_at = now + quiet if deadline is None else min(deadline, now + quiet)
             self._wake = trio.Event()
-            with trio.move_on_after(0.1):
+            with trio.move_on_at(wake_at):
                 await self._wake.wait()
         return self.store.payload()
 
@@ -606,7 +637,7 @@ class Receiver:
             if link is None:
                 continue
             if isinstance(action, Request):
-                link.send("get", action.index)
+                link.send(Get(action.index))
             elif isinstance(action, Cancel):
                 pass  # a late copy is still verified and counted; nothing to tell the sender
 
@@ -665,14 +696,19 @@ async def open_version(
 ) -> tuple[WeightManifest, trio.abc.Stream]:
     """The handshake with the learner: our hello, its signed manifest (checked) or `Unavailable`."""
     stream = await connect(host, port)
-    await write_frame(stream, server.hello(target=learner_id, version=version, base=base))
-    first = msgpack.unpackb(await read_frame(stream, max_len=MAX_WIRE_FRAME))
-    if first == ["unavailable"]:
+    hello = server.hello(target=learner_id, version=version, base=base)
+    await write_frame(stream, hello)
+    first = decode_frame(await read_frame(stream, max_len=MAX_WIRE_FRAME), from_source=True)
+    if isinstance(first, NotServed):
         await stream.aclose()
+        verify_session(learner_id, hello, first.session, available=False)
         raise Unavailable(f"the learner does not offer version {version} against base {base}")
-    if not (isinstance(first, list) and len(first) == 2 and first[0] == "manifest" and isinstance(first[1], bytes)):
+    if not isinstance(first, ManifestFrame):
         raise RemoteProtocolError("the learner's data channel did not start with a manifest")
-    manifest = open_manifest(first[1], learner_peer_id=learner_id, run_id=server.run_id)
+    # Whoever answered at the learner's address must hold its key and answer this very hello:
+    # the control frames that follow on this connection are then the learner's.
+    verify_session(learner_id, hello, first.session)
+    manifest = open_manifest(first.sealed, learner_peer_id=learner_id, run_id=server.run_id)
     manifest_base = base_of(manifest)
     if (manifest.version, manifest_base) != (version, base) or (
         weights_sha256 is not None and manifest.weights_sha256 != weights_sha256
@@ -689,7 +725,7 @@ async def probe(
     Returns when it did; raises ProbeFailed saying why not (the caller bounds it with a
     deadline: behind a NAT that drops inbound connections, the dial simply never answers).
     """
-    hello = make_hello(identity, target=peer_id, run_id=run_id, version=PROBE)
+    hello = make_hello(identity, target=peer_id, run_id=run_id, version=PROBE, now=time.time())
     try:
         stream = await connect(host, port)
     except OSError as exc:
@@ -697,13 +733,11 @@ async def probe(
     async with stream:
         try:
             await write_frame(stream, hello)
-            answer = msgpack.unpackb(await read_frame(stream, max_len=HELLO_MAX))
-        except (RemoteProtocolError, ValueError, *LINK_ERRORS) as exc:
+            answer = await read_frame(stream, max_len=HELLO_MAX)
+        except (RemoteProtocolError, *LINK_ERRORS) as exc:
             raise ProbeFailed(f"{host}:{port} did not answer the probe ({exc})") from None
-    if not (isinstance(answer, list) and len(answer) == 2 and answer[0] == "reachable" and isinstance(answer[1], bytes)):
-        raise ProbeFailed(f"{host}:{port} answered something else than a probe answer")
     try:
-        verify(public_key_from_peer_id(peer_id), answer[1], PROBE_DOMAIN + hello)
+        decode_probe_answer(answer, peer_id, hello)
     except (RemoteProtocolError, ValueError) as exc:
         raise ProbeFailed(f"{host}:{port} is not {peer_id} ({exc})") from None
 

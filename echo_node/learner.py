@@ -123,6 +123,10 @@ class Learner:
         self.data = DataServer(
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
         )
+        self.data.ban_s = cfg.net.ban_s
+        # A peer the data channel caught misbehaving is also charged here: its rollouts and
+        # joins are refused once it runs out of strikes.
+        self.data.on_ban = lambda peer, why: self.intake.penalize(peer, f"data channel: {why}")
         self.served = Served(self.data, cfg.net.keep_versions)
         self.sources: dict[tuple[int, int], Source] = {}
         self.bytes_served = 0

@@ -112,6 +112,7 @@ class RolloutPeer:
         self.data = DataServer(
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
         )
+        self.data.ban_s = cfg.net.ban_s
         self.served = Served(self.data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
         # The newest verified weights this peer holds (running or about to be swapped in), as
@@ -465,6 +466,7 @@ class RolloutPeer:
             top_p=s.top_p,
             seed=self.rng.getrandbits(31),
             swap=self._take_pending if self.spec.sync_mode == "async" else None,
+            max_new_tokens=s.max_new_tokens,  # the learner refuses longer completions
         )
 
     async def _publish(self, scored: list[ScoredGroup]) -> None:

@@ -46,7 +46,7 @@ from protocol.limits import (
 
 __all__ = [
     "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Frame", "Get", "Hello", "HelloChecker",
-    "ManifestFrame", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "Unavailable", "decode_frame", "decode_probe_answer",
+    "ManifestFrame", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed", "decode_frame", "decode_probe_answer",
     "encode", "make_hello", "probe_answer", "session_signature", "verify_session",
 ]
 
@@ -217,7 +217,7 @@ class ManifestFrame:
 
 
 @dataclass(frozen=True, slots=True)
-class Unavailable:
+class NotServed:
     session: bytes
 
 
@@ -226,10 +226,10 @@ class Reachable:
     signature: bytes
 
 
-Frame: TypeAlias = Piece | Get | Next | NoMore | Peers | ManifestFrame | Unavailable | Reachable
+Frame: TypeAlias = Piece | Get | Next | NoMore | Peers | ManifestFrame | NotServed | Reachable
 _KINDS: Final[dict[type, str]] = {
     Piece: "piece", Get: "get", Next: "next", NoMore: "none", Peers: "peers", ManifestFrame: "manifest",
-    Unavailable: "unavailable", Reachable: "reachable",
+    NotServed: "unavailable", Reachable: "reachable",
 }
 _FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "none", "unavailable"})
 
@@ -245,7 +245,7 @@ def encode(frame: Frame) -> bytes:
         return pack([kind, [[e.peer_id, e.host, e.port] for e in frame.entries]])
     if isinstance(frame, ManifestFrame):
         return pack([kind, frame.sealed, frame.session])
-    if isinstance(frame, (Unavailable,)):
+    if isinstance(frame, (NotServed,)):
         return pack([kind, frame.session])
     if isinstance(frame, Reachable):
         return pack([kind, frame.signature])
@@ -277,7 +277,7 @@ def decode_frame(data: bytes, *, num_pieces: int = MAX_PIECES, from_source: bool
     if kind == "manifest" and len(args) == 2 and isinstance(args[0], bytes) and isinstance(args[1], bytes):
         return ManifestFrame(args[0], args[1])
     if kind == "unavailable" and len(args) == 1 and isinstance(args[0], bytes):
-        return Unavailable(args[0])
+        return NotServed(args[0])
     raise RemoteProtocolError(f"malformed data frame of kind {kind[:32]!r}")
 
 

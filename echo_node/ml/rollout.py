@@ -47,13 +47,15 @@ def generate_groups(
     top_p: float = 1.0,
     seed: int | None = None,
     swap: SwapHook | None = None,
+    max_new_tokens: int | None = None,
 ) -> list[ScoredGroup]:
-    """`swap`: the engine's hook for weights that arrive mid-generation (see `Engine.generate`)."""
+    """`swap`: the engine's hook for weights that arrive mid-generation (see `Engine.generate`).
+    `max_new_tokens`: the run's (its spec's), which the learner enforces; default the task's."""
     prompt_ids = [tokenizer.encode_prompt(p) for p in prompts]
     batch = [ids for ids in prompt_ids for _ in range(group_size)]
     gens = engine.generate(
         batch,
-        max_new_tokens=task.max_new_tokens,
+        max_new_tokens=task.max_new_tokens if max_new_tokens is None else max_new_tokens,
         temperature=temperature,
         top_p=top_p,
         seed=seed,

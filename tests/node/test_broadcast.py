@@ -5,6 +5,7 @@ killed mid-transfer costs the others only re-requests, and only swarm members ar
 from __future__ import annotations
 
 import os
+import time
 from functools import partial
 
 import msgpack
@@ -12,18 +13,8 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.broadcast import (
-    BACKLOG_PIECES,
-    DataServer,
-    HelloChecker,
-    ProbeFailed,
-    Receiver,
-    Source,
-    Unavailable,
-    fetch_version,
-    make_hello,
-    probe,
-)
+from echo_node.broadcast import BACKLOG_PIECES, DataServer, ProbeFailed, Receiver, Source, Unavailable, fetch_version, probe
+from protocol.datachannel import HelloChecker, Next, decode_frame, make_hello
 from protocol import Identity, seal
 from protocol.delta import decode_delta, encode_delta
 from protocol.errors import RemoteProtocolError
@@ -153,7 +144,9 @@ def test_a_corrupt_piece_is_refused_before_use_and_its_sender_penalized() -> Non
             raise AssertionError("a bad piece must never be relayed")
 
     async def main() -> None:
-        r._on_piece(Relay(), 3, b"\0" * PIECE)  # type: ignore[arg-type]
+        # Raised to the link's reader, which cuts the link and bans the sender (tests/adversarial).
+        with pytest.raises(RemoteProtocolError, match="bad piece 3"):
+            r._on_piece(Relay(), 3, b"\0" * PIECE)  # type: ignore[arg-type]
 
     trio.run(main)
     assert r.store.get(3) is None
@@ -163,20 +156,21 @@ def test_a_corrupt_piece_is_refused_before_use_and_its_sender_penalized() -> Non
 
 def test_hellos_from_strangers_replays_and_other_targets_are_refused() -> None:
     checker = HelloChecker(LEARNER.peer_id, "run-1")
-    hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=7, host="10.0.0.2", port=4000)
-    parsed = checker.check(hello)
+    now = time.time()
+    hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=7, host="10.0.0.2", port=4000, now=now)
+    parsed = checker.check(hello, now)
     assert (parsed.sender, parsed.version, parsed.host, parsed.port) == (PEERS[0].peer_id, 7, "10.0.0.2", 4000)
     with pytest.raises(RemoteProtocolError, match="replayed"):
-        checker.check(hello)
+        checker.check(hello, now)
     with pytest.raises(RemoteProtocolError, match="another target"):
-        checker.check(make_hello(PEERS[0], target=PEERS[2].peer_id, run_id="run-1", version=7))
+        checker.check(make_hello(PEERS[0], target=PEERS[2].peer_id, run_id="run-1", version=7, now=now), now)
     with pytest.raises(RemoteProtocolError, match="another target or run"):
-        checker.check(make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-2", version=7))
+        checker.check(make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-2", version=7, now=now), now)
     with pytest.raises(RemoteProtocolError):
-        checker.check(b"garbage")
+        checker.check(b"garbage", now)
     # A member list is enforced by the version's handler: the learner serves only joined peers.
     source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, [PEERS[0].peer_id])
-    stranger = checker.check(make_hello(PEERS[1], target=LEARNER.peer_id, run_id="run-1", version=7))
+    stranger = checker.check(make_hello(PEERS[1], target=LEARNER.peer_id, run_id="run-1", version=7, now=now), now)
 
     async def main() -> None:
         a, _ = trio.testing.memory_stream_pair()
@@ -211,7 +205,7 @@ def test_a_freed_relay_backlog_reopens_the_pull_from_the_source() -> None:
             nursery.cancel_scope.cancel()
 
     trio.run(main)
-    assert sent[:2] == [(LEARNER.peer_id, ("next",)), (LEARNER.peer_id, ("next",))]
+    assert sent[:2] == [(LEARNER.peer_id, (Next(),)), (LEARNER.peer_id, (Next(),))]
 
 
 def test_a_peer_holding_the_base_fetches_the_delta_and_others_fall_back_to_full() -> None:
@@ -291,17 +285,20 @@ def test_a_dial_back_proves_who_listens_where() -> None:
 )
 def test_hellos_naming_an_address_nobody_can_dial_are_refused(host: str, port: int) -> None:
     checker = HelloChecker(LEARNER.peer_id, "run-1")
-    hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=1, host=host, port=port)
+    try:
+        hello = make_hello(PEERS[0], target=LEARNER.peer_id, run_id="run-1", version=1, host=host, port=port, now=time.time())
+    except OverflowError:
+        return  # not even encodable (msgpack's ints end at 2**64): nothing a peer can send
     with pytest.raises(RemoteProtocolError, match="malformed data-channel hello"):
-        checker.check(hello)
+        checker.check(hello, time.time())
 
 
 def test_a_source_swarm_list_with_a_bad_address_is_refused_whole() -> None:
-    r = Receiver(DataServer(PEERS[1], "run-1"), MANIFEST, source_id=LEARNER.peer_id)
-    for entry in (["p", "a..b", 1], ["p", "10.0.0.1", 70000], ["p", "", 5], ["p", "0.0.0.0", 4002], ["p", "10.0.0.1", True]):
+    p = PEERS[2].peer_id
+    for entry in (["p", "10.0.0.1", 4000], [p, "a..b", 1], [p, "10.0.0.1", 70000], [p, "", 5], [p, "0.0.0.0", 4002],
+                  [p, "10.0.0.1", True]):
         with pytest.raises(RemoteProtocolError):
-            r._add_peers([entry])
-    assert r.members == {LEARNER.peer_id}
+            decode_frame(msgpack.packb(["peers", [[PEERS[0].peer_id, "10.0.0.2", 4000], entry]]), from_source=True)
 
 
 # What a hostile (or confused) listener at a joiner's data address may answer a dial-back with.
