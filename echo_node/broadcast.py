@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import aclosing
 import os
 import socket
 import time
@@ -202,11 +203,10 @@ class Link:
                             return
                         continue  # we sent meanwhile: not idle
                     if not chunk:
-                        reader.feed_eof()  # raises if the stream stopped inside a frame
-                        return
+                        return  # closed, maybe inside a frame: a vanished peer looks the same
                     self.last_active = trio.current_time()
-                    reader.feed(chunk)
-            except (RemoteProtocolError, *LINK_ERRORS):
+                    reader.feed(chunk)  # RemoteProtocolError for a length beyond any frame
+            except LINK_ERRORS:
                 return
             yield decode_frame(data, num_pieces=self.num_pieces, from_source=self.from_source)
 
@@ -407,12 +407,13 @@ class Source:
             self._links[hello.sender] = link
             try:
                 await self.gate.wait()
-                async for frame in link.frames():
-                    if isinstance(frame, Next):
-                        self._send_next(link)
-                    elif isinstance(frame, Get):
-                        self._send_piece(link, frame.index)
-                    # A piece pushed to the source is of no use to it; harmless, ignored.
+                async with aclosing(link.frames()) as frames:
+                    async for frame in frames:
+                        if isinstance(frame, Next):
+                            self._send_next(link)
+                        elif isinstance(frame, Get):
+                            self._send_piece(link, frame.index)
+                        # A piece pushed to the source is of no use to it; harmless, ignored.
             except RemoteProtocolError as exc:
                 misbehaved = exc
             finally:
@@ -529,8 +530,9 @@ class Receiver:
                     for index in self.relaying:  # what this peer missed before the link existed
                         link.send(Piece(index, self.store.get(index)))  # type: ignore[arg-type]
                 try:
-                    async for frame in link.frames():
-                        self._on_frame(link, frame)
+                    async with aclosing(link.frames()) as frames:
+                        async for frame in frames:
+                            self._on_frame(link, frame)
                 except RemoteProtocolError as exc:
                     # A bad frame or piece, or asking without reading: cut and refused for a
                     # while, for every version (the learner's link is bound to its key: only
@@ -696,11 +698,21 @@ async def open_version(
 ) -> tuple[WeightManifest, trio.abc.Stream]:
     """The handshake with the learner: our hello, its signed manifest (checked) or `Unavailable`."""
     stream = await connect(host, port)
+    try:
+        return await _handshake(server, stream, learner_id=learner_id, version=version, base=base, weights_sha256=weights_sha256)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise
+
+
+async def _handshake(
+    server: DataServer, stream: trio.abc.Stream, *, learner_id: str, version: int, base: int, weights_sha256: bytes | None
+) -> tuple[WeightManifest, trio.abc.Stream]:
     hello = server.hello(target=learner_id, version=version, base=base)
     await write_frame(stream, hello)
     first = decode_frame(await read_frame(stream, max_len=MAX_WIRE_FRAME), from_source=True)
     if isinstance(first, NotServed):
-        await stream.aclose()
         verify_session(learner_id, hello, first.session, available=False)
         raise Unavailable(f"the learner does not offer version {version} against base {base}")
     if not isinstance(first, ManifestFrame):
