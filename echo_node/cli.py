@@ -28,7 +28,8 @@ def _common(p: argparse.ArgumentParser, *, role: str) -> None:
 
 def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap", action="append", default=None, metavar="MULTIADDR", help="bootstrap peer (repeatable)")
-    p.add_argument("--run-id", default=None)
+    p.add_argument("--run-id", default=None, metavar="RUN_ID[@LEARNER_PEER_ID]", help="the run (with @PEER_ID: only that learner)")
+    p.add_argument("--learner", default=None, metavar="PEER_ID", help="join only the learner with this peer id (it prints it when ready)")
     p.add_argument("--config", type=Path, default=None, help="run.toml with the config tree")
     p.add_argument("--model", default=None, metavar="PATH", help="local Hugging Face model directory")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this process (default 1)")
@@ -96,6 +97,7 @@ def _config(args: argparse.Namespace) -> Any:
         net__data_port=args.data_port,
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
+        net__learner=getattr(args, "learner", None),
         model__path=args.model,
         rl__mode=getattr(args, "mode", None),
         rl__staleness=getattr(args, "staleness", None),

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from echo_node.ml import defaults as ml_defaults
 from protocol.addresses import AddressError, check_announce, check_data_host, parse_tcp_multiaddr
+from protocol.identity import is_valid_peer_id
 
 SyncMode = Literal["pull", "async"]
 Correction = Literal["tis", "decoupled", "none"]
@@ -37,6 +38,9 @@ class NetConfig:
     # next to the listen port, for other peers to fetch weights from this node.
     data_port: int = 0
     bootstrap: list[str] = field(default_factory=list)
+    # A rollout peer joins only the learner with this peer id (also written as the run address
+    # RUN_ID@PEER_ID). Without it, any provider record for the run id may be an impostor.
+    learner: str | None = None
     # A joining peer retries the bootstrap list with exponential backoff until this deadline.
     join_deadline_s: float = 60.0
     backoff_initial_s: float = 0.25
@@ -208,6 +212,8 @@ def validate_net(net: NetConfig) -> None:
         raise ValueError(str(exc)) from None
     if not 0 <= net.data_port <= 65535:
         raise ValueError(f"net.data_port must be a TCP port (0 for any), got {net.data_port}")
+    if net.learner is not None and not is_valid_peer_id(net.learner):
+        raise ValueError(f"net.learner {net.learner!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
     if net.max_peers < 1 or net.ban_after < 1 or not net.ban_s >= 0:
         raise ValueError(f"net.max_peers and net.ban_after must be >= 1, net.ban_s >= 0 (got {net.max_peers}, {net.ban_after}, {net.ban_s})")
 
@@ -234,6 +240,14 @@ def load_config(path: Path | None = None, **overrides: Any) -> RunConfig:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
+    # A run address RUN_ID@PEER_ID pins the learner; an explicit net.learner must agree.
+    run = data.get("run_id")
+    if isinstance(run, str) and "@" in run:
+        data["run_id"], pin = run.split("@", 1)
+        net = data.setdefault("net", {})
+        if net.get("learner") not in (None, pin):
+            raise ValueError(f"run address {run!r} names learner {pin}, but net.learner is {net['learner']}")
+        net["learner"] = pin
     return _build(RunConfig, data, "")
 
 

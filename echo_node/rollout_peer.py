@@ -35,7 +35,7 @@ from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_provider
+from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_providers
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic, versions_topic
@@ -191,10 +191,39 @@ class RolloutPeer:
         deadline = trio.current_time() + net.join_deadline_s
         await connect_bootstrap(self.node, net.bootstrap, deadline_s=net.join_deadline_s, backoff=backoff)
         remaining = max(0.0, deadline - trio.current_time())
-        learner = await find_provider(
-            self.node, provider_key(self.cfg.run_id), what=f"learner for run {self.cfg.run_id!r}", deadline_s=remaining, backoff=backoff
+        pin = net.learner
+        candidates = await find_providers(
+            self.node, provider_key(self.cfg.run_id), what=f"learner for run {self.cfg.run_id!r}", deadline_s=remaining,
+            backoff=backoff, pin=pin,
         )
+        # Anyone can announce a run id: without a pin, every record is tried, and a learner is
+        # taken only if its join response (on a stream authenticated to its peer id) is for
+        # this run and names itself as the run's learner.
+        failures: list[str] = []
+        for learner in candidates:
+            try:
+                join = await self._join_learner(learner)
+            except (JoinError, rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
+                log.info("learner candidate %s refused: %s", learner.peer_id, exc)
+                failures.append(f"{learner.peer_id}: {exc}")
+                continue
+            break
+        else:
+            raise JoinError(f"no learner of run {self.cfg.run_id!r} took this peer: " + "; ".join(failures))
         self.learner = learner
+        self._join = join
+        self.spec = join.spec
+        self.policy = await trio.to_thread.run_sync(
+            peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, self.model_path
+        )
+        self.engine = TorchEngine(self.policy.model, eos_id=self.policy.tokenizer.eos_id, pad_id=self.policy.tokenizer.pad_id)
+        self.engine.version = -1
+        log.info(
+            "joined run %s (mode %s, S=%d) via learner %s (%s; %d provider record(s) found)", self.cfg.run_id,
+            self.spec.sync_mode, self.spec.staleness, learner.peer_id, "pinned" if pin else "not pinned", len(candidates),
+        )
+
+    async def _join_learner(self, learner: PeerAddr) -> JoinResponse:
         try:
             await self.node.connect(learner)
         except DialError as exc:
@@ -208,15 +237,8 @@ class RolloutPeer:
                 JoinResponse,
             )
         if join.spec.run_id != self.cfg.run_id or join.spec.learner_peer_id != learner.peer_id:
-            raise JoinError(f"learner {learner.peer_id} answered with a spec for another run")
-        self._join = join
-        self.spec = join.spec
-        self.policy = await trio.to_thread.run_sync(
-            peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, self.model_path
-        )
-        self.engine = TorchEngine(self.policy.model, eos_id=self.policy.tokenizer.eos_id, pad_id=self.policy.tokenizer.pad_id)
-        self.engine.version = -1
-        log.info("joined run %s (mode %s, S=%d) via learner %s", self.cfg.run_id, self.spec.sync_mode, self.spec.staleness, learner.peer_id)
+            raise JoinError(f"learner {learner.peer_id} answered with a spec for another run or learner")
+        return join
 
     # -- weights ---------------------------------------------------------------------------------
 

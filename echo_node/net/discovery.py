@@ -91,18 +91,30 @@ async def connect_bootstrap(
     raise JoinError(f"could not reach any bootstrap peer within {deadline_s:g}s: tried {tried}")
 
 
-async def find_provider(
-    node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff()
-) -> PeerAddr:
-    """Look a provider record up until one appears (the learner may still be warming up)."""
+async def find_providers(
+    node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
+) -> list[PeerAddr]:
+    """Look provider records up until one appears (the learner may still be warming up); with
+    `pin`, until the record of that peer id appears, and only it is returned. Anyone can
+    announce a run id, so without a pin the caller must try each and check what it says."""
     with trio.move_on_after(deadline_s):
         for delay in backoff.delays():
             try:
-                found = await node.find_providers(key)
+                found = list(await node.find_providers(key))
             except Exception as exc:
                 log.info("provider lookup for %s failed (%s); retrying", what, exc)
                 found = []
+            if pin is not None:
+                found = [p for p in found if p.peer_id == pin]
             if found:
-                return found[0]
+                return found
             await trio.sleep(delay)
-    raise JoinError(f"no {what} found in the DHT within {deadline_s:g}s")
+    pinned = f" with peer id {pin}" if pin is not None else ""
+    raise JoinError(f"no {what}{pinned} found in the DHT within {deadline_s:g}s")
+
+
+async def find_provider(
+    node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
+) -> PeerAddr:
+    """The first of `find_providers`."""
+    return (await find_providers(node, key, what=what, deadline_s=deadline_s, backoff=backoff, pin=pin))[0]

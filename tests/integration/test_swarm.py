@@ -114,9 +114,9 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
 def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> None:
     run_id = "it-pull"
     cluster.start_bootstrap()
-    learner, _ = cluster.start_learner(run_id, "--mode", "pull", "--seconds", str(SECONDS))
+    learner, ready = cluster.start_learner(run_id, "--mode", "pull", "--seconds", str(SECONDS))
     for i in range(3):
-        cluster.start_peer(f"peer{i}", run_id)
+        cluster.start_peer(f"peer{i}", f"{run_id}@{ready['peer_id']}")  # pinned: no impostor can take them
     assert learner.proc.wait(SECONDS + 90) == 0
     s = summary(cluster, run_id)
     assert_ledger(s)
