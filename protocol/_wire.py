@@ -12,12 +12,29 @@ from typing import Any
 import msgpack
 
 from protocol.errors import RemoteProtocolError
-from protocol.limits import MAX_CONFIG_KEYS, MAX_STR, MAX_WIRE_ARRAY
+from protocol.limits import MAX_CONFIG_KEYS, MAX_STR, MAX_WIRE_ARRAY, MAX_WIRE_ARRAYS
 
 
 def pack(obj: Any) -> bytes:
     # use_bin_type keeps bytes and str distinct on the wire; floats always pack as float64.
     return msgpack.packb(obj, use_bin_type=True)
+
+
+class _ArrayBudget:
+    """Counts arrays as the unpacker builds them and stops it past `MAX_WIRE_ARRAYS`: one byte
+    of msgpack (0x90) is a whole Python list (~64 B), so without this a 451-byte zstd frame of
+    4 MB of nested empty arrays built ~266 MB of lists before anything could refuse it."""
+
+    __slots__ = ("left",)
+
+    def __init__(self) -> None:
+        self.left = MAX_WIRE_ARRAYS
+
+    def __call__(self, items: list[Any]) -> list[Any]:
+        self.left -= 1
+        if self.left < 0:
+            raise ValueError(f"more than {MAX_WIRE_ARRAYS} arrays in one message")
+        return items
 
 
 def unpack_strict(data: bytes, *, what: str) -> Any:
@@ -28,6 +45,7 @@ def unpack_strict(data: bytes, *, what: str) -> Any:
             raw=False,  # str must be valid UTF-8
             strict_map_key=True,  # map keys only str/bytes; our maps then require str
             use_list=True,
+            list_hook=_ArrayBudget(),
             max_str_len=MAX_STR,
             max_array_len=MAX_WIRE_ARRAY,
             max_map_len=MAX_CONFIG_KEYS,

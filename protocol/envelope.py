@@ -33,7 +33,7 @@ from protocol.drops import DropReason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import decode_frame, encode_frame
 from protocol.identity import Identity, peer_id_from_public_key, verify
-from protocol.limits import ED25519_PUBLIC_KEY_BYTES, ED25519_SIGNATURE_BYTES
+from protocol.limits import ED25519_PUBLIC_KEY_BYTES, ED25519_SIGNATURE_BYTES, MAX_SEALED_BYTES
 from protocol.messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -133,7 +133,10 @@ def seal(message: Message, identity: Identity) -> bytes:
         public_key=identity.public_key,
         signature=identity.sign(signing_input(kind, payload)),
     )
-    return encode_frame(pack(envelope.to_wire()))
+    sealed = pack(envelope.to_wire())
+    if len(sealed) > MAX_SEALED_BYTES:
+        raise LocalProtocolError(f"{kind} of {len(sealed)} B exceeds MAX_SEALED_BYTES={MAX_SEALED_BYTES}; split it")
+    return encode_frame(sealed)
 
 
 @overload
@@ -156,7 +159,7 @@ def open_envelope(
     sender, payload bounds, non-canonical payload, or an author field naming someone else.
     """
     want = expected_kind_name(expected_kind)
-    envelope = SignedEnvelope.from_wire(unpack_strict(decode_frame(frame), what="envelope"))
+    envelope = SignedEnvelope.from_wire(unpack_strict(decode_frame(frame, max_size=MAX_SEALED_BYTES), what="envelope"))
     if want is not None and envelope.kind != want:
         raise RemoteProtocolError(f"expected a {want!r} message, got {envelope.kind!r}")
     envelope.verify()

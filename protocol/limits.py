@@ -24,6 +24,12 @@ MAX_FRAME_BYTES: Final = 256 * 1024
 # real rollout frames compress ~2-4x, token ids and float64 log-probs are not very redundant).
 MAX_DECOMPRESSED_BYTES: Final = 4 * 1024 * 1024
 
+# A sealed message (signed envelope, before compression) is at most one frame's worth: every
+# sealed kind fits (a rollout batch's groups are at most ROLLOUT_BATCH_BYTES, a manifest's
+# digests at most MAX_PIECES * 34 B), and a gossip frame then costs at most this much msgpack
+# to decode, however well it compresses.
+MAX_SEALED_BYTES: Final = MAX_FRAME_BYTES
+
 # One request/response message on an authenticated stream (uncompressed msgpack, length-prefixed).
 # Same cap as a decompressed frame: a repair response carrying several sealed frames fits.
 MAX_MESSAGE_BYTES: Final = 4 * 1024 * 1024
@@ -79,6 +85,10 @@ MAX_PEER_ID_LEN: Final = 128
 # Generic list bound (also the largest msgpack array a decoder accepts).
 MAX_LIST: Final = 4096
 MAX_WIRE_ARRAY: Final = max(MAX_LIST, MAX_TOKENS_PER_SEQUENCE)
+# Arrays in one decoded message, all levels together. A rollout batch (the most array-dense
+# message) holds 4 per sample and at least ~24 encoded bytes per sample, so one filled to
+# ROLLOUT_BATCH_BYTES has ~33k; a peers frame has 1025.
+MAX_WIRE_ARRAYS: Final = 65536
 
 # Model / tokenizer config dicts in the run spec: str keys; values are scalars, lists of scalars,
 # or one level of nested dict (HF configs have e.g. `rope_scaling: {...}`).

@@ -95,8 +95,10 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 4  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
-# 4: a join request names the peer's data address, and data hosts are IP literals
+SCHEMA_VERSION: Final = 5  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+# 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
+# message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
+# channel's hello moved to v2 with it)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
