@@ -34,13 +34,12 @@ from __future__ import annotations
 import logging
 import math
 from contextlib import aclosing
-import os
 import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 

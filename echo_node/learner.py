@@ -18,7 +18,6 @@ import math
 import sys
 import time
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TextIO
 
@@ -45,8 +44,6 @@ from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
-    RepairRequest,
-    RepairResponse,
     RolloutGroup,
     RunSpec,
     SamplingParams,

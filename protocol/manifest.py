@@ -45,7 +45,7 @@ from protocol.limits import (
     MIN_PIECE_SIZE,
     SHA256_BYTES,
 )
-from protocol.messages import WireMessage, _fail, _int, _run_id, _seq, _set, _sha256, _short, _str
+from protocol.fields import WireMessage, _fail, _int, _run_id, _seq, _set, _sha256, _short, _str
 
 __all__ = [
     "CODECS",

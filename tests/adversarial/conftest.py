@@ -1,1 +1,3 @@
-from tests.node.conftest import learner  # noqa: F401  (the same real learner, host not started)
+from tests.node.conftest import learner
+
+__all__ = ["learner"]  # the same real learner fixture (host built, not started)
