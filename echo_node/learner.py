@@ -17,13 +17,13 @@ import logging
 import math
 import sys
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from functools import partial
 from typing import Any, TextIO
 
 import trio
 
-from echo_node.broadcast import FULL, DataServer, ProbeFailed, Served, Source, base_of, probe
+from echo_node.broadcast import DataServer, ProbeFailed, probe
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
@@ -33,14 +33,13 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.weights.publisher import WeightPublisher
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
 from protocol.addresses import is_loopback, unroutable_reason
-from protocol.delta import encode_delta, estimate_delta_ratio
 from protocol.envelope import seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
-from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
@@ -57,18 +56,6 @@ from protocol.limits import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
-# A version is also offered as a lossless delta against the previous one when that saves at
-# least this share of the bytes (bf16 weights after an RL step: ~97%; fp32: ~55%, not worth
-# the learner's encode time). After a delta that did not pay, try again this many versions on,
-# doubling the wait after each miss up to the cap; a delta that pays resets it. A delta is only
-# cut when a sampled estimate says it may pay: on the default model the estimate takes 5.6 ms,
-# the cut 79 ms on a quiet core (0.2-0.3 s next to training, py-spy), and retries every 50
-# versions of full cuts were ~6 % of the learner's core on a run whose deltas never pay. The
-# estimate errs high by a few % of the size, hence the slack.
-DELTA_MIN_SAVING = 0.7
-DELTA_RETRY_VERSIONS = 50
-DELTA_RETRY_MAX_VERSIONS = 3200
-DELTA_ESTIMATE_SLACK = 0.05
 # Ask for this much more than one update consumes, so that jitter or a lost message never
 # leaves the learner waiting; the excess is what the staleness rule drops.
 DEMAND_SLACK = 1.5
@@ -80,20 +67,6 @@ PROBES_AT_ONCE = 8
 # Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
 # until it joins again, and a flood of joins cannot queue tasks without bound.
 MAX_PENDING_PROBES = 256
-# Pieces of a version this small are 256 KiB, not 64: each piece costs ~1-2 ms of request,
-# framing and hashing on loopback, and a rollout peer fetched the 3.4 MB default model in 96 ms
-# with 64 KiB pieces, 46 ms with 256 KiB (it fetches every version in async mode). Big versions
-# keep 64 KiB pieces: there the WAN pipeline fill (peers x piece / rate) is what counts.
-SMALL_VERSION_BYTES = 16 << 20
-SMALL_VERSION_PIECE = 256 << 10
-
-
-def piece_size_for(payload_size: int) -> int:
-    if payload_size <= SMALL_VERSION_BYTES:
-        return choose_piece_size(payload_size, SMALL_VERSION_PIECE)
-    return choose_piece_size(payload_size)
-
-
 class Learner:
     def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
         self.cfg = cfg
@@ -101,8 +74,6 @@ class Learner:
         self.policy = policy
         self.stdout = stdout
         self.version = 0
-        # The newest version peers can fetch: every rl.publish_every-th one.
-        self.published = 0
         # Tables the intake owns, also read here (demand, relays, the summary).
         self.peers = PeerBook(max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s)
         self.buffer = ReplayBuffer(
@@ -124,18 +95,10 @@ class Learner:
         # A peer the data channel caught misbehaving is also charged here: its rollouts and
         # joins are refused once it runs out of strikes.
         self.data.on_ban = lambda peer, why: self.intake.penalize(peer, f"data channel: {why}")
-        self.served = Served(self.data, cfg.net.keep_versions)
-        self.sources: dict[tuple[int, int], Source] = {}
-        self.bytes_served = 0
-        self.deltas_offered = 0
-        # The weights of every version still served, oldest first: the bases deltas are cut
-        # against (a peer that skipped versions names the newest one it holds).
-        self._blobs: OrderedDict[int, bytes] = OrderedDict()
-        self._no_delta: set[tuple[int, int]] = set()
-        self._building: dict[tuple[int, int], trio.Event] = {}
-        self._next_delta_try = 1
-        self._delta_retry = DELTA_RETRY_VERSIONS
-        self.data.resolve = self._delta_on_demand
+        # Every rl.publish_every-th version becomes fetchable (weights.published).
+        self.weights = WeightPublisher(
+            identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
+        )
         self.optimizer = PolicyOptimizer(
             policy.model,
             lr=cfg.rl.lr,
@@ -163,7 +126,7 @@ class Learner:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
         self.metrics = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
-        self._offer_version(0, state_to_bytes(self.policy.model))
+        self.weights.offer(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -219,7 +182,7 @@ class Learner:
             sync_mode=self.cfg.rl.mode,
             staleness=self.cfg.rl.staleness,
             group_size=self.cfg.rl.group_size,
-            current_version=self.published,
+            current_version=self.weights.published,
             learner_peer_id=self.node.peer_id,
         )
 
@@ -300,10 +263,10 @@ class Learner:
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
         self.peers.touch(remote, trio.current_time())
-        manifest = self.sources[(self.published, FULL)].store.manifest
+        manifest = self.weights.manifest(self.weights.published)
         return StatusResponse(
             run_id=self.cfg.run_id,
-            version=self.published,
+            version=self.weights.published,
             weights_size=manifest.weights_size,
             weights_sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
@@ -392,66 +355,8 @@ class Learner:
             log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
         self._write({"event": "train_error", "version": self.version, "groups": len(groups), "origins": origins})
 
-    def _offer_version(self, version: int, blob: bytes) -> Source:
-        """Make `version` fetchable: a signed manifest and a broadcast source on the data server."""
-        manifest = build_manifest(run_id=self.cfg.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)))
-        source = self._offer(manifest, blob)
-        self.served.add(version)
-        self._blobs[version] = blob
-        for old in [v for v in self._blobs if v not in self.served]:
-            del self._blobs[old]
-        for key in [k for k in self.sources if k[0] not in self.served]:
-            self.bytes_served += self.sources.pop(key).stats.bytes_up
-        self._no_delta = {k for k in self._no_delta if k[0] in self.served}
-        return source
-
-    def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
-        source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.peers.joined, self.peers.relays)
-        base = base_of(manifest)
-        self.sources[(manifest.version, base)] = source
-        self.data.register(manifest.version, source, base=base)
-        return source
-
-    async def _offer_delta(self, version: int, base: int) -> Source | None:
-        """Offer `version` as a delta against `base` if both are kept and the delta pays."""
-        blob, previous = self._blobs.get(version), self._blobs.get(base)
-        if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
-            return None
-        if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
-            self._no_delta.add((version, base))
-            return None
-        delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
-        if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
-            self._no_delta.add((version, base))
-            return None
-        full = self.sources[(version, FULL)].store.manifest
-        manifest = build_manifest(
-            run_id=self.cfg.run_id, version=version, payload=delta, codec="xor-zstd", base_version=base,
-            weights_size=full.weights_size, weights_sha256=full.weights_sha256, piece_size=piece_size_for(len(delta)),
-        )
-        self.deltas_offered += 1
-        return self._offer(manifest, delta)
-
-    async def _delta_on_demand(self, version: int, base: int) -> Source | None:
-        """The data server's resolver: a peer asked for `version` against an older `base` than
-        the one offered up front. Cut once, then served to every peer that asks (and relayed)."""
-        key = (version, base)
-        if key in self.sources:
-            return self.sources[key]
-        if self.version < self._next_delta_try:
-            return None  # deltas do not pay now (see _offer_new_version): no encode per request
-        building = self._building.get(key)
-        if building is not None:
-            await building.wait()
-            return self.sources.get(key)
-        self._building[key] = trio.Event()
-        try:
-            return await self._offer_delta(version, base)
-        finally:
-            self._building.pop(key).set()
-
     async def _publish_version(self, blob: bytes) -> None:
-        manifest = await self._offer_new_version(blob)
+        manifest = await self.weights.publish(self.version, blob)
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
             version=self.version,
@@ -460,26 +365,6 @@ class Learner:
             demand_groups=self.demand_groups(),
         )
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
-
-    async def _offer_new_version(self, blob: bytes) -> WeightManifest:
-        """Publish the current version (`blob` is its weights), full and (up front, when it pays)
-        as a delta against the previously published one, which most peers hold. Returns the full
-        snapshot's manifest."""
-        previous = self.published
-        manifest = self._offer_version(self.version, blob).store.manifest
-        self.published = self.version
-        if self.version >= self._next_delta_try:
-            if await self._offer_delta(self.version, previous) is None:
-                # Deltas do not pay now (early training moves every weight; fp32 never pays):
-                # stop cutting them a while, longer after each miss.
-                self._next_delta_try = self.version + self._delta_retry
-                self._delta_retry = min(2 * self._delta_retry, DELTA_RETRY_MAX_VERSIONS)
-            else:
-                self._delta_retry = DELTA_RETRY_VERSIONS
-        return manifest
-
-    def learner_bytes_up(self) -> int:
-        return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         # Trained on version - 1 (self.version is already the one the update produced).
@@ -497,7 +382,7 @@ class Learner:
                 # Wall-clock time, so a benchmark can line a publication up with peers' installs.
                 "wall": round(time.time(), 4),
                 "version": self.version,
-                "published": self.published,
+                "published": self.weights.published,
                 "reward_mean": stats.get("reward_mean", 0.0),
                 "loss": stats.get("loss", 0.0),
                 "groups": len(groups),
@@ -512,8 +397,8 @@ class Learner:
                 "dropped": dict(ledger.dropped),
                 "buffered": self.buffer.buffered_rollouts,
                 "peers": len(self.peers.joined),
-                "learner_bytes_up": self.learner_bytes_up(),
-                "deltas_offered": self.deltas_offered,
+                "learner_bytes_up": self.weights.bytes_up(),
+                "deltas_offered": self.weights.deltas_offered,
                 "lost_messages": self.intake.lost_messages,
                 **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
             }
@@ -549,7 +434,7 @@ class Learner:
             "lost_messages": self.intake.lost_messages,
             "train_errors": self.train_errors,
             "banned": sorted(self.peers.banned),
-            "learner_bytes_up": self.learner_bytes_up(),
+            "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }

@@ -85,7 +85,7 @@ def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: L
             await learner._train_loop()
             nursery.cancel_scope.cancel()
 
-    learner._offer_version(0, b"\0" * 100)
+    learner.weights.offer(0, b"\0" * 100)
     try:
         trio.run(main)
     finally:

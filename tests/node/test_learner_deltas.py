@@ -7,7 +7,7 @@ import torch
 import trio
 
 from echo_node.broadcast import DataServer, Unavailable, open_version, receive_version
-from echo_node import learner as learner_module
+from echo_node.weights import publisher as publisher_module
 from echo_node.learner import Learner
 from echo_node.ml.model import state_to_bytes
 from protocol import Identity
@@ -44,25 +44,25 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
             peer = DataServer(PEER, learner.cfg.run_id)
             await nursery.start(peer.run)
             blobs.append(state_to_bytes(learner.policy.model))
-            learner._offer_version(0, blobs[0])
+            learner.weights.offer(0, blobs[0])
             for step in range(1, 4):
                 blobs.append(next_weights(learner, step))
                 learner.version += 1
-                await learner._offer_new_version(blobs[-1])
-            offered_up_front = learner.deltas_offered
+                await learner.weights.publish(learner.version, blobs[-1])
+            offered_up_front = learner.weights.deltas_offered
             with trio.fail_after(10):
                 base, payload = await fetch(peer, 3, 1)
             assert base == 1 and decode_delta(payload, blobs[1], max_size=len(blobs[3])) == blobs[3]
             assert len(payload) < 0.05 * len(blobs[3])
-            assert learner.deltas_offered == offered_up_front + 1  # cut once, on demand
+            assert learner.weights.deltas_offered == offered_up_front + 1  # cut once, on demand
             with trio.fail_after(10):
                 again, _ = await fetch(peer, 3, 1)
-            assert again == 1 and learner.deltas_offered == offered_up_front + 1  # reused
+            assert again == 1 and learner.weights.deltas_offered == offered_up_front + 1  # reused
             # Two more versions: with keep_versions = 4 the learner keeps 2..5, so base 0 is gone.
             for step in range(4, 6):
                 blobs.append(next_weights(learner, step))
                 learner.version += 1
-                await learner._offer_new_version(blobs[-1])
+                await learner.weights.publish(learner.version, blobs[-1])
             with trio.fail_after(10), pytest.raises(Unavailable):
                 await fetch(peer, 5, 0)
             base, payload = await fetch(peer, 5, 2)
@@ -77,7 +77,7 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
     the first version, then again after 50, 100 and 200 more versions, never per version; the
     estimate says no, so no delta is ever cut."""
     tried: list[int] = []
-    estimate = learner_module.estimate_delta_ratio
+    estimate = publisher_module.estimate_delta_ratio
 
     def counting_estimate(blob: bytes, previous: bytes) -> float:
         tried.append(learner.version)
@@ -87,17 +87,17 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
         raise AssertionError("cut a delta the estimate said would not pay")
 
     async def main() -> None:
-        learner._offer_version(0, state_to_bytes(learner.policy.model))
+        learner.weights.offer(0, state_to_bytes(learner.policy.model))
         for _ in range(400):
             with torch.no_grad():
                 for param in learner.policy.model.parameters():
                     param.add_(torch.randn_like(param) * 1e-2)
             learner.version += 1
-            await learner._offer_new_version(state_to_bytes(learner.policy.model))
+            await learner.weights.publish(learner.version, state_to_bytes(learner.policy.model))
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(learner_module, "estimate_delta_ratio", counting_estimate)
-        mp.setattr(learner_module, "encode_delta", no_encode)
+        mp.setattr(publisher_module, "estimate_delta_ratio", counting_estimate)
+        mp.setattr(publisher_module, "encode_delta", no_encode)
         trio.run(main)
     assert tried == [1, 51, 151, 351]
-    assert learner.deltas_offered == 0
+    assert learner.weights.deltas_offered == 0

@@ -147,7 +147,7 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
                 await learner._train_loop()
             nursery.cancel_scope.cancel()
 
-    learner._offer_version(0, b"\0" * 100)
+    learner.weights.offer(0, b"\0" * 100)
     try:
         trio.run(main)
     finally:
@@ -178,14 +178,14 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
             nursery.cancel_scope.cancel()
         return status
 
-    learner._offer_version(0, b"\0" * 100)
+    learner.weights.offer(0, b"\0" * 100)
     try:
         status = trio.run(main)
     finally:
         learner.metrics.close()
-    assert learner.version == 3 and learner.published == 2
-    assert sorted(v for v, base in learner.sources if base == FULL) == [0, 2]
+    assert learner.version == 3 and learner.weights.published == 2
+    assert sorted(v for v, base in learner.weights.sources if base == FULL) == [0, 2]
     assert status.version == 2
-    assert status.weights_sha256 == learner.sources[(2, FULL)].store.manifest.weights_sha256
+    assert status.weights_sha256 == learner.weights.sources[(2, FULL)].store.manifest.weights_sha256
     assert status.demand_groups == 24  # 8 groups per update, 2 updates per version, 1.5x slack
     assert learner.spec().current_version == 2

@@ -1,0 +1,156 @@
+"""The learner's side of weight sync: each published version becomes a signed manifest and a
+broadcast source on the data channel, full and, when it pays, as a delta.
+
+Rules:
+- Every published version is offered full. It is also offered up front as a delta against the
+  previously published version (which most peers hold) when that saves at least
+  `DELTA_MIN_SAVING` of the bytes; a peer that skipped versions asks for a delta against the
+  newest one it holds, cut on demand once and then served to (and relayed among) every peer that
+  asks.
+- A delta is cut only when a sampled estimate (`estimate_delta_ratio`) says it may pay; after a
+  miss, none is tried for `DELTA_RETRY_VERSIONS` versions, doubling after each further miss up
+  to `DELTA_RETRY_MAX_VERSIONS`; a delta that pays resets the wait. (bf16 weights after an RL
+  step make deltas of a few % of the size; fp32 weights never pay: see benchmarks/results.)
+- The last `keep_versions` versions stay served; older sources are dropped with their bytes.
+- Pieces: `SMALL_VERSION_PIECE` for versions up to `SMALL_VERSION_BYTES` (per-piece costs
+  dominate small versions), the protocol's default above (the WAN pipeline fill dominates).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Mapping
+
+import trio
+
+from echo_node.broadcast import FULL, DataServer, Served, Source, base_of
+from protocol.delta import encode_delta, estimate_delta_ratio
+from protocol.envelope import seal
+from protocol.identity import Identity
+from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
+
+DELTA_MIN_SAVING = 0.7
+DELTA_RETRY_VERSIONS = 50
+DELTA_RETRY_MAX_VERSIONS = 3200
+# The sampled estimate errs high by a few % of the size.
+DELTA_ESTIMATE_SLACK = 0.05
+SMALL_VERSION_BYTES = 16 << 20
+SMALL_VERSION_PIECE = 256 << 10
+
+
+def piece_size_for(payload_size: int) -> int:
+    if payload_size <= SMALL_VERSION_BYTES:
+        return choose_piece_size(payload_size, SMALL_VERSION_PIECE)
+    return choose_piece_size(payload_size)
+
+
+class WeightPublisher:
+    def __init__(
+        self,
+        identity: Identity,
+        run_id: str,
+        data: DataServer,
+        *,
+        members: Container[str],
+        relays: Mapping[str, tuple[str, int]],
+        keep_versions: int,
+    ) -> None:
+        self.identity = identity
+        self.run_id = run_id
+        self.data = data
+        # Live tables of the learner (joined peers, proven data addresses), by reference.
+        self.members = members
+        self.relays = relays
+        self.served = Served(data, keep_versions)
+        self.sources: dict[tuple[int, int], Source] = {}
+        # The newest version peers can fetch.
+        self.published = 0
+        self.bytes_served = 0
+        self.deltas_offered = 0
+        # The weights of every version still served, oldest first: the bases deltas are cut
+        # against (a peer that skipped versions names the newest one it holds).
+        self._blobs: OrderedDict[int, bytes] = OrderedDict()
+        self._no_delta: set[tuple[int, int]] = set()
+        self._building: dict[tuple[int, int], trio.Event] = {}
+        self._next_delta_try = 1
+        self._delta_retry = DELTA_RETRY_VERSIONS
+        data.resolve = self.delta_on_demand
+
+    def offer(self, version: int, blob: bytes) -> Source:
+        """Make `version` fetchable in full: a signed manifest and a broadcast source."""
+        manifest = build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)))
+        source = self._offer(manifest, blob)
+        self.served.add(version)
+        self._blobs[version] = blob
+        for old in [v for v in self._blobs if v not in self.served]:
+            del self._blobs[old]
+        for key in [k for k in self.sources if k[0] not in self.served]:
+            self.bytes_served += self.sources.pop(key).stats.bytes_up
+        self._no_delta = {k for k in self._no_delta if k[0] in self.served}
+        return source
+
+    async def publish(self, version: int, blob: bytes) -> WeightManifest:
+        """Offer `version` (`blob` is its weights) in full and, up front when it pays, as a
+        delta against the previously published one. Returns the full snapshot's manifest."""
+        previous = self.published
+        manifest = self.offer(version, blob).store.manifest
+        self.published = version
+        if version >= self._next_delta_try:
+            if await self._offer_delta(version, previous) is None:
+                self._next_delta_try = version + self._delta_retry
+                self._delta_retry = min(2 * self._delta_retry, DELTA_RETRY_MAX_VERSIONS)
+            else:
+                self._delta_retry = DELTA_RETRY_VERSIONS
+        return manifest
+
+    def manifest(self, version: int) -> WeightManifest:
+        """The full snapshot's manifest of a served version."""
+        return self.sources[(version, FULL)].store.manifest
+
+    def bytes_up(self) -> int:
+        return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())
+
+    async def delta_on_demand(self, version: int, base: int) -> Source | None:
+        """The data server's resolver: a peer asked for `version` against an older `base` than
+        the one offered up front. Cut once, then served to every peer that asks (and relayed)."""
+        key = (version, base)
+        if key in self.sources:
+            return self.sources[key]
+        if self.published < self._next_delta_try:
+            return None  # deltas do not pay now: no encode per request
+        building = self._building.get(key)
+        if building is not None:
+            await building.wait()
+            return self.sources.get(key)
+        self._building[key] = trio.Event()
+        try:
+            return await self._offer_delta(version, base)
+        finally:
+            self._building.pop(key).set()
+
+    def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
+        source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.members, self.relays)
+        base = base_of(manifest)
+        self.sources[(manifest.version, base)] = source
+        self.data.register(manifest.version, source, base=base)
+        return source
+
+    async def _offer_delta(self, version: int, base: int) -> Source | None:
+        """Offer `version` as a delta against `base` if both are kept and the delta pays."""
+        blob, previous = self._blobs.get(version), self._blobs.get(base)
+        if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
+            return None
+        if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
+            self._no_delta.add((version, base))
+            return None
+        delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
+        if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
+            self._no_delta.add((version, base))
+            return None
+        full = self.manifest(version)
+        manifest = build_manifest(
+            run_id=self.run_id, version=version, payload=delta, codec="xor-zstd", base_version=base,
+            weights_size=full.weights_size, weights_sha256=full.weights_sha256, piece_size=piece_size_for(len(delta)),
+        )
+        self.deltas_offered += 1
+        return self._offer(manifest, delta)
