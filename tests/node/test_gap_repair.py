@@ -15,7 +15,7 @@ import trio.testing
 from echo_node.config import RunConfig
 from echo_node.intake import REPAIR_TIMEOUT_S
 from echo_node.learner import Learner
-from echo_node.rollout_peer import RolloutPeer
+from echo_node.rollout_peer import RolloutPublisher
 from protocol import seal
 from tests.factories import ALICE, make_batch
 
@@ -38,7 +38,7 @@ class MemoryPeerStream:
 class Link:
     """Stands in for the learner's libp2p node: each stream opened is served by the peer."""
 
-    def __init__(self, nursery: trio.Nursery, peer: RolloutPeer, learner_id: str) -> None:
+    def __init__(self, nursery: trio.Nursery, peer: RolloutPublisher, learner_id: str) -> None:
         self.nursery, self.peer, self.learner_id = nursery, peer, learner_id
         self.opened = 0
         self.penalized: list[str] = []
@@ -46,7 +46,7 @@ class Link:
     async def open_stream(self, peer_id: str, protocol_id: str) -> MemoryPeerStream:
         self.opened += 1
         ours, theirs = trio.testing.memory_stream_pair()
-        self.nursery.start_soon(self.peer._serve_repair, MemoryPeerStream(theirs, self.learner_id))
+        self.nursery.start_soon(self.peer.serve_repair, MemoryPeerStream(theirs, self.learner_id))
         return MemoryPeerStream(ours, peer_id)
 
     def penalize(self, peer_id: str, topic: str) -> None:
@@ -54,7 +54,7 @@ class Link:
 
 
 def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> None:
-    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
+    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, node=None)
     # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
     sealed = {s: seal(make_batch(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
     peer.history.update({s: sealed[s] for s in (11, 13)})

@@ -13,7 +13,7 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.ml.engine import Generation
 from echo_node.ml.rollout import ScoredGroup
-from echo_node.rollout_peer import RolloutPeer
+from echo_node.rollout_peer import RolloutPublisher
 from protocol import RolloutBatch, open_envelope
 from tests.factories import ALICE
 
@@ -41,13 +41,12 @@ def scored(tokens: int, seed: int) -> ScoredGroup:
 
 
 def test_batches_get_consecutive_seqs_and_an_oversize_group_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
-    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
     node = Recorder()
-    peer.node = node  # type: ignore[assignment]
+    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, node)
     first_seq = peer.seq
     batch = [scored(4, 0), scored(4, 1), scored(4096, 2), scored(4, 3)]
     with caplog.at_level(logging.WARNING, logger="echo_node.rollout_peer"):
-        trio.run(peer._publish, batch)
+        trio.run(peer.publish, batch)
     opened = [open_envelope(m, expected_kind=RolloutBatch, expected_sender=ALICE.peer_id)[0] for m in node.published]
     # In order: the two small groups, (the oversize one alone, dropped), the last small one.
     assert [b.seq for b in opened] == [first_seq, first_seq + 1] and peer.seq == first_seq + 2

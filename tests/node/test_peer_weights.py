@@ -10,7 +10,7 @@ import trio
 from echo_node.broadcast import DataServer, Source
 from echo_node.config import RunConfig
 from echo_node.net.discovery import PeerAddr
-from echo_node.rollout_peer import DELTA_BACKOFF_VERSIONS, RolloutPeer, Target
+from echo_node.weights.follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from protocol import Identity, seal
 from protocol.delta import encode_delta
 from protocol.manifest import build_manifest, payload_digest
@@ -31,9 +31,10 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
                             weights_size=len(v8_b), weights_sha256=full8.weights_sha256, piece_size=PIECE)
     v9 = os.urandom(len(v7))
     full9 = build_manifest(run_id="run-1", version=9, payload=v9, piece_size=PIECE)
-    peer = RolloutPeer(RunConfig(run_id="run-1"), PEER)
+    peer_data = DataServer(PEER, "run-1")
     members = {PEER.peer_id}
     results: list[bytes | None] = []
+    peers: list[WeightFollower] = []
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -42,11 +43,13 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             learner.register(8, Source(LEARNER, delta8, seal(delta8, LEARNER), delta, members), base=7)
             learner.register(9, Source(LEARNER, full9, seal(full9, LEARNER), v9, members))
             await nursery.start(learner.run)
-            await nursery.start(peer.data.run)
+            await nursery.start(peer_data.run)
+            session = SimpleNamespace(
+                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=7)
+            )
+            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
+            peers.append(peer)
             peer._nursery = nursery
-            peer.learner = PeerAddr(LEARNER.peer_id, ())
-            peer._join = SimpleNamespace(data_host="127.0.0.1", data_port=learner.port)  # type: ignore[assignment]
-            peer.engine = SimpleNamespace(version=7)  # type: ignore[assignment]
             peer._blob, peer._blob_version = v7, 7
             with trio.fail_after(10):
                 results.append(await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4)))
@@ -55,6 +58,7 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+    peer = peers[0]
     assert results[0] == v8_b and payload_digest(results[0]) == full8.weights_sha256
     assert peer.deltas_used == 1
     # No delta for version 9: the peer falls back to the full snapshot and stops asking a while.

@@ -9,16 +9,20 @@ import trio
 import trio.testing
 
 from echo_node.config import RunConfig
-from echo_node.rollout_peer import DEMAND_WAIT_S, RolloutPeer, Target
+from echo_node.broadcast import DataServer
+from echo_node.rollout_peer import DEMAND_WAIT_S, Generator, RolloutPublisher
+from echo_node.weights.follower import Target, WeightFollower
 from tests.factories import ALICE
 
 
-def peer_on_version(version: int, demand: int, mode: str = "async") -> RolloutPeer:
-    peer = RolloutPeer(RunConfig(run_id="run-1"), ALICE)
-    peer.engine = SimpleNamespace(version=version)  # type: ignore[assignment]
-    peer.spec = SimpleNamespace(sync_mode=mode)  # type: ignore[assignment]
-    peer._offer(Target(version, 10, b"\0" * 32, demand))
-    peer._produced, peer._produced_version = demand, version
+def peer_on_version(version: int, demand: int, mode: str = "async") -> Generator:
+    """A generator whose demand for `version` is met, with its real weight follower."""
+    cfg = RunConfig(run_id="run-1")
+    session = SimpleNamespace(engine=SimpleNamespace(version=version), spec=SimpleNamespace(sync_mode=mode))
+    follower = WeightFollower(cfg, None, DataServer(ALICE, "run-1"), session)  # type: ignore[arg-type]
+    peer = Generator(cfg, session, follower, RolloutPublisher(cfg, ALICE, None))  # type: ignore[arg-type]
+    follower.offer(Target(version, 10, b"\0" * 32, demand))
+    peer.produced, peer.produced_version = demand, version
     return peer
 
 
@@ -32,25 +36,25 @@ def test_an_announcement_ends_the_wait_at_once(mode: str) -> None:
         async with trio.open_nursery() as nursery:
             async def announce() -> None:
                 await trio.sleep(1.25)
-                peer._offer(Target(4, 10, b"\1" * 32, 5))
+                peer.follower.offer(Target(4, 10, b"\1" * 32, 5))
 
             nursery.start_soon(announce)
             start = trio.current_time()
-            await peer._wait_for_version()
+            await peer.wait_for_version()
             return trio.current_time() - start
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 1.25
-    assert peer._newest is not None and peer._newest.version == 4 and peer._demand == 5
-    peer._track_version()
-    assert (peer._produced_version, peer._produced) == (4, 0)
+    assert peer.follower.newest is not None and peer.follower.newest.version == 4 and peer.follower.demand == 5
+    peer.track_version()
+    assert (peer.produced_version, peer.produced) == (4, 0)
 
 
 def test_verified_weights_wait_for_the_engine_once() -> None:
     peer = peer_on_version(3, demand=6)
-    peer._hand_over(b"weights of 2", 2)
-    assert peer._take_pending() is None  # older than what the engine runs
-    peer._hand_over(b"weights of 4", 4)
-    assert peer._take_pending() == (b"weights of 4", 4) and peer._take_pending() is None
+    peer.follower._hand_over(b"weights of 2", 2)
+    assert peer.follower.take_pending() is None  # older than what the engine runs
+    peer.follower._hand_over(b"weights of 4", 4)
+    assert peer.follower.take_pending() == (b"weights of 4", 4) and peer.follower.take_pending() is None
 
 
 def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
@@ -58,15 +62,15 @@ def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
 
     async def main() -> float:
         start = trio.current_time()
-        await peer._wait_for_version()
+        await peer.wait_for_version()
         return trio.current_time() - start
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == DEMAND_WAIT_S
     # A lost announcement must not stall the swarm: one batch's worth is released.
-    assert peer._demand - peer._produced == peer.cfg.rollout.groups_per_batch
+    assert peer.follower.demand - peer.produced == peer.cfg.rollout.groups_per_batch
 
 
 def test_an_older_announcement_does_not_change_the_target() -> None:
     peer = peer_on_version(7, demand=6)
-    peer._offer(Target(5, 10, b"\2" * 32, 99))
-    assert peer._newest is not None and peer._newest.version == 7 and peer._demand == 6
+    peer.follower.offer(Target(5, 10, b"\2" * 32, 99))
+    assert peer.follower.newest is not None and peer.follower.newest.version == 7 and peer.follower.demand == 6

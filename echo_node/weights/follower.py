@@ -1,0 +1,303 @@
+"""A rollout peer's side of weight sync: learn of new versions, fetch and verify them, hand
+them to the engine.
+
+Sync modes (Echo):
+- pull: before every generation batch the peer asks the learner for its newest version and
+  refreshes if it is behind (`refresh`), so each batch is sampled from the current policy.
+- async: new versions announced on the versions topic (or seen in a periodic status check, in
+  case gossip lost one) are fetched in the background (`fetch_newest`), and a version that
+  verified is swapped into the engine at its next decoding step (`take_pending`, the engine's
+  swap hook), mid-generation.
+
+Rules: a version goes live only with every piece verified against the learner's signed manifest
+and the whole payload against the announced digest; a delta is asked for when the peer holds a
+base the learner still keeps, and after the learner said it has none, only full snapshots for
+`DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
+until it is `keep_versions` old.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Protocol
+
+import trio
+
+from echo_node.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
+from echo_node.config import RunConfig
+from echo_node.metrics import MetricsWriter
+from echo_node.net import rpc
+from echo_node.net.discovery import JoinError, PeerAddr
+from echo_node.topics import versions_topic
+from protocol.delta import decode_delta
+from protocol.envelope import open_envelope
+from protocol.errors import RemoteProtocolError
+from protocol.manifest import payload_digest
+from protocol.messages import StatusRequest, StatusResponse, VersionAnnounce
+
+log = logging.getLogger(__name__)
+
+# A version that does not arrive (and verify) within this is abandoned and asked for again.
+FETCH_TIMEOUT_S = 60.0
+# What a failed weight fetch looks like; the peer retries after a pause (by then a newer version
+# may be the target: "unavailable" means the learner already stopped serving this one).
+REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable)
+# After the learner said it has no delta for a version, ask only for full snapshots this long.
+DELTA_BACKOFF_VERSIONS = 20
+# Status checks double as a liveness probe of the learner in async mode.
+STATUS_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    version: int
+    size: int
+    sha256: bytes
+    demand_groups: int
+
+
+class Engine(Protocol):
+    version: int
+
+    def load_weights(self, blob: bytes | memoryview, version: int) -> None: ...
+
+
+class Joined(Protocol):
+    """What the follower needs of a peer's session: whom to ask, where its data channel is."""
+
+    @property
+    def learner(self) -> PeerAddr: ...
+
+    @property
+    def data_host(self) -> str: ...
+
+    @property
+    def data_port(self) -> int: ...
+
+    @property
+    def engine(self) -> Engine: ...
+
+
+class WeightFollower:
+    def __init__(
+        self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.data = data
+        self.session = session
+        self.engine = session.engine
+        self.metrics = metrics
+        self.served = Served(data, cfg.net.keep_versions)
+        self._nursery: trio.Nursery | None = None
+        # The newest verified weights this peer holds (running or about to be swapped in), as
+        # bytes: the base a delta applies to.
+        self._blob: bytes | memoryview | None = None
+        self._blob_version = -1
+        # Verified weights waiting for the engine; taken by the generation thread between two
+        # decoding steps (async) or before a batch, hence the lock.
+        self._pending: tuple[bytes | memoryview, int] | None = None
+        self._pending_lock = threading.Lock()
+        self._delta_from = 0
+        self.deltas_used = 0
+        # The newest version the learner told of, and its demand (groups per version).
+        self.newest: Target | None = None
+        self.demand = cfg.rollout.groups_per_batch
+        # Set and replaced by `offer` on every newer version, so any number of tasks (the
+        # background fetcher, the generation loop) can wait on the one current event.
+        self.new_version = trio.Event()
+        self._last_contact = 0.0
+        # Whether the learner hands this peer out as a relay (it could dial our data port back).
+        self.reachable: bool | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The initial weights (before the first token is sampled), then follow the learner."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
+            self._last_contact = trio.current_time()
+            await self.refresh()
+            task_status.started()
+            nursery.start_soon(self._follow_announcements)
+            if self.session.spec.sync_mode == "async":  # type: ignore[attr-defined]
+                nursery.start_soon(self._poll_status)
+                nursery.start_soon(self._fetch_newest)
+
+    async def status(self) -> Target:
+        with trio.fail_after(15):
+            status = await rpc.call(
+                self.node, self.session.learner.peer_id, rpc.STATUS, StatusRequest(run_id=self.cfg.run_id), StatusResponse
+            )
+        self._last_contact = trio.current_time()
+        target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups)
+        self.offer(target)
+        return target
+
+    async def refresh(self, target: Target | None = None) -> None:
+        """Bring the engine to `target` (default: the learner's newest version) before the next
+        batch: pull mode's on-policy refresh, and the initial weights."""
+        target = target or await self.status()
+        if target.version > self._blob_version:
+            await self._fetch(target)
+        await trio.to_thread.run_sync(self.load_pending)
+
+    async def _fetch(self, target: Target) -> None:
+        """Fetch and verify `target`, then leave it for the engine to take (`take_pending`)."""
+        t0 = time.monotonic()
+        with trio.fail_after(FETCH_TIMEOUT_S):
+            blob: bytes | memoryview | None = await self._fetch_delta(target)
+            delta = blob is not None
+            if blob is None:
+                blob = await self._nursery_start(target, FULL)
+        self._hand_over(blob, target.version)
+        if self.metrics is not None:
+            self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
+                                "fetch_s": round(time.monotonic() - t0, 4), "delta": delta})
+
+    def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
+        """Verified weights become the delta base and wait for the engine (`take_pending`)."""
+        self._blob, self._blob_version = blob, version
+        with self._pending_lock:
+            self._pending = (blob, version)
+        log.debug("version %d verified", version)
+
+    def take_pending(self) -> tuple[bytes | memoryview, int] | None:
+        """The engine's swap hook (runs in the generation thread): newer verified weights, once."""
+        with self._pending_lock:
+            pending, self._pending = self._pending, None
+        if pending is None or pending[1] <= self.engine.version:
+            return None
+        return pending
+
+    def load_pending(self) -> None:
+        """Swap in waiting weights between batches. The version goes live only with every piece
+        verified, and the load happens in the thread that generates, so no forward pass ever
+        sees half-loaded weights."""
+        pending = self.take_pending()
+        if pending is not None:
+            self.engine.load_weights(*pending)
+
+    async def _fetch_delta(self, target: Target) -> bytes | None:
+        """The new weights via a delta against the newest ones we hold, if the learner offers one."""
+        base = self._blob_version
+        behind = target.version - base
+        # The learner keeps (and cuts deltas against) its last keep_versions versions.
+        if self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from:
+            return None
+        try:
+            delta = await self._nursery_start(target, base)
+        except Unavailable:
+            # Deltas do not pay now (fp32 weights early in training) or our base is too old;
+            # either way full snapshots for a while, and no round trip per version to learn it.
+            self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
+            return None
+        blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
+        if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
+            raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
+        self.deltas_used += 1
+        return blob
+
+    async def _nursery_start(self, target: Target, base: int) -> memoryview:
+        assert self._nursery is not None
+        payload: memoryview = await self._nursery.start(self._serve_version, target, base)
+        return payload
+
+    async def _serve_version(
+        self, target: Target, base: int, *, task_status: trio.TaskStatus[memoryview] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Fetch `target` (full, or a delta on `base`) from the swarm, then keep relaying it
+        until it is K versions old."""
+        # The handshake runs outside the links' nursery, so its errors (Unavailable, a bad
+        # manifest) reach the caller as themselves, not wrapped in an exception group.
+        manifest, stream = await open_version(
+            self.data,
+            learner_id=self.session.learner.peer_id,
+            host=self.session.data_host,
+            port=self.session.data_port,
+            version=target.version,
+            base=base,
+            weights_sha256=target.sha256,
+        )
+        served = False
+        try:
+            with trio.CancelScope() as scope:
+                async with trio.open_nursery() as links:
+                    payload, receiver = await receive_version(self.data, links, manifest, stream, learner_id=self.session.learner.peer_id)
+                    self._note_reachability(receiver.reachable)
+                    self.served.add(target.version, scope)
+                    served = True
+                    task_status.started(payload)
+                    await trio.sleep_forever()
+        finally:
+            if not served:  # abandoned before it verified: stop routing peers to it
+                self.data.unregister(target.version)
+
+    def _note_reachability(self, reachable: bool) -> None:
+        """Tell the volunteer, once per change, whether other peers can fetch weights from it."""
+        if reachable == self.reachable:
+            return
+        self.reachable = reachable
+        if self.metrics is not None:
+            self.metrics.write({"event": "reachability", "relay": reachable, "wall": time.time()})
+        if reachable:
+            log.info("the learner reached this peer's data port %s:%d: other peers fetch weights from it", self.data.host, self.data.port)
+        else:
+            log.warning(
+                "the learner could not dial this peer's data port %s:%d back: it downloads and contributes, but relays "
+                "only over links it opens itself (behind a NAT, forward TCP port %d and pass --advertise-host "
+                "PUBLIC_ADDRESS --data-port %d to help the swarm)", self.data.host, self.data.port, self.data.port, self.data.port,
+            )
+
+    def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
+        try:
+            msg, _ = open_envelope(data, expected_kind=VersionAnnounce, expected_sender=self.session.learner.peer_id)
+        except RemoteProtocolError as exc:
+            log.warning("ignored a version announcement from %s: %s", origin, exc)
+            return False
+        return msg.run_id == self.cfg.run_id
+
+    def offer(self, target: Target) -> None:
+        if self.newest is None or target.version >= self.newest.version:
+            self.demand = target.demand_groups
+        if self.newest is None or target.version > self.newest.version:
+            self.newest = target
+            self.new_version.set()
+            self.new_version = trio.Event()
+
+    async def _follow_announcements(self) -> None:
+        async for item in self.node.messages(versions_topic(self.cfg.run_id)):
+            msg, _ = open_envelope(item.data, expected_kind=VersionAnnounce)
+            self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups))
+
+    async def _poll_status(self) -> None:
+        while True:
+            await trio.sleep(STATUS_INTERVAL_S)
+            try:
+                self.offer(await self.status())
+            except Exception as exc:
+                log.warning("status check with the learner failed: %s", exc)
+                self.check_learner_alive()
+
+    def check_learner_alive(self) -> None:
+        if trio.current_time() - self._last_contact > self.cfg.net.join_deadline_s:
+            raise JoinError(f"lost the learner: no answer for {self.cfg.net.join_deadline_s:g}s")
+
+    async def _fetch_newest(self) -> None:
+        """async mode: fetch every newer version as it is announced, while generation goes on."""
+        while True:
+            if self.newest is None or self.newest.version <= self._blob_version:
+                await self.new_version.wait()
+                continue
+            try:
+                await self._fetch(self.newest)
+            except REFRESH_ERRORS as exc:
+                await self.refresh_failed(exc)
+
+    async def refresh_failed(self, exc: BaseException) -> None:
+        log.warning("weight refresh failed: %s; retrying", exc)
+        self.check_learner_alive()
+        await trio.sleep(1.0)
