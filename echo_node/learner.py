@@ -17,7 +17,6 @@ import logging
 import math
 import sys
 import time
-from collections import Counter
 from functools import partial
 from typing import Any, TextIO
 
@@ -26,13 +25,13 @@ import trio
 from echo_node.broadcast import DataServer, ProbeFailed, probe
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
-from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
-from echo_node.ml.model import save_checkpoint, state_to_bytes
+from echo_node.ml.model import state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.trainer import Trainer, staleness
 from echo_node.weights.publisher import WeightPublisher
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
@@ -51,7 +50,6 @@ from protocol.messages import (
     VersionAnnounce,
 )
 from protocol.admission import RunBounds
-from protocol.drops import DropReason
 from protocol.limits import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
@@ -73,7 +71,6 @@ class Learner:
         self.identity = identity
         self.policy = policy
         self.stdout = stdout
-        self.version = 0
         # Tables the intake owns, also read here (demand, relays, the summary).
         self.peers = PeerBook(max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s)
         self.buffer = ReplayBuffer(
@@ -99,21 +96,7 @@ class Learner:
         self.weights = WeightPublisher(
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
-        self.optimizer = PolicyOptimizer(
-            policy.model,
-            lr=cfg.rl.lr,
-            clip_eps=cfg.rl.clip_eps,
-            temperature=cfg.sampling.temperature,
-            max_grad_norm=cfg.rl.max_grad_norm,
-            pad_id=policy.tokenizer.pad_id,
-            correction=cfg.rl.correction,
-            is_cap=cfg.rl.is_cap,
-            minibatches=cfg.rl.minibatches,
-        )
-        self.trained_rewards: list[float] = []
-        self.train_errors = 0
-        self.idle_s = 0.0
-        self.train_s = 0.0
+        self.trainer = Trainer(cfg, policy, self.buffer)
         self._started = 0.0
         self.metrics: MetricsWriter | None = None
         self._nursery: trio.Nursery | None = None
@@ -307,53 +290,37 @@ class Learner:
             await self.intake.arrived.wait()
             self.intake.arrived = trio.Event()
 
+    @property
+    def version(self) -> int:
+        return self.trainer.version
+
     async def _train_loop(self) -> None:
+        trainer = self.trainer
         with trio.move_on_at(self._deadline()):
             while self.cfg.max_versions is None or self.version < self.cfg.max_versions:
                 t0 = time.monotonic()
                 await self._wait_for_batch()
                 t1 = time.monotonic()
+                trainer.idle_s += t1 - t0
                 groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
-                # One update is all or nothing: a deadline arriving between `take` and the step
-                # once lost a whole batch from the ledger, and one arriving after the step would
-                # leave trained weights under the old version number.
-                with trio.CancelScope(shield=True):
-                    try:
-                        stats = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
-                    except Exception:
-                        self._train_failed(groups)
+                with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
+                    stats = await trainer.step(groups)
+                    if stats is None:
+                        self._write({"event": "train_error", "version": self.version, "groups": len(groups),
+                                     "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
                         continue
-                    except BaseException:
-                        self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
-                        raise
-                    self.buffer.mark_trained(groups)
-                    self.trained_rewards += [s.reward for g in groups for s in g.samples]
-                    self.version += 1
                     due = self.version % self.cfg.rl.publish_every == 0
-                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
                     t2 = time.monotonic()
-                    self.idle_s += t1 - t0
-                    self.train_s += t2 - t1
+                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
+                    t3 = time.monotonic()
+                    trainer.train_s += t3 - t2  # the snapshot is the learner's work too
                     if blob is not None:
                         await self._publish_version(blob)
                     # Anything that just fell out of the staleness window is counted now, not at exit.
                     self.buffer.evict_stale(self.version)
-                    self._record_step(groups, stats, wait_s=t1 - t0, train_s=t2 - t1)
+                    self._record_step(groups, stats, wait_s=t1 - t0, train_s=t3 - t1)
                 if self.version % self.cfg.checkpoint.every_versions == 0:
-                    await trio.to_thread.run_sync(self._checkpoint)
-
-    def _train_failed(self, groups: list[RolloutGroup]) -> None:
-        """A step raised on this batch: drop it (`train_error`) and go on. Admission should make
-        this unreachable, so the first one is logged with its traceback (it is a bug here or a
-        check missing there), later ones as a count."""
-        self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
-        self.train_errors += 1
-        origins = sorted({self.buffer.origin(g) or "?" for g in groups})
-        if self.train_errors == 1:
-            log.exception("a training step failed; dropped its %d groups (from %s) as train_error", len(groups), ", ".join(origins))
-        else:
-            log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
-        self._write({"event": "train_error", "version": self.version, "groups": len(groups), "origins": origins})
+                    await trio.to_thread.run_sync(trainer.checkpoint)
 
     async def _publish_version(self, blob: bytes) -> None:
         manifest = await self.weights.publish(self.version, blob)
@@ -367,12 +334,6 @@ class Learner:
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
-        # Trained on version - 1 (self.version is already the one the update produced).
-        staleness = [self.version - 1 - g.min_version for g in groups]
-        hist: Counter[int] = Counter()
-        for g in groups:
-            for sample in g.samples:
-                hist.update(self.version - 1 - v for v in sample.token_versions)
         ledger = self.buffer.ledger
         assert self.metrics is not None
         self.metrics.write(
@@ -386,12 +347,11 @@ class Learner:
                 "reward_mean": stats.get("reward_mean", 0.0),
                 "loss": stats.get("loss", 0.0),
                 "groups": len(groups),
-                "staleness_mean": sum(staleness) / len(staleness),
-                "staleness_max": max(staleness),
-                "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
+                # Trained on version - 1 (self.version is already the one the update produced).
+                **staleness(groups, self.version - 1),
                 "wait_s": round(wait_s, 4),
                 "train_s": round(train_s, 4),
-                "idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
+                "idle_ratio": self.trainer.idle_ratio,
                 "received": ledger.received,
                 "trained": ledger.trained,
                 "dropped": dict(ledger.dropped),
@@ -404,15 +364,12 @@ class Learner:
             }
         )
 
-    def _checkpoint(self) -> None:
-        save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
-
     def _finish(self) -> dict[str, Any]:
         assert self.metrics is not None
         self.buffer.close()
         self.buffer.check()
-        self._checkpoint()
-        first, last = first_last_mean(self.trained_rewards)
+        self.trainer.checkpoint()
+        first, last = first_last_mean(self.trainer.trained_rewards)
         ledger = self.buffer.ledger
         summary = {
             "run_id": self.cfg.run_id,
@@ -425,14 +382,14 @@ class Learner:
             "reward_first": first,
             "reward_last": last,
             "rollout_peers": len(self.peers.joined),
-            "learner_idle_ratio": self.idle_s / max(1e-9, self.idle_s + self.train_s),
+            "learner_idle_ratio": self.trainer.idle_ratio,
             "penalties": dict(self.peers.penalties),
             "peers": {
                 p: {"accepted": self.peers.accepted[p], "relay": p in self.peers.relays, "unreachable": self.peers.unreachable.get(p)}
                 for p in sorted(self.peers.joined)
             },
             "lost_messages": self.intake.lost_messages,
-            "train_errors": self.train_errors,
+            "train_errors": self.trainer.train_errors,
             "banned": sorted(self.peers.banned),
             "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
@@ -462,13 +419,3 @@ def run_bounds(cfg: RunConfig, policy: Policy) -> RunBounds:
         reward_low=low,
         reward_high=high,
     )
-
-
-def _train_group(g: RolloutGroup) -> TrainGroup:
-    return TrainGroup(
-        prompt_ids=list(g.prompt_ids),
-        completions=[list(s.completion_ids) for s in g.samples],
-        behaviour_logprobs=[list(s.behaviour_logprobs) for s in g.samples],
-        rewards=[s.reward for s in g.samples],
-    )
-

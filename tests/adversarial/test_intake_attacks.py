@@ -69,7 +69,7 @@ def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: L
     steps = learner.cfg.rl.groups_per_step
     for seq in range(2 * steps):
         assert offer(learner, seal(make_batch(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
-    real, calls = learner.optimizer.step, []
+    real, calls = learner.trainer.optimizer.step, []
 
     def step_once_broken(groups: Any) -> Any:
         calls.append(len(groups))
@@ -77,7 +77,7 @@ def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: L
             raise IndexError("index out of range in self")  # what an unchecked token id did
         return real(groups)
 
-    learner.optimizer.step = step_once_broken  # type: ignore[method-assign]
+    learner.trainer.optimizer.step = step_once_broken  # type: ignore[method-assign]
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -90,7 +90,7 @@ def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: L
         trio.run(main)
     finally:
         learner.metrics.close()
-    assert learner.version == 1 and learner.train_errors == 1 and calls == [steps, steps]
+    assert learner.version == 1 and learner.trainer.train_errors == 1 and calls == [steps, steps]
     assert learner.buffer.ledger.dropped["train_error"] == 8 * steps
     learner.buffer.check()
 
@@ -104,14 +104,14 @@ def test_forgetting_a_publisher_does_not_readmit_its_old_batches(learner: Learne
         learner.peers.join(who.peer_id, 0.0)
     old = seal(make_batch(identity=ALICE, seq=1), ALICE)
     assert offer(learner, old, ALICE.peer_id)
-    learner.version = 1  # training moved on
+    learner.trainer.version = 1  # training moved on
     for who in others:  # two more publishers: Alice is forgotten
         assert offer(learner, seal(make_batch(identity=who, seq=1, version=1), who), who.peer_id)
     assert ALICE.peer_id not in learner.intake.tracker
     assert offer(learner, old, ALICE.peer_id)  # passes the validator (a valid signed batch) ...
     assert learner.buffer.ledger.dropped["too_old"] == 8  # ... but is not trained twice
     # Newer tokens than the learner's version when Alice was forgotten prove a fresh batch.
-    learner.version = 2
+    learner.trainer.version = 2
     assert offer(learner, seal(make_batch(identity=ALICE, seq=2, version=2), ALICE), ALICE.peer_id)
     assert learner.buffer.ledger.dropped["too_old"] == 8 and len(learner.buffer) == 4
     learner.buffer.check()

@@ -47,7 +47,7 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
             learner.weights.offer(0, blobs[0])
             for step in range(1, 4):
                 blobs.append(next_weights(learner, step))
-                learner.version += 1
+                learner.trainer.version += 1
                 await learner.weights.publish(learner.version, blobs[-1])
             offered_up_front = learner.weights.deltas_offered
             with trio.fail_after(10):
@@ -61,7 +61,7 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
             # Two more versions: with keep_versions = 4 the learner keeps 2..5, so base 0 is gone.
             for step in range(4, 6):
                 blobs.append(next_weights(learner, step))
-                learner.version += 1
+                learner.trainer.version += 1
                 await learner.weights.publish(learner.version, blobs[-1])
             with trio.fail_after(10), pytest.raises(Unavailable):
                 await fetch(peer, 5, 0)
@@ -92,7 +92,7 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
             with torch.no_grad():
                 for param in learner.policy.model.parameters():
                     param.add_(torch.randn_like(param) * 1e-2)
-            learner.version += 1
+            learner.trainer.version += 1
             await learner.weights.publish(learner.version, state_to_bytes(learner.policy.model))
 
     with pytest.MonkeyPatch.context() as mp:

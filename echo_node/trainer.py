@@ -1,0 +1,111 @@
+"""The learner's trainer: one GRPO update per batch the replay buffer hands out.
+
+Rules:
+- An update is all or nothing: once a batch left the buffer, the step, the version bump and
+  the ledger entry happen together, shielded from cancellation (a deadline between `take` and
+  the step once lost a batch from the ledger; one after the step would leave trained weights
+  under the old version number). An interrupt (Ctrl-C) before the step puts the batch back.
+- A step that raises drops its batch as `train_error` and training goes on. Admission should
+  make that unreachable, so the first is logged with its traceback (a bug here or a check
+  missing there), later ones as a count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import trio
+
+from echo_node.config import RunConfig
+from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
+from echo_node.ml.model import save_checkpoint
+from echo_node.policy import Policy
+from echo_node.replay import ReplayBuffer
+from protocol.drops import DropReason
+from protocol.messages import RolloutGroup
+
+log = logging.getLogger(__name__)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, policy: Policy, buffer: ReplayBuffer) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.buffer = buffer
+        self.version = 0
+        self.optimizer = PolicyOptimizer(
+            policy.model,
+            lr=cfg.rl.lr,
+            clip_eps=cfg.rl.clip_eps,
+            temperature=cfg.sampling.temperature,
+            max_grad_norm=cfg.rl.max_grad_norm,
+            pad_id=policy.tokenizer.pad_id,
+            correction=cfg.rl.correction,
+            is_cap=cfg.rl.is_cap,
+            minibatches=cfg.rl.minibatches,
+        )
+        self.trained_rewards: list[float] = []
+        self.train_errors = 0
+        self.idle_s = 0.0
+        self.train_s = 0.0
+
+    @property
+    def idle_ratio(self) -> float:
+        return self.idle_s / max(1e-9, self.idle_s + self.train_s)
+
+    async def step(self, groups: list[RolloutGroup]) -> dict[str, float] | None:
+        """Train on `groups` (taken from the buffer) and bump the version; None if the step
+        failed and the batch was dropped. Call inside a shielded scope (see the rules)."""
+        t0 = time.monotonic()
+        try:
+            stats: dict[str, float] = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
+        except Exception:
+            self._failed(groups)
+            return None
+        except BaseException:
+            self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
+            raise
+        self.buffer.mark_trained(groups)
+        self.trained_rewards += [s.reward for g in groups for s in g.samples]
+        self.version += 1
+        self.train_s += time.monotonic() - t0
+        return stats
+
+    def _failed(self, groups: list[RolloutGroup]) -> None:
+        self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
+        self.train_errors += 1
+        origins = sorted({self.buffer.origin(g) or "?" for g in groups})
+        if self.train_errors == 1:
+            log.exception("a training step failed; dropped its %d groups (from %s) as train_error", len(groups), ", ".join(origins))
+        else:
+            log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
+
+    def checkpoint(self) -> None:
+        save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
+
+
+def _train_group(g: RolloutGroup) -> TrainGroup:
+    return TrainGroup(
+        prompt_ids=list(g.prompt_ids),
+        completions=[list(s.completion_ids) for s in g.samples],
+        behaviour_logprobs=[list(s.behaviour_logprobs) for s in g.samples],
+        rewards=[s.reward for s in g.samples],
+    )
+
+
+def staleness(groups: list[RolloutGroup], trained_on: int) -> dict[str, Any]:
+    """How old a batch was when version `trained_on` trained on it: per group by its oldest
+    token, and a histogram over every token."""
+    per_group = [trained_on - g.min_version for g in groups]
+    hist: dict[int, int] = {}
+    for g in groups:
+        for sample in g.samples:
+            for v in sample.token_versions:
+                hist[trained_on - v] = hist.get(trained_on - v, 0) + 1
+    return {
+        "staleness_mean": sum(per_group) / len(per_group),
+        "staleness_max": max(per_group),
+        "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
+    }
