@@ -130,7 +130,7 @@ def parse_tcp_multiaddr(text: str) -> TcpAddr:
         check_dns_name(host, where=text)
     else:
         raise AddressError(f"{text!r}: unsupported protocol /{proto} (use ip4, ip6, dns, dns4 or dns6)")
-    if not port_text.isdigit():
+    if not (port_text.isascii() and port_text.isdigit()):  # str.isdigit() also takes "²"
         raise AddressError(f"{text!r}: {port_text!r} is not a port")
     port = int(port_text)
     if not 0 <= port <= 65535:
