@@ -1,7 +1,8 @@
 """A swarm of real `echo-node` processes on loopback for benchmarks: bootstrap, learner, peers.
 
-Every process is pinned (DESIGN.md: oversubscribing the two cores is the largest slowdown here)
-and stopped by `Swarm.stop_all` (peers, then the learner with SIGINT so it writes its summary).
+Every process is pinned (oversubscribing the two cores is the largest slowdown here:
+docs/platform.md) and stopped by `Swarm.stop_all` (peers, then the learner with SIGINT so it
+writes its summary).
 """
 
 from __future__ import annotations

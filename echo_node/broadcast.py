@@ -1,22 +1,21 @@
 """Pipelined peer-to-peer broadcast of weight versions: the learner uploads each piece ~once.
 
-Scheme (DESIGN.md measured it at 1.03–1.06x of the bound for hand-made relays): the source (the
-learner) hands out pieces from one shared queue to whichever peer asks next; the first receiver
-verifies the piece against the signed manifest and pushes it to every other peer at once
-(store-and-forward, pipelined piece by piece). A peer asks the source for more only while its
-own outbound backlog is short, so a peer with a slow uplink takes fewer pieces and the mesh
-runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
+Scheme (the shared-queue mesh, a few % off the bound in hand-made relays: docs/platform.md): the
+source (the learner) hands out pieces from one shared queue to whichever peer asks next; the
+first receiver verifies the piece against the signed manifest and pushes it to every other peer
+at once (store-and-forward, pipelined piece by piece). A peer asks the source for more only
+while its own outbound backlog is short, so a peer with a slow uplink takes fewer pieces and the
+mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
 
 Whatever a peer still lacks once the source's queue is empty (a relay died mid-push, a piece was
 corrupt, a push raced the link's set-up) is fetched through `protocol.pieces.PieceSwarm`: from
 the peers that proved they hold it, the source only as a last resort, with timeouts and
 re-requests elsewhere.
 
-Wire, per version and link (length-prefixed msgpack arrays on plain TCP, never on the libp2p
-loop, DESIGN.md): the dialer's first frame is a signed hello (its peer id, the target, run,
-version, nonce, expiry and its own data address). The source answers with the sealed manifest
-and the current swarm (peer ids and data addresses; updates follow as peers arrive), then
-serves `next`/`get`. Between peers: `piece`, `get`, `none`.
+Wire, per version and link: length-prefixed frames on plain TCP, never on the libp2p loop,
+where bulk bytes starve gossip and the DHT (docs/platform.md). Every frame, the signed hello and
+the learner's session signature are defined and decoded in `protocol.datachannel` (byte layout:
+docs/wire.md); this module only drives them.
 
 Reachability is learned, not assumed: a peer's data address is handed to others only after the
 learner dialed it back and the peer proved its identity there (`probe`, answered by any
@@ -26,7 +25,10 @@ and a joiner cannot make the swarm dial an address of its choosing. The source's
 frame to a newcomer starts with the newcomer's own entry, which tells it which side it is on.
 
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
-that sends a bad piece is penalized and, after `max_bad_pieces`, never asked again.
+that sends a bad piece or a bad frame, or asks without reading, is cut and banned from this
+node's data channel for every version. A receiver's decisions about the source (when to ask it,
+what to relay, when to repair) are `protocol.relay.SourcePull`'s; which piece to ask of whom is
+`PieceSwarm`'s.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ from protocol.framing import LengthPrefixedReader, encode_length_prefixed
 from protocol.identity import Identity
 from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.pieces import Cancel, PieceSwarm, Request
+from protocol.relay import SourcePull
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +88,9 @@ BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
 SEND_BUFFER_BYTES = 256 * 1024
 # Reads on a data link: at least MIN_READ_BYTES (as cheap as a tiny read), more when the frame
-# in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. A
-# fixed 512 KiB read cost 15 us for a 60 B request (CPython allocates the whole buffer each
-# time) against 2.4 us at 64 KiB (a socket pair on this machine).
+# in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. Not
+# always MAX_READ_BYTES: CPython allocates the whole read buffer each time, so a small request
+# read into a huge buffer costs several times more.
 MIN_READ_BYTES = 64 * 1024
 MAX_READ_BYTES = 512 * 1024
 ENDGAME_QUIET_S = 0.5
@@ -190,7 +193,7 @@ class Link:
         """Decoded frames until the link ends (closed, idle, or cut mid-frame); a frame that does
         not decode raises RemoteProtocolError."""
         # Buffered: one read brings many small frames (requests, haves) or most of a piece; a
-        # read per length prefix and per 64 KiB was ~10 % of a rollout peer's core in async mode.
+        # read per length prefix and per 64 KiB costs a rollout peer a real share of its core.
         reader = LengthPrefixedReader(max_len=MAX_WIRE_FRAME)
         while True:
             try:
@@ -463,12 +466,10 @@ class Receiver:
         self._members_changed = trio.Event()
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
+        self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES, endgame_quiet_s=ENDGAME_QUIET_S, stall_s=STALL_S)
         self.done = trio.Event()
         # Pieces the source handed to us first: ours to relay, also to links that come up late.
         self.relaying: list[int] = []
-        self._source_empty = False
-        self._source_outstanding = 0
-        self._last_progress = 0.0
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.connect: Connector = tcp_connect
@@ -558,8 +559,7 @@ class Receiver:
             if data is not None:
                 link.answer(Piece(frame.index, data))  # type: ignore[arg-type]
         elif isinstance(frame, NoMore):
-            self._source_empty = True
-            self._source_outstanding = 0
+            self.pull.source_empty()
         elif isinstance(frame, Peers):
             self._add_peers(frame.entries)
         elif not isinstance(frame, Next):
@@ -576,34 +576,28 @@ class Receiver:
             self.swarm.received(link.remote, index, False, now)
             raise RemoteProtocolError(f"bad piece {index}: {exc}") from None
         self.swarm.received(link.remote, index, True, now)
-        if link.remote != self.source_id:
-            self.swarm.peer_has(link.remote, [index])
         from_source = link.remote == self.source_id
-        if from_source and self._source_outstanding > 0:
-            self._source_outstanding -= 1
-        if new:
-            self._last_progress = now
-            if from_source:
-                # First receiver of a piece the source handed out: relay it to everyone now.
-                self.relaying.append(index)
-                frame = encode_frame(Piece(index, data))
-                for other in list(self.links.values()):
-                    if other.remote != self.source_id:
-                        other.send_packed(True, frame)
-            if self.store.complete:
-                self.done.set()
+        if not from_source:
+            self.swarm.peer_has(link.remote, [index])
+        if self.pull.piece(from_source=from_source, new=new, now=now):
+            self.relaying.append(index)
+            frame = encode_frame(Piece(index, data))
+            for other in list(self.links.values()):
+                if other.remote != self.source_id:
+                    other.send_packed(True, frame)
+        if new and self.store.complete:
+            self.done.set()
         if from_source:
             self._refill_source()
 
     def _refill_source(self) -> None:
-        """Keep SOURCE_PIPELINE asks outstanding while our relay backlog is short."""
+        """Ask the source for as many pieces as `SourcePull` says our relay backlog allows."""
         source = self.links.get(self.source_id)
-        if source is None or self._source_empty:
+        if source is None:
             return
         backlog = max((l.queued_pieces for l in self.links.values() if l is not source), default=0)
-        while self._source_outstanding < SOURCE_PIPELINE and backlog < BACKLOG_PIECES:
+        for _ in range(self.pull.asks(backlog)):
             source.send(Next())
-            self._source_outstanding += 1
 
     # -- the download loop --------------------------------------------------------------------
 
@@ -613,22 +607,16 @@ class Receiver:
         self._nursery = nursery
         if source_stream is not None:
             nursery.start_soon(self._run_link, source_stream, self.source_id)
-        self._last_progress = trio.current_time()
+        self.pull.last_progress = trio.current_time()
         while not self.store.complete:
             # Events that free our relay backlog (a dead link removed) must also reopen the
             # pull from the source, or a peer waits on pushes that will never come.
             self._refill_source()
             now = trio.current_time()
-            # Repair from whoever has what we lack once the source is empty and the pushes went
-            # quiet, or when nothing arrived for STALL_S; then at the swarm's own deadlines.
-            quiet = ENDGAME_QUIET_S if self._source_empty else STALL_S
-            wake_at = self._last_progress + quiet
-            if now >= wake_at:
+            if self.pull.repair_due(now):
                 self._repair(now)
-                deadline = self.swarm.next_deadline()
-                wake_at = now + quiet if deadline is None else min(deadline, now + quiet)
             self._wake = trio.Event()
-            with trio.move_on_at(wake_at):
+            with trio.move_on_at(self.pull.wake_at(now, self.swarm.next_deadline())):
                 await self._wake.wait()
         return self.store.payload()
 

@@ -105,8 +105,8 @@ class RLConfig:
     # weights are up to k - 1 versions older. Pull needs every version (k = 1), and k <= S
     # keeps a peer's newest weights admissible. k <= S - 2 is better: a rollout begun on the
     # previous published weights (its oldest token counts) then stays admissible until the
-    # peer's first rollouts on the new ones arrive; at k = S - 1 the learner waited for data
-    # right before each publication (vs_trl, S = 4, k = 3: 54 of its 65 waits over 5 ms).
+    # peer's first rollouts on the new ones arrive; at k = S - 1 the learner waits for data
+    # right before each publication.
     publish_every: int = 1
 
 
@@ -120,8 +120,7 @@ class WarmupConfig:
 class RolloutConfig:
     # Groups generated per engine call; a pull-mode peer refreshes weights between calls. One
     # call makes one update's worth (rl.groups_per_step) and one gossip message: the learner pays
-    # py-libp2p's per-message cost on its own core (vs_trl, 4 interleaved pairs of swarms: 46-55
-    # ms per update at 8 against 47-80 ms at 4).
+    # py-libp2p's per-message cost on its own core, so fewer, larger messages make faster updates.
     groups_per_batch: int = 8
 
 
@@ -135,8 +134,8 @@ class RunConfig:
     run_id: str = "default"
     task: str = "addition"
     runs_dir: Path = Path("runs")
-    # Torch intra-op threads for this process. Oversubscribing cores was the largest slowdown
-    # measured on 2-core machines (DESIGN.md), so every process sets it explicitly.
+    # Torch intra-op threads for this process. Oversubscribing the cores is the largest slowdown
+    # on this platform (docs/platform.md), so every process sets it explicitly.
     threads: int = 1
     seed: int = 0
     # The learner stops after this much RL time (None: run until interrupted).

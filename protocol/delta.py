@@ -2,10 +2,9 @@
 to send. No I/O.
 
 Job: let a version after the first travel as a delta against a version the receiving peer
-already holds (DESIGN.md, data plane). One RL step changes few weights of a bf16 snapshot (only
-those whose fp32 master crosses a bf16 rounding boundary, ~5% after one Adam step at lr 1e-6) and
-those by a unit or two in the last place; the delta codes which 16-bit lanes changed and by how
-much, and the round trip is bit-exact whatever the bytes are.
+already holds. One RL step changes few weights of a bf16 snapshot (only those whose fp32 master
+crosses a bf16 rounding boundary) and those by a unit or two in the last place; the delta codes
+which 16-bit lanes changed and by how much, and the round trip is bit-exact whatever the bytes are.
 
 Wire form of a delta (self-describing: the first byte says which):
 - plain (first byte 0x28, the zstd magic): one zstd frame (RFC 8878) that declares its content
@@ -38,9 +37,7 @@ Invariants:
 Speed (2 shared cores, pure Python, no numpy): the scan XORs 64 KiB chunks via Python ints and
 finds changed lanes with a SWAR test plus bytes.split, the per-change work (gather, difference,
 scatter) runs in C through map/array/int arithmetic on chunks of 64 Ki changes; only the loop
-over chunks is Python. Measured on a 201 MB bf16 snapshot after one Adam step (4.9 M changed
-lanes): encode ~60 MB/s (both forms built), decode ~150 MB/s; delta 0.025 of the snapshot (plain
-alone: 0.054).
+over chunks is Python. Throughput and sizes on a real snapshot: benchmarks/results/measurements.md.
 """
 
 from __future__ import annotations
@@ -65,7 +62,7 @@ _TAG_SPARSE = 0x01  # first byte of a sparse delta (never the first byte of a zs
 _SPARSE_HEAD = struct.Struct("<BQB")  # tag, changed lanes k, gap width w
 _FRAME_LEN = struct.Struct("<Q")
 _MAX_GAP_WIDTH = 8
-_XOR_CHUNK = 64 * 1024  # measured: 64 KiB chunks >= one whole-blob int (cache-resident)
+_XOR_CHUNK = 64 * 1024  # cache-resident: 64 KiB chunks XOR at least as fast as one whole-blob int
 _CHANGE_CHUNK = 1 << 16  # changed lanes handled per step of the sparse coder (bounds temporaries)
 _BIG_ENDIAN = sys.byteorder == "big"
 _LANE_CODE = "H"  # unsigned 16-bit lanes

@@ -13,8 +13,8 @@ Invariants:
   are rejected, so one message has one encoding.
 - `LengthPrefixedReader` rejects an oversize declared length as soon as the 4 prefix bytes are
   in, before buffering the body, and its error state is sticky.
-- A stream that ends mid-message is an error (`feed_eof`): DESIGN.md measured that a sender killed
-  mid-stream looks like a normal end of stream to the reader.
+- A stream that ends mid-message is an error (`feed_eof`): a sender killed mid-stream looks like a
+  normal end of stream to the reader (docs/platform.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Final
 # --- Framing ---------------------------------------------------------------------------------
 
 # Compressed size of one gossip frame. py-libp2p 0.8.1 silently drops gossip payloads above about
-# 1,048,000 B (DESIGN.md, measured); rollouts stay far below that so a frame plus gossip overhead
+# 1,048,000 B (docs/platform.md); rollouts stay far below that so a frame plus gossip overhead
 # never gets near the cliff, and so one message cannot monopolize a 32-message subscription queue.
 MAX_FRAME_BYTES: Final = 256 * 1024
 
@@ -144,8 +144,8 @@ MAX_DEMAND_GROUPS: Final = 4096
 
 # --- Weight dissemination (manifests and pieces) ---------------------------------------------
 
-# Piece sizes are powers of two in [16 KiB, 4 MiB]. DESIGN.md measured 64 KiB relay chunks beating
-# 1 MiB ones (pipeline fill ~ N * chunk / rate), so small pieces must be possible; below 16 KiB the
+# Piece sizes are powers of two in [16 KiB, 4 MiB]. 64 KiB relay chunks beat 1 MiB ones (pipeline
+# fill ~ N * chunk / rate, docs/platform.md), so small pieces must be possible; below 16 KiB the
 # per-piece request and hash overhead dominates. 4 MiB keeps one piece plus its framing within
 # what a peer buffers per request.
 MIN_PIECE_SIZE: Final = 16 * 1024

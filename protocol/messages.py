@@ -135,7 +135,7 @@ class SamplingParams(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec(WireMessage):
-    """What a joining peer needs to take part in a run (DESIGN.md, discovery plane)."""
+    """What a joining peer needs to take part in a run (the discovery plane's answer to a join)."""
 
     KIND: ClassVar[str | None] = "run_spec"
     SIGNER_FIELD: ClassVar[str | None] = "learner_peer_id"  # a sealed spec is signed by its learner

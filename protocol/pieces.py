@@ -15,8 +15,8 @@ Rules (each is a test in tests/unit/test_protocol_pieces.py):
    non-seeder is asked. With `avoid_seeders` (default), a seeder (`peer_has_all`, e.g. the learner)
    is asked for a piece only if no non-seeder that has it is eligible, even a busy one: the
    download then waits for that peer's slot. So the seeder uploads the pieces the swarm does not
-   hold yet, and each of those about once; the rest flows between peers (DESIGN.md: the learner's
-   uplink is the bottleneck of a star).
+   hold yet, and each of those about once; the rest flows between peers (the learner's uplink is
+   the bottleneck of a star: docs/platform.md).
 3. At most one request per piece is in flight, except in the endgame (`endgame`, default): once
    every missing piece that someone has is in flight, free slots duplicate in-flight pieces, at
    most `ENDGAME_COPIES` requests per piece, never onto a seeder when `avoid_seeders` nor onto a

@@ -1,7 +1,8 @@
 """Per-publisher sequence tracking: duplicates, gaps to repair, bounded memory. Pure.
 
-Job: GossipSub loses messages silently (DESIGN.md: bursts, 32-message queues, the ~1 MB cliff),
-so every rollout carries its publisher's sequence number and the learner asks for the gaps.
+Job: GossipSub loses messages silently (bursts, 32-message queues, the ~1 MB cliff:
+docs/platform.md), so every rollout carries its publisher's sequence number and the learner
+asks for the gaps.
 `SequenceTracker` answers, per (publisher, seq): is this new, a duplicate, or too old to tell;
 and which seqs are missing.
 

@@ -2,8 +2,8 @@
 
 A sender in one host streams N bytes to a receiver in another; the receiver times the transfer
 after the first eighth of it (so the shapers' initial 64 KB burst and TCP start-up do not count)
-and reports Mbit/s of payload. DESIGN.md measured 0.956 × the configured rate at MTU 1500 (the
-payload share of a 1514-byte frame) — `measure_goodput` checks a run lands near that.
+and reports Mbit/s of payload. Expect 0.956 × the configured rate at MTU 1500 (the payload
+share of a 1514-byte frame; docs/platform.md) — `measure_goodput` checks a run lands near that.
 
     .venv/bin/python -m benchmarks.wan.calibrate --mbit 100 --size-mb 32      # builds h0+h1
     (children)  ... --serve --bind ADDR  |  --send --to ADDR --bytes N

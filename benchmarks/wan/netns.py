@@ -7,8 +7,8 @@ Layout (one run; names carry the prefix and the owning pid, so runs never collid
     <prefix>-<pid>-r<i>    only for a host with `Rates(nat=True)`: its home router (see below)
 
 Each host is joined to the hub by one veth pair created directly between the two namespaces, so
-nothing appears in (or can route to) the machine's own namespace. Shaping follows DESIGN.md
-("WAN simulation"): `tbf rate R burst 64kb limit 16mb` on both ends of every veth — egress of
+nothing appears in (or can route to) the machine's own namespace. Shaping follows
+docs/platform.md: `tbf rate R burst 64kb limit 16mb` on both ends of every veth — egress of
 the host's `eth0` is its uplink, egress of the hub's port `h<i>` is its downlink. A flow h1→h2
 therefore passes h1's uplink shaper, the bridge, and h2's downlink shaper, as on a WAN where
 access links are the bottleneck and the core is not.
@@ -221,8 +221,8 @@ def _tbf(ns: str, dev: str, mbit: float | None) -> None:
         return
     if mbit <= 0:
         raise ValueError(f"rate {mbit} Mbit/s: give a positive rate, or None for unshaped")
-    # burst 64kb / limit 16mb: DESIGN.md measured exact rates with these; smaller bursts cost ~3x CPU
-    # and a shallow limit hurts when several flows share one downlink.
+    # burst 64kb / limit 16mb give exact rates; smaller bursts cost several times the CPU and a
+    # shallow limit hurts when several flows share one downlink (docs/platform.md).
     _tc("-n", ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit:g}mbit", "burst", "64kb", "limit", "16mb")
 
 

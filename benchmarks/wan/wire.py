@@ -11,7 +11,7 @@ import subprocess
 import time
 from typing import Any
 
-CHUNK = 64 * 1024  # DESIGN.md: 64 KiB chunks beat 1 MiB (pipeline fill ≈ N·chunk/rate)
+CHUNK = 64 * 1024  # 64 KiB chunks beat 1 MiB (pipeline fill ≈ N·chunk/rate; docs/platform.md)
 
 
 def connect_retry(addr: str, port: int, *, bind: str | None, deadline_s: float) -> socket.socket:
@@ -46,7 +46,8 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     while got < n:
         k = s.recv_into(view[got:])
         if k == 0:
-            # A killed sender looks like a normal end of stream (DESIGN.md): lengths are explicit.
+            # A killed sender looks like a normal end of stream (docs/platform.md): lengths are
+            # explicit.
             raise ConnectionError(f"stream ended after {got} of {n} bytes")
         got += k
     return bytes(buf)

@@ -1,8 +1,7 @@
 """Recommended ML defaults for the embedded run (tiny Llama + char tokenizer + addition).
 
-Measured on 2 CPU cores, 1 torch thread per process (see the numbers in the field comments).
-Every process sets its torch thread count explicitly: oversubscribing the cores is the largest
-slowdown measured on this platform (DESIGN.md).
+Tuned on 2 CPU cores, 1 torch thread per process. Every process sets its torch thread count
+explicitly: oversubscribing the cores is the largest slowdown on this platform (docs/platform.md).
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ class WarmupConfig:
     """Supervised warm-up (teacher forcing on prompt + answer + eos, loss on answer + eos only).
 
     `steps` is tuned so the warmed policy's mean *sampled* reward at T = 1 lands around 0.3–0.5:
-    RL from ~0 collapsed (DESIGN.md), and from ~1 there is nothing left to show.
+    RL from ~0 collapses (docs/platform.md), and from ~1 there is nothing left to show.
     """
 
     steps: int = 325

@@ -393,7 +393,7 @@ class PolicyOptimizer:
         self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
         # Train mode only changes what a forward computes where there is dropout; the lean Llama
-        # forward has none, and walking the modules twice per update cost ~0.5 ms of a ~30 ms step.
+        # forward has none, and walking the modules twice per update is a visible share of a step.
         self._mode_matters = not (is_lean_llama(model) and _attention_dropout(model) == 0)
 
     def _set_training(self, mode: bool) -> None:

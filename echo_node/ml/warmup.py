@@ -1,7 +1,7 @@
 """Supervised warm-up before RL, cached on disk.
 
 GRPO needs some reward signal to start from: from a ~0-reward policy every group is all-zero,
-advantages vanish and RL stalls or collapses (DESIGN.md). A short teacher-forced phase on
+advantages vanish and RL stalls or collapses (docs/platform.md). A short teacher-forced phase on
 (prompt, answer) pairs lifts the sampled reward to a middle value first.
 
 Invariants:
@@ -81,8 +81,8 @@ def _train(
 ) -> float:
     rng = random.Random(config.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-    # Linear ramp, then constant: without the ramp the tiny Llama stalled at loss ~0.8 for 600+
-    # steps (measured); a decay to 0 would make the end point depend on the total step count.
+    # Linear ramp, then constant: without a ramp the tiny Llama stalls on a loss plateau for
+    # hundreds of steps; a decay to 0 would make the end point depend on the total step count.
     ramp = max(config.ramp_steps, 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / ramp))
     model.train()

@@ -1,7 +1,8 @@
 """Length-prefixed frames over any trio-style byte stream.
 
-A sender killed mid-stream looks like a clean end of stream to a libp2p reader (DESIGN.md), so
-every transfer carries its length up front and a short read is an error, never a short message.
+A sender killed mid-stream looks like a clean end of stream to a libp2p reader
+(docs/platform.md), so every transfer carries its length up front and a short read is an error,
+never a short message.
 Works over `PeerStream` (libp2p), trio TCP streams and trio's memory streams alike.
 """
 

@@ -6,7 +6,7 @@ surface: `P2PNode.run` starts everything inside the caller's nursery; streams co
 `(sender, data)` pairs that already passed the caller's validator. No libp2p type leaves this
 module, so the rest of the node can be tested over trio memory streams.
 
-Choices below follow what DESIGN.md measured for py-libp2p 0.8.1:
+Choices below follow what py-libp2p 0.8.1 does, measured (docs/platform.md):
 - Noise-only security and Yamux-only muxing: the default host also accepts plaintext and
   mplex; QUIC delivered short streams.
 - `max_connections_per_peer=1` removes a fixed 250 ms wait on every dial.
@@ -76,7 +76,7 @@ from protocol.identity import Identity
 log = logging.getLogger(__name__)
 
 # py-libp2p gives each peer a 32-RPC outbound queue that rejects when full, so a burst of
-# publishes loses all but the first 32 without a word (measured: 32 of 200 on loopback).
+# publishes loses all but the first 32 without a word (docs/platform.md).
 # Pubsub builds the queue by this module-level name; a deeper queue keeps bursts whole and the
 # gap repair covers whatever is still lost.
 OUTBOUND_QUEUE_RPCS = 4096
@@ -205,7 +205,7 @@ class P2PSettings:
     subscription_queue: int = 4096
     # Seeds the penalty a peer takes for each invalid message it forwards or publishes.
     # py-libp2p's invalid-message weight is *positive* (the scorer subtracts it), opposite
-    # of go/rust; see DESIGN.md.
+    # of go/rust; see docs/platform.md.
     invalid_message_weight: float = 10.0
     graylist_threshold: float = -80.0
     gossip_threshold: float = -10.0
@@ -450,7 +450,7 @@ class P2PNode:
     async def find_providers(self, key: str, count: int = 20) -> list[PeerAddr]:
         assert self._dht is not None, "find_providers() before run() started"
         found: dict[str, PeerAddr] = {}
-        # find_providers returns duplicates (DESIGN.md); keep one entry per peer.
+        # find_providers returns duplicates (docs/platform.md); keep one entry per peer.
         for info in await self._dht.find_providers(key, count):
             pid = info.peer_id.to_base58()
             if pid != self.peer_id and pid not in found:
