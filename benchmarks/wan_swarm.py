@@ -12,7 +12,7 @@ its last peer started. Measured per swarm:
 - `live_all_s`: from a version's publication (the learner's train record) until every peer
   installed it (verified, handed to its engine), median over the versions all peers installed;
   in the WAN case also ÷ the broadcast bound for those rates (`benchmarks/wan/bound.py`, at the
-  0.956 goodput of a 1500-byte MTU that DESIGN.md measured).
+  0.956 goodput of a 1500-byte MTU, docs/platform.md).
 
 Processes are pinned: learner on core 0, bootstrap and peers on core 1. Needs root and
 nftables (`apt-get install nftables`). One JSON object as the last line.
