@@ -28,7 +28,7 @@ import json
 import logging
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,9 +78,11 @@ class PeerBook:
     max_peers: int = 1024
     ban_after: int = 3
     ban_s: float = 600.0
-    # Joined peers -> when last heard (trio time), least recent first. Kept by reference by the
-    # weight sources, which serve only members.
+    # Joined peers -> when they joined or last had rollouts accepted (trio time), least recent
+    # first. Kept by reference by the weight sources, which serve only members.
     joined: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    # Groups accepted per joined peer within the last ACTIVE_WINDOW_S: (time, groups), oldest first.
+    recent: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     accepted: Counter[str] = field(default_factory=Counter)
     penalties: Counter[str] = field(default_factory=Counter)
     # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process).
@@ -104,22 +106,39 @@ class PeerBook:
 
     def leave(self, peer_id: str) -> None:
         self.joined.pop(peer_id, None)
+        self.recent.pop(peer_id, None)
         self.relays.pop(peer_id, None)
         self.unreachable.pop(peer_id, None)
         self.accepted.pop(peer_id, None)
 
-    def touch(self, peer_id: str, now: float) -> None:
-        """Heard from a joined peer (a stranger's requests are answered, never counted)."""
-        if peer_id in self.joined:
-            self.joined[peer_id] = now
-            self.joined.move_to_end(peer_id)
+    def contributed(self, peer_id: str, groups: int, now: float) -> None:
+        """A joined peer's groups were accepted: it is active (requests alone never make a
+        peer active, so a peer that only asks cannot shrink anyone's demand)."""
+        if peer_id not in self.joined:
+            return
+        self.joined[peer_id] = now
+        self.joined.move_to_end(peer_id)
+        window = self.recent.setdefault(peer_id, deque())
+        window.append((now, groups))
+        while window and now - window[0][0] > ACTIVE_WINDOW_S:
+            window.popleft()
 
-    def active(self, now: float) -> int:
-        return sum(1 for t in self.joined.values() if now - t <= ACTIVE_WINDOW_S)
+    def effective_peers(self, now: float) -> float:
+        """How many full-rate peers the recent contributions amount to: groups accepted in the
+        window over the most any one peer delivered (>= 1). Equal peers count as their number;
+        a peer (or a hundred Sybils) delivering a trickle counts as that trickle, not as a head,
+        so it cannot cut the demand of the peers that do the work."""
+        totals = []
+        for window in self.recent.values():
+            while window and now - window[0][0] > ACTIVE_WINDOW_S:
+                window.popleft()
+            totals.append(sum(n for _, n in window))
+        top = max(totals, default=0)
+        return max(1.0, sum(totals) / top) if top else 1.0
 
-    def penalize(self, peer_id: str) -> bool:
-        """Count one offence; True if it got the peer banned just now."""
-        self.penalties[peer_id] += 1
+    def penalize(self, peer_id: str, *, strikes: int = 1) -> bool:
+        """Count an offence (`strikes` of them); True if it got the peer banned just now."""
+        self.penalties[peer_id] += strikes
         excess = len(self.penalties) - self.max_peers - MAX_STRANGERS
         if excess > 0:  # forget the oldest strangers' counts (insertion order)
             for p in [p for p in self.penalties if p not in self.joined and p != peer_id][:excess]:
@@ -147,9 +166,17 @@ class PeerBook:
         return -10.0 * self.penalties.get(peer_id, 0) - (1000.0 if peer_id in self.banned else 0.0)
 
     def save_bans(self, path: Path) -> None:
+        """Write the live bans (atomically: a crash mid-write leaves the previous file). A
+        failure to write is logged; the ban holds in memory either way."""
         now = time.time()
         live = {p: until for p, until in self.banned.items() if until > now}
-        path.write_text(json.dumps(live, indent=1, sort_keys=True))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(live, indent=1, sort_keys=True))
+            tmp.replace(path)
+        except OSError as exc:
+            log.error("could not write %s: %s", path, exc)
 
     def load_bans(self, path: Path) -> None:
         """Bans of an earlier run of this learner that have not ended. A file that does not
@@ -251,8 +278,12 @@ class RolloutIntake:
                 self.penalize(forwarder, f"relayed a refused rollout of {origin}")
         return False
 
-    def penalize(self, peer_id: str, why: str) -> None:
-        if self.peers.penalize(peer_id):
+    def ban(self, peer_id: str, why: str) -> None:
+        """Ban at once: for offences no honest peer commits."""
+        self.penalize(peer_id, why, strikes=self.peers.ban_after)
+
+    def penalize(self, peer_id: str, why: str, *, strikes: int = 1) -> None:
+        if self.peers.penalize(peer_id, strikes=strikes):
             log.warning("banned %s for %.0fs: %s", peer_id, self.peers.ban_s, why)
             self.tracker.forget(peer_id)
             if self.bans_path is not None:
@@ -288,14 +319,17 @@ class RolloutIntake:
             reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
             self.buffer.reject(reason, batch.num_samples)
             return
-        self.peers.touch(origin, trio.current_time())
+        taken = 0
         for group in batch.groups:
             if self.buffer.offer(group, current, origin) is not None:
                 continue
             if not self.peers.accepted[origin]:
                 self.on_first_accept(origin)
             self.peers.accepted[origin] += len(group.samples)
+            taken += 1
             self.arrived.set()
+        if taken:
+            self.peers.contributed(origin, taken, trio.current_time())
 
     async def consume(self, messages: Any) -> None:
         async for msg in messages:
@@ -350,8 +384,8 @@ class RolloutIntake:
     # -- demand ----------------------------------------------------------------------------------
 
     def demand_groups(self, per_version: int, slack: float) -> int:
-        """Groups each joined, active peer should sample per published version: the updates'
-        worth until the next publication, split among them, with slack. Only joined peers
-        count: a status request answers anyone, but a stranger's cannot shrink honest demand."""
-        active = max(1, self.peers.active(trio.current_time()))
-        return max(1, math.ceil(per_version * slack / active))
+        """Groups each peer should sample per published version: the updates' worth until the
+        next publication, split among the peers that deliver (`PeerBook.effective_peers`),
+        with slack. Asking too much costs stale drops; asking too little idles the learner, so
+        the split errs towards asking too much."""
+        return max(1, math.ceil(per_version * slack / self.peers.effective_peers(trio.current_time())))

@@ -89,9 +89,9 @@ class Learner:
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
         )
         self.data.ban_s = cfg.net.ban_s
-        # A peer the data channel caught misbehaving is also charged here: its rollouts and
-        # joins are refused once it runs out of strikes.
-        self.data.on_ban = lambda peer, why: self.intake.penalize(peer, f"data channel: {why}")
+        # A peer the data channel caught sending a bad frame or piece, or asking without reading,
+        # is banned from the run at once (no honest peer does either), rollouts and joins alike.
+        self.data.on_ban = lambda peer, why: self.intake.ban(peer, f"data channel: {why}")
         # Every rl.publish_every-th version becomes fetchable (weights.published).
         self.weights = WeightPublisher(
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
@@ -245,7 +245,6 @@ class Learner:
         if not isinstance(request, StatusRequest):
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
-        self.peers.touch(remote, trio.current_time())
         manifest = self.weights.manifest(self.weights.published)
         return StatusResponse(
             run_id=self.cfg.run_id,

@@ -197,6 +197,26 @@ class GossipMessage:
     data: bytes
 
 
+class _Delivery:
+    """Stands in for the subscription channel py-libp2p delivers validated messages into. It
+    calls `send_nowait` and, when the channel is full, drops the message with a log line; this
+    tells the owner first (`on_overflow`), so the drop can be counted where it belongs."""
+
+    def __init__(self, send: trio.MemorySendChannel[rpc_pb2.Message], on_overflow: Callable[[GossipMessage], None]) -> None:
+        self._send = send
+        self._on_overflow = on_overflow
+
+    def send_nowait(self, msg: rpc_pb2.Message) -> None:
+        try:
+            self._send.send_nowait(msg)
+        except trio.WouldBlock:
+            self._on_overflow(GossipMessage(ID(msg.from_id).to_base58(), msg.data))
+            raise
+
+    async def aclose(self) -> None:
+        await self._send.aclose()
+
+
 @dataclass(kw_only=True, slots=True)
 class P2PSettings:
     listen: str = "/ip4/127.0.0.1/tcp/0"
@@ -327,6 +347,12 @@ class P2PNode:
             eclipse_protection_enabled=False,
         )
         self._pubsub = Pubsub(self._host, self._gossipsub)
+        # Messages of our validated topics that py-libp2p dropped before our validator saw them,
+        # by reason (see `_push_msg`); and how many reached the validator.
+        self.gossip_drops: dict[str, dict[str, int]] = {}
+        self._reached_validator: set[int] = set()  # id() of messages in flight that did
+        self._library_push_msg = self._pubsub.push_msg
+        self._pubsub.push_msg = self._push_msg  # type: ignore[method-assign]
         self._dht: KadDHT | None = None
         self._subscriptions: dict[str, trio.MemoryReceiveChannel[rpc_pb2.Message]] = {}
         self._nursery: trio.Nursery | None = None
@@ -475,10 +501,15 @@ class P2PNode:
 
     # -- gossip ------------------------------------------------------------------------------
 
-    async def subscribe(self, topic: str, validator: GossipValidator) -> None:
-        """Subscribe; messages that pass `validator` become readable with `messages(topic)`."""
+    async def subscribe(
+        self, topic: str, validator: GossipValidator, *, on_overflow: Callable[[GossipMessage], None] | None = None
+    ) -> None:
+        """Subscribe; messages that pass `validator` become readable with `messages(topic)`.
+        `on_overflow` hears of each validated message dropped because the reader fell behind."""
+        self.gossip_drops[topic] = {}
 
         def check(forwarder: ID, msg: rpc_pb2.Message) -> bool:
+            self._reached_validator.add(id(msg))
             try:
                 origin = ID(msg.from_id).to_base58()
             except Exception:
@@ -491,8 +522,44 @@ class P2PNode:
         # batch without a checkpoint, so no reader task can keep up with a burst: 168 of 200
         # messages vanished in a loopback test. Swap in a channel sized by our own bound.
         send, receive = trio.open_memory_channel[rpc_pb2.Message](self.settings.subscription_queue)
-        self._pubsub.subscribed_topics_send[topic] = send
+        overflow = on_overflow or (lambda msg: self._count_drop(topic, "reader_behind"))
+        self._pubsub.subscribed_topics_send[topic] = _Delivery(send, overflow)  # type: ignore[assignment]
         self._subscriptions[topic] = receive
+
+    async def _push_msg(self, forwarder: ID, msg: rpc_pb2.Message) -> None:
+        """py-libp2p's `push_msg`, counting what it drops before our validator for the topics we
+        validate: blacklisted senders, messages already seen (normal gossip redundancy), the
+        score gate (a graylisted, e.g. banned, peer) and, inferred afterwards, signatures that
+        fail strict signing. The same cheap checks, in the library's order, then the library."""
+        topics = [t for t in msg.topicIDs if t in self.gossip_drops]
+        reason = None
+        if topics:
+            ps = self._pubsub
+            try:
+                blacklisted = ps.is_peer_blacklisted(forwarder) or ps.is_peer_blacklisted(ID(msg.from_id))
+            except Exception:
+                blacklisted = False
+            scorer = getattr(self._gossipsub, "scorer", None)
+            if blacklisted:
+                reason = "blacklisted"
+            elif ps._is_msg_seen(msg):
+                reason = "duplicate"
+            elif scorer is not None and not scorer.allow_publish(forwarder, list(msg.topicIDs)):
+                reason = "score_gate"
+        try:
+            await self._library_push_msg(forwarder, msg)
+            validated = id(msg) in self._reached_validator
+        finally:
+            self._reached_validator.discard(id(msg))
+        for t in topics:
+            if reason is not None:
+                self._count_drop(t, reason)
+            elif not validated:
+                self._count_drop(t, "signature")  # passed the cheap gates, never validated
+
+    def _count_drop(self, topic: str, reason: str) -> None:
+        drops = self.gossip_drops.setdefault(topic, {})
+        drops[reason] = drops.get(reason, 0) + 1
 
     async def messages(self, topic: str) -> AsyncIterator[GossipMessage]:
         """Validated messages of a subscribed topic, in arrival order."""

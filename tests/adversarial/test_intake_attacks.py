@@ -162,3 +162,14 @@ def test_stranger_penalties_are_bounded(learner: Learner) -> None:
     for i in range(MAX_STRANGERS + learner.peers.max_peers + 100):
         learner.peers.penalize(f"stranger{i}")
     assert len(learner.peers.penalties) <= MAX_STRANGERS + learner.peers.max_peers
+
+
+def test_a_peer_banned_on_the_learners_data_channel_is_banned_from_the_run(learner: Learner) -> None:
+    """No honest peer sends a bad frame or asks without reading: one is enough to leave the run
+    (its rollouts and joins are refused), not a strike among three."""
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    assert learner.data.on_ban is not None
+    learner.data.on_ban(MALLORY.peer_id, "asks without reading")
+    assert learner.peers.is_banned(MALLORY.peer_id) and MALLORY.peer_id not in learner.peers.joined
+    assert not offer(learner, seal(make_batch(identity=MALLORY, seq=1), MALLORY), MALLORY.peer_id)
+    assert learner.buffer.ledger.dropped == {"banned": 1}

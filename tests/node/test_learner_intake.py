@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 
 from echo_node.learner import Learner
 from protocol import seal
@@ -106,22 +107,28 @@ def test_a_validated_message_is_verified_once(learner: Learner, monkeypatch: pyt
     assert opened == msgs and len(learner.buffer) == 6 and not learner.intake._checked
 
 
-def test_demand_is_split_among_active_peers(learner: Learner) -> None:
+def test_demand_is_split_among_the_peers_that_deliver(learner: Learner) -> None:
     async def go() -> list[int]:
         for p in list(learner.peers.joined):
             learner.peers.leave(p)
         out = [learner.demand_groups()]
         for i in range(4):
             learner.peers.join(f"p{i}", trio.current_time())
+            learner.peers.contributed(f"p{i}", 8, trio.current_time())
         out.append(learner.demand_groups())
-        # Strangers asking for status are answered but never split the demand (Sybils).
+        # Joined peers that only ask (status, joins) or deliver a trickle cannot cut the demand
+        # of the peers that do the work.
         for i in range(12):
-            learner.peers.touch(f"sybil{i}", trio.current_time())
+            learner.peers.join(f"sybil{i}", trio.current_time())
+        learner.peers.contributed("sybil0", 1, trio.current_time())
+        out.append(learner.demand_groups())
+        await trio.sleep(16)  # the window passes: nobody delivered lately
         out.append(learner.demand_groups())
         return out
 
-    # groups_per_step=8 with 1.5x slack: 12 for a lone peer, 3 each for four.
-    assert trio.run(go) == [12, 3, 3]
+    # groups_per_step=8 with 1.5x slack: 12 for a lone peer, 3 each for four; a sybil's one
+    # group makes four and an eighth peers' worth (12 / 4.125 -> 3).
+    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [12, 3, 3, 12]
 
 
 def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
