@@ -291,6 +291,12 @@ class RolloutIntake:
         if self.node is not None:
             self.node.penalize(peer_id, self.topic)
 
+    def overflowed(self, msg: Any) -> None:
+        """A validated message the subscription queue had no room for (the consumer fell
+        behind): counted as overload, so the ledger still sees every rollout it passed."""
+        batch = self._checked.pop(msg.data, None)
+        self.buffer.reject(DropReason.OVERLOAD, batch.num_samples if batch is not None else 1)
+
     def deliver(self, data: bytes, origin: str) -> None:
         """Ingest a message the gossip validator passed, as the validator decoded it."""
         batch = self._checked.pop(data, None)

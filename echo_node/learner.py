@@ -124,7 +124,7 @@ class Learner:
                     )
                 self.node.set_stream_handler(rpc.JOIN, self._serve_join)
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
-                await self.node.subscribe(self.rollouts_topic, self.intake.validate)
+                await self.node.subscribe(self.rollouts_topic, self.intake.validate, on_overflow=self.intake.overflowed)
                 await self.node.provide(provider_key(self.cfg.run_id))
                 self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": 0})
                 nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
@@ -388,6 +388,9 @@ class Learner:
                 for p in sorted(self.peers.joined)
             },
             "lost_messages": self.intake.lost_messages,
+            # Rollout messages py-libp2p dropped before the validator (never opened, so not in
+            # the rollout ledger), by reason.
+            "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
             "train_errors": self.trainer.train_errors,
             "banned": sorted(self.peers.banned),
             "learner_bytes_up": self.weights.bytes_up(),

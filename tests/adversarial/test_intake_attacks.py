@@ -173,3 +173,18 @@ def test_a_peer_banned_on_the_learners_data_channel_is_banned_from_the_run(learn
     assert learner.peers.is_banned(MALLORY.peer_id) and MALLORY.peer_id not in learner.peers.joined
     assert not offer(learner, seal(make_batch(identity=MALLORY, seq=1), MALLORY), MALLORY.peer_id)
     assert learner.buffer.ledger.dropped == {"banned": 1}
+
+
+def test_a_validated_message_the_queue_drops_is_still_counted(learner: Learner) -> None:
+    """py-libp2p drops a validated message when the subscription queue is full; the intake
+    hears of it and counts its rollouts as overload instead of losing them from the ledger."""
+    learner.peers.join(ALICE.peer_id, 0.0)
+    data = seal(make_batch(identity=ALICE, seq=1), ALICE)
+
+    async def go() -> None:
+        assert learner.intake.validate(ALICE.peer_id, ALICE.peer_id, data)
+        learner.intake.overflowed(type("Msg", (), {"data": data, "sender": ALICE.peer_id})())
+
+    trio.run(go)
+    assert learner.buffer.ledger.dropped == {"overload": 8} and learner.buffer.ledger.received == 8
+    learner.buffer.check()
