@@ -102,8 +102,13 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     # Three strikes: banned. What it sent after that, GossipSub's score gate dropped before the
     # learner's validator saw it (docs/architecture.md: what the ledger does not see).
     assert s["banned"] == [attacker.peer_id]
+    gated = s["gossip_dropped"]
+    assert isinstance(gated, dict)
     dropped = s["rollouts_dropped"]
     assert isinstance(dropped, dict) and dropped.get("malformed", 0) >= 1
+    # Whatever it sent once banned was stopped somewhere, and counted there: by the validator
+    # (banned) or, once its score fell, by py-libp2p's score gate.
+    assert dropped.get("banned", 0) + gated.get("score_gate", 0) >= 1, (dropped, gated)
     assert s["train_errors"] == 0
     log = (cluster.swarm.run_dir / "logs" / "learner.log").read_text()
     assert f"rejected a rollout message from {attacker.peer_id}" in log
