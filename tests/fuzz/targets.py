@@ -10,15 +10,16 @@ survives a round trip, a stream splits back into what was fed, an admitted hello
 address, ...): a failed oracle is an AssertionError, so a crash too.
 
 Inputs are deterministic: input `i` of target `t` under seed `s` is `input_for(t, s, i)` (its own
-`random.Random`), so a finding replays from its index alone (the hello target's expiry field is
-wall-clock time, the one exception). Mutators, from dumb to deep:
+`random.Random`; hellos are checked at a fixed `NOW`), so a finding replays from its index alone,
+though a stateful target (the learner, the hello checker's nonce memory) sees it after whatever
+inputs ran before it in that process. Mutators, from dumb to deep:
 - byte havoc on a valid seed: bit flips, interesting bytes and ints, inserts, deletes,
   duplications, truncation, splices of two seeds, msgpack length and nesting bombs;
 - msgpack-aware: decode a seed, replace random nodes with hostile values (int <-> float, 2**63,
   2**64 - 1, negatives, NaN/inf, long strings, deep nesting, empty containers, bytes <-> str,
   ...) and re-pack, canonically or with needlessly wide encodings;
 - re-signed: for signed envelopes and data-channel hellos, mutate the signed body's wire values
-  and sign again with the author's key (`envelope.signing_input`, `broadcast.HELLO_DOMAIN`), so the
+  and sign again with the author's key (`envelope.signing_input`, `datachannel.HELLO_DOMAIN`), so the
   mutation reaches past the signature check into the message's own validation (and, for the
   learner, into its admission rules, sequence tracker and replay buffer);
 - zstd-aware: the same content in frames without a content size, with checksums, in several
@@ -353,8 +354,20 @@ def hostile(v: Any, rng: random.Random) -> Any:
             i = rng.randrange(len(v) + 1)
             return v[:i] + [rng.choice(v) if v and rng.random() < 0.5 else _any(rng)] + v[i:]
 
+        def repeat_first() -> Any:
+            # Just past a bound (64 samples, 256 groups or repairs, 4096 tokens), but never more
+            # than ~1 MiB packed: repeating an element that repeats its own elements would grow
+            # without bound over a few rounds.
+            n = rng.choice((65, 256, 257, 4096, 4097))
+            first = v[0] if v else 0
+            try:
+                size = len(msgpack.packb(first, use_bin_type=True))
+            except _PACK_ERRORS:
+                size = 1 << 30
+            return [first] * n if size * n <= 1 << 20 else [0] * n
+
         opts = [lambda: [], drop, drop, insert, insert, lambda: v + v[-1:], lambda: v[::-1], lambda: [v], lambda: v * 2,
-                lambda: (v[:1] or [0]) * rng.choice((256, 257, 4096, 4097)),
+                repeat_first,
                 lambda: {str(i): x for i, x in enumerate(v)}, lambda: v[: len(v) // 2], lambda: tuple_swap(v, rng)]
     elif t is dict:
         def drop_key() -> Any:
@@ -1347,34 +1360,87 @@ class LearnerIntake:
             trio.run(deliver)
 
 
+@lru_cache(maxsize=1)
+def _learner() -> LearnerIntake:
+    return LearnerIntake()  # once per process: it imports torch and builds the model
+
+
+_ROLLOUTS = [
+    (_batch(seq=1), ALICE),
+    (_batch(seq=2, groups=3), ALICE),
+    (_batch(seq=3, groups=1, tokens=1), ALICE),
+    (_batch(seq=4, identity=MALLORY), MALLORY),
+]
+
+
 def _learner_target() -> Target:
-    harness: list[LearnerIntake] = []
-
-    def setup() -> None:
-        if not harness:
-            harness.append(LearnerIntake())
-
-    def validate(data: bytes) -> None:
-        setup()
-        harness[0](data)
-
-    batches = [
-        (_batch(seq=1), ALICE),
-        (_batch(seq=2, groups=3), ALICE),
-        (_batch(seq=3, groups=1, tokens=1), ALICE),
-        (_batch(seq=4, identity=MALLORY), MALLORY),
-    ]
-    specs = _signed(batches)
-    frames = [seal(b, ident) for b, ident in batches]
+    specs = _signed(_ROLLOUTS)
+    frames = [seal(b, ident) for b, ident in _ROLLOUTS]
     return Target(
-        "learner.intake.validate", validate, frames, accepted=(),
+        "learner.intake.validate", lambda data: _learner()(data), frames, accepted=(),
         generators=(
             (6.0, lambda rng: resigned(rng, specs, seq_shuffle=True)),
             (1.0, lambda rng: outer_mutated(rng, frames)),
             (0.5, lambda rng: rezstd(rng, frames)),
         ),
-        structured=0.8, setup=setup,
+        structured=0.8, setup=_learner,
         note="the validator must return a bool and never raise; what it accepts is delivered (trio.run per accepted input)",
+    )
+
+
+class _FakeGossip:
+    """The learner's libp2p node as its intake sees it, answering every stream with `data`."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    async def open_stream(self, peer_id: str, protocol_id: str) -> FakeStream:
+        return FakeStream(self.data, remote_peer_id=peer_id)
+
+    def penalize(self, peer_id: str, topic: str) -> None:
+        pass
+
+
+def _learner_repair_target() -> Target:
+    """The learner's gap repair (RolloutIntake.repair) reading a publisher's hostile answer: the
+    RepairResponse stream, the sealed rollouts in it, and the seqs it calls unavailable."""
+    import trio
+
+    def repair(data: bytes) -> None:
+        harness = _learner()
+        intake = getattr(harness.learner, "intake", None)
+        if intake is None or not hasattr(intake, "repair"):
+            return  # the learner has no gap repair to fuzz
+        harness._rejoin()
+        saved, intake.node = intake.node, _FakeGossip(data)
+        try:
+            trio.run(intake.repair, ALICE.peer_id, [3, 4, 5, 6])
+        finally:
+            intake.node = saved
+
+    specs = _signed(_ROLLOUTS)
+    sealed = [seal(_batch(seq=s), ALICE) for s in (3, 4, 5)]
+
+    def answer(envelopes: Sequence[bytes], unavailable: Any, rng: random.Random | None = None) -> bytes:
+        body = msgpack.packb([SCHEMA_VERSION, "repair_response", [list(envelopes), unavailable]], use_bin_type=True)
+        return encode_length_prefixed(body)
+
+    seeds = [answer(sealed, [6]), answer(sealed[:1], []), answer([], [3, 4, 5, 6]), answer(sealed + sealed, [2**63 - 1, 0])]
+
+    def hostile_answer(rng: random.Random) -> bytes:
+        envelopes = [resigned(rng, specs, seq_shuffle=True) if rng.random() < 0.8 else rng.choice(sealed)
+                     for _ in range(rng.choice((0, 1, 1, 2, 3)))]
+        unavailable = mutate_obj([3, 4, 5, 6], rng, rounds=rng.choice((0, 1, 2)))
+        try:
+            return answer(envelopes, unavailable)
+        except _PACK_ERRORS:
+            return answer(envelopes, [])
+
+    return Target(
+        "learner.intake.repair", repair, seeds, accepted=(),
+        generators=((3.0, hostile_answer), (1.0, lambda rng: _frame_stream_mutate(rng, seeds))),
+        structured=0.8, setup=_learner,
+        note="repair answers every failure itself (counted, logged, penalized): nothing may escape; one trio.run per input",
     )
 
 
@@ -1475,6 +1541,7 @@ def _all_targets() -> tuple[Target, ...]:
     out.append(_source_target())
     out.extend(_rpc_targets())
     out.append(_learner_target())
+    out.append(_learner_repair_target())
     return tuple(out)
 
 

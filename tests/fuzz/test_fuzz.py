@@ -21,20 +21,18 @@ SEED = 0
 INPUTS = 2000
 
 # Real crashes the fuzzer found in the code under test (not in the harness), pending a fix:
-# target name -> what crashes. The target's test is an xfail (strict: once the code is fixed it
-# XPASSes and fails, so the entry must go). The reproducers below stay as regression tests.
-KNOWN_CRASH: dict[str, str] = {
-    "addresses": (
-        "parse_tcp_multiaddr('/dns/m/tcp/\\u00b2') raises ValueError, not AddressError: str.isdigit() accepts "
-        "Unicode digits int() refuses (superscripts), so dial_plan, which catches only AddressError, lets it out too"
-    ),
-}
+# target name -> what crashes. The target's test is then an xfail, strict: once the code is fixed
+# it XPASSes and fails, so the entry must go. Empty: the one crash found so far is fixed.
+KNOWN_CRASH: dict[str, str] = {}
 
-# Minimal inputs for every crash found so far: (target, input, what it was). After the fix,
-# each must run clean.
+# Minimal inputs of every crash found so far, kept as regression tests: (target, input, what).
 REPRODUCERS: list[tuple[str, bytes, str]] = [
-    ("addresses", "/dns/m/tcp/\u00b2".encode(), "a port of Unicode digits str.isdigit() accepts and int() refuses"),
-    ("addresses", "/ip4/1.2.3.4/tcp/\u00b9".encode(), "superscript one as the port"),
+    # parse_tcp_multiaddr raised ValueError, not AddressError: str.isdigit() accepts Unicode digits
+    # int() refuses, and dial_plan, which catches only AddressError, let it out too.
+    ("addresses", "/dns/m/tcp/\u00b2".encode(), "a superscript two as the port"),
+    ("addresses", "/ip4/1.2.3.4/tcp/\u00b9".encode(), "a superscript one as the port"),
+    # int() takes these Unicode digits: the port parsed as 3 from text that is not a port.
+    ("addresses", "/ip4/1.2.3.4/tcp/\u0663".encode(), "an Arabic-Indic three as the port"),
 ]
 
 
@@ -76,6 +74,7 @@ def test_every_decoder_has_a_target() -> None:
         "delta.decode_delta", "identity.peer_id", "identity.verify", "addresses", "datachannel.HelloChecker.check",
         "datachannel._peer_entry", "datachannel.decode_frame", "datachannel.decode_probe_answer",
         "broadcast.Receiver._on_frame", "broadcast.Source.serve", "rpc.serve_one", "rpc.call", "learner.intake.validate",
+        "learner.intake.repair",
     } <= names
 
 
