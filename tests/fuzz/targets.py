@@ -72,9 +72,7 @@ from protocol.messages import (
     RepairRequest,
     RepairResponse,
     RolloutBatch,
-    RolloutGroup,
     RunSpec,
-    Sample,
     SamplingParams,
     StatusRequest,
     StatusResponse,
@@ -83,6 +81,7 @@ from protocol.messages import (
     encode_message,
     kind_of,
 )
+from tests.factories import ALICE, MALLORY, make_batch
 
 __all__ = [
     "HANG_S",
@@ -104,8 +103,6 @@ MAX_INPUT = 512 * 1024
 # Keys: the rollout peer ALICE (the same seed as tests/factories.py), the run's LEARNER, MALLORY
 # (a peer that signs other peers' messages), BOB (a forwarder), ME (the node receiving hellos and
 # weight pieces), and a STRANGER that never joined the run.
-ALICE = Identity.from_seed(b"\x0a" * 32)
-MALLORY = Identity.from_seed(b"\x0b" * 32)
 LEARNER = Identity.from_seed(b"\x03" * 32)
 BOB = Identity.from_seed(b"\x05" * 32)
 ME = Identity.from_seed(b"\x04" * 32)
@@ -118,27 +115,9 @@ SHA = bytes(range(32))
 # --- valid messages (the seeds) ----------------------------------------------------------------
 
 
-def _group(n: int = 0, *, version: int = 0, samples: int = 8, tokens: int = 4) -> RolloutGroup:
-    """Like tests.factories.make_group: what the default run (tiny model, addition) admits."""
-    return RolloutGroup(
-        group_id=f"g{n}",
-        prompt_ids=(1, 5, 6, 13, 3, 4, 14),
-        samples=tuple(
-            Sample(
-                completion_ids=tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,),
-                behaviour_logprobs=tuple(-0.5 for _ in range(tokens)),
-                token_versions=(version,) * tokens,
-                reward=float(s % 2),
-            )
-            for s in range(samples)
-        ),
-    )
-
-
 def _batch(seq: int = 0, groups: int = 1, identity: Identity = ALICE, run_id: str = RUN_ID, **kw: Any) -> RolloutBatch:
-    return RolloutBatch(
-        run_id=run_id, peer_id=identity.peer_id, seq=seq, groups=tuple(_group(seq * 1000 + i, **kw) for i in range(groups))
-    )
+    """What the default run (tiny model, addition) admits: tests.factories' batch."""
+    return make_batch(run_id=run_id, identity=identity, seq=seq, groups=groups, **kw)
 
 
 def _spec() -> RunSpec:
