@@ -17,6 +17,11 @@ Rules:
 - Gap repair runs at most `REPAIRS_AT_ONCE` requests at a time, one per publisher, each bounded
   by `REPAIR_TIMEOUT_S`: peers that accept a repair stream and never answer cost one timeout
   each, in parallel, not one after the other.
+- Demand (groups each peer is asked for per version) is split by delivered work, not by heads
+  (`PeerBook.effective_peers`): joining, asking for status or delivering a trickle does not cut
+  the demand of the peers doing the work.
+- A peer the learner's data channel caught misbehaving is banned at once (`ban`): no honest peer
+  sends a bad frame or asks without reading.
 
 Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
 reason, exactly once.
@@ -48,7 +53,8 @@ from protocol.sequence import Observation, SequenceTracker
 
 log = logging.getLogger(__name__)
 
-# A peer counts as active (for splitting demand, and against eviction) while heard this recently.
+# A joined peer is safe from eviction, and its deliveries count towards splitting demand, for
+# this long after it joined or last had rollouts accepted.
 ACTIVE_WINDOW_S = 15.0
 # A publisher that does not answer a repair request within this is treated as gone.
 REPAIR_TIMEOUT_S = 10.0
