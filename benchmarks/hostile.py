@@ -67,9 +67,9 @@ from echo_node.net.framing import read_frame, write_frame
 from echo_node.net.p2p import P2PNode
 from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse, seal
-from protocol.datachannel import FULL, MAX_WIRE_FRAME, Get, ManifestFrame, decode_frame, encode, make_hello
+from protocol.weights.datachannel import FULL, MAX_WIRE_FRAME, Get, ManifestFrame, decode_frame, encode, make_hello
 from protocol.framing import encode_length_prefixed
-from protocol.manifest import open_manifest
+from protocol.weights.manifest import open_manifest
 from protocol.messages import StatusRequest, StatusResponse
 from tests.factories import bad_rollout_messages, make_batch
 

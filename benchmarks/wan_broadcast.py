@@ -36,7 +36,7 @@ def delta_ratio(model: Any) -> float:
     import torch
     from safetensors.torch import save
 
-    from protocol.delta import decode_delta, encode_delta
+    from protocol.weights.delta import decode_delta, encode_delta
 
     torch.manual_seed(0)
     params = list(model.parameters())

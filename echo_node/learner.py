@@ -22,7 +22,7 @@ from typing import Any, TextIO
 
 import trio
 
-from echo_node.broadcast import DataServer, ProbeFailed, probe
+from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.config import RunConfig, to_dict
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
 from echo_node.ml.model import state_to_bytes

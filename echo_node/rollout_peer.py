@@ -28,7 +28,7 @@ from typing import Any
 
 import trio
 
-from echo_node.broadcast import DataServer
+from echo_node.weights.broadcast import DataServer
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import TorchEngine

@@ -10,7 +10,7 @@ building something invalid locally raises `LocalProtocolError`.
 """
 
 from protocol.admission import RunBounds, judge_batch
-from protocol.delta import decode_delta, encode_delta
+from protocol.weights.delta import decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.envelope import (
     SIGNATURE_DOMAIN,
@@ -33,7 +33,7 @@ from protocol.identity import (
     public_key_from_peer_id,
     verify,
 )
-from protocol.manifest import (
+from protocol.weights.manifest import (
     WeightManifest,
     build_manifest,
     choose_piece_size,
@@ -66,7 +66,7 @@ from protocol.messages import (
     pack_groups,
     pack_repair_response,
 )
-from protocol.pieces import Cancel, PieceSwarm, Request
+from protocol.weights.pieces import Cancel, PieceSwarm, Request
 from protocol.sequence import Observation, SequenceTracker
 from protocol.staleness import admissible
 

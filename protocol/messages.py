@@ -49,7 +49,7 @@ from protocol.fields import (
     _short,
     _str,
 )
-from protocol.manifest import WeightManifest
+from protocol.weights.manifest import WeightManifest
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import (
     ERROR_CODE_PATTERN,
@@ -311,7 +311,7 @@ class JoinRequest(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinResponse(WireMessage):
-    """The learner's answer: the run spec and where its data channel listens (echo_node/broadcast.py)."""
+    """The learner's answer: the run spec and where its data channel listens (echo_node/weights/broadcast.py)."""
 
     KIND: ClassVar[str | None] = "join_response"
     _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {"spec": RunSpec}

@@ -1,4 +1,4 @@
-"""echo-node's P2P broadcast (echo_node/broadcast.py) run as one process per namespace host.
+"""echo-node's P2P broadcast (echo_node/weights/broadcast.py) run as one process per namespace host.
 
 The learner (h0) builds a signed manifest of a random G-byte payload (64 KiB pieces) and starts
 handing out pieces once every peer has connected; its clock starts then. Each peer dials the
@@ -25,9 +25,9 @@ import trio
 from benchmarks.wan import scenario as sc
 from benchmarks.wan.netns import Topology, python_argv
 from benchmarks.wan.wire import JsonLines, cpu_busy, cpu_jiffies, cpu_s, emit, last_json
-from echo_node.broadcast import DataServer, Source, fetch_version
+from echo_node.weights.broadcast import DataServer, Source, fetch_version
 from protocol import Identity, seal
-from protocol.manifest import build_manifest, payload_digest
+from protocol.weights.manifest import build_manifest, payload_digest
 
 PORT = 5401
 MODULE = "benchmarks.wan.p2p"

@@ -23,11 +23,11 @@ from collections.abc import Container, Mapping
 
 import trio
 
-from echo_node.broadcast import FULL, DataServer, Served, Source, base_of
-from protocol.delta import encode_delta, estimate_delta_ratio
+from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
+from protocol.weights.delta import encode_delta, estimate_delta_ratio
 from protocol.envelope import seal
 from protocol.identity import Identity
-from protocol.manifest import WeightManifest, build_manifest, choose_piece_size
+from protocol.weights.manifest import WeightManifest, build_manifest, choose_piece_size
 
 DELTA_MIN_SAVING = 0.7
 DELTA_RETRY_VERSIONS = 50

@@ -16,13 +16,13 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
+from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
 from echo_node.net.framing import read_frame, write_frame
 from protocol import Identity, seal
-from protocol.datachannel import Get, encode, make_hello
+from protocol.weights.datachannel import Get, encode, make_hello
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_length_prefixed
-from protocol.manifest import build_manifest
+from protocol.weights.manifest import build_manifest
 
 PIECE = 16 * 1024
 PAYLOAD = os.urandom(64 * PIECE)

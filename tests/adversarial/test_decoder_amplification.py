@@ -14,7 +14,7 @@ import zstandard
 
 from protocol import decode_message, open_envelope
 from protocol._wire import unpack_strict
-from protocol.datachannel import decode_frame as decode_data_frame
+from protocol.weights.datachannel import decode_frame as decode_data_frame
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_FRAME_BYTES
 

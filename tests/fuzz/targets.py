@@ -55,13 +55,13 @@ import zstandard
 
 from protocol._wire import unpack_strict
 from protocol.addresses import AddressError, check_announce, check_data_host, check_dns_name, check_port, dial_plan, parse_tcp_multiaddr
-from protocol.delta import decode_delta, encode_delta
+from protocol.weights.delta import decode_delta, encode_delta
 from protocol.envelope import SIGNATURE_DOMAIN, open_envelope, seal, signing_input
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, decode_frame, encode_frame, encode_length_prefixed
 from protocol.identity import Identity, b58decode, is_valid_peer_id, peer_id_from_public_key, public_key_from_peer_id, verify
 from protocol.limits import MAX_DECOMPRESSED_BYTES, MAX_LENGTH_PREFIXED
-from protocol.manifest import build_manifest, open_manifest, payload_digest, piece_range
+from protocol.weights.manifest import build_manifest, open_manifest, payload_digest, piece_range
 from protocol.messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -816,7 +816,7 @@ def _zframe(content: bytes, rng: random.Random, *, declare: bool = True) -> byte
 
 
 def sparse_delta(rng: random.Random) -> bytes:
-    """A sparse delta assembled field by field around hostile header values (protocol/delta.py)."""
+    """A sparse delta assembled field by field around hostile header values (protocol/weights/delta.py)."""
     base = rng.choice((_BASE_EVEN, _BASE_ODD))
     n = len(base)
     lanes = n // 2
@@ -945,14 +945,14 @@ def verify_inputs(rng: random.Random) -> bytes:
     return b"\x00\x00" + key + signature + message
 
 
-# --- the data channel (protocol/datachannel.py) and its handler (echo_node/broadcast.py) -----------
+# --- the data channel (protocol/weights/datachannel.py) and its handler (echo_node/weights/broadcast.py) -----------
 
 # Hellos carry an expiry; the checker takes the time as an argument, so the target fixes it.
 NOW = 1_800_000_000.0
 
 
 def _hello_target() -> Target:
-    from protocol.datachannel import FULL, HELLO_DOMAIN, HELLO_MAX, PROBE, HelloChecker, make_hello
+    from protocol.weights.datachannel import FULL, HELLO_DOMAIN, HELLO_MAX, PROBE, HelloChecker, make_hello
 
     checker = HelloChecker(ME.peer_id, RUN_ID)
 
@@ -997,7 +997,7 @@ def _hello_target() -> Target:
 
 
 def _peer_entry_target() -> Target:
-    from protocol.datachannel import MAX_SWARM_ENTRIES, _peer_entry
+    from protocol.weights.datachannel import MAX_SWARM_ENTRIES, _peer_entry
 
     def entries(data: bytes) -> None:
         # What decode_frame does with a `peers` frame's list, on any msgpack value.
@@ -1015,7 +1015,7 @@ def _peer_entry_target() -> Target:
     ]
 
     return Target("datachannel._peer_entry", entries, seeds, msgpack_seeds=True, structured=0.6,
-                  note="the brief's echo_node.broadcast._peers_entry moved here (typed data channel)")
+                  note="the brief's echo_node.weights.broadcast._peers_entry moved here (typed data channel)")
 
 
 @lru_cache(maxsize=1)
@@ -1025,8 +1025,8 @@ def _piece_setup() -> Any:
 
 @lru_cache(maxsize=1)
 def _data_streams() -> tuple[bytes, ...]:
-    """Length-prefixed data-channel streams (each frame as protocol.datachannel.encode makes it)."""
-    from protocol.datachannel import Get, ManifestFrame, Next, NoMore, NotServed, PeerEntry, Peers, Piece, encode
+    """Length-prefixed data-channel streams (each frame as protocol.weights.datachannel.encode makes it)."""
+    from protocol.weights.datachannel import Get, ManifestFrame, Next, NoMore, NotServed, PeerEntry, Peers, Piece, encode
 
     p0, p2 = _PAYLOAD[:16384], _PAYLOAD[32768:]
     peers = Peers((PeerEntry(ME.peer_id, "10.0.0.7", 7001), PeerEntry(ALICE.peer_id, "", 0), PeerEntry(BOB.peer_id, "10.0.0.9", 7002)))
@@ -1068,7 +1068,7 @@ def _frame_stream_mutate(rng: random.Random, seeds: Sequence[bytes]) -> bytes:
 
 
 def _data_frame_target() -> Target:
-    from protocol.datachannel import Piece, decode_frame as decode_data_frame
+    from protocol.weights.datachannel import Piece, decode_frame as decode_data_frame
 
     num_pieces = _piece_setup().num_pieces
 
@@ -1086,7 +1086,7 @@ def _data_frame_target() -> Target:
 
 
 def _probe_target() -> Target:
-    from protocol.datachannel import HELLO_MAX, PROBE, PROBE_DOMAIN, decode_probe_answer, make_hello, probe_answer
+    from protocol.weights.datachannel import HELLO_MAX, PROBE, PROBE_DOMAIN, decode_probe_answer, make_hello, probe_answer
 
     hello = make_hello(ALICE, target=ME.peer_id, run_id=RUN_ID, version=PROBE, now=NOW, nonce=b"\x07" * 16)
 
@@ -1112,7 +1112,7 @@ def _probe_target() -> Target:
 def _receiver_target() -> Target:
     import trio
 
-    from echo_node.broadcast import DataServer, Link, Receiver
+    from echo_node.weights.broadcast import DataServer, Link, Receiver
 
     manifest = _piece_setup()
     server = DataServer(ME, RUN_ID)
@@ -1152,8 +1152,8 @@ def _receiver_target() -> Target:
 def _source_target() -> Target:
     import trio
 
-    from echo_node.broadcast import Source
-    from protocol.datachannel import Get, HelloChecker, Next, Piece, encode, make_hello
+    from echo_node.weights.broadcast import Source
+    from protocol.weights.datachannel import Get, HelloChecker, Next, Piece, encode, make_hello
 
     manifest = _piece_setup()
     sealed = seal(manifest, LEARNER)

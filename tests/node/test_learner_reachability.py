@@ -8,7 +8,7 @@ import pytest
 import trio
 
 from echo_node import learner as learner_module
-from echo_node.broadcast import DataServer
+from echo_node.weights.broadcast import DataServer
 from echo_node.learner import Learner
 from protocol import Identity
 from protocol.messages import JoinRequest, JoinResponse

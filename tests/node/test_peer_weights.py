@@ -7,13 +7,13 @@ from types import SimpleNamespace
 
 import trio
 
-from echo_node.broadcast import DataServer, Source
+from echo_node.weights.broadcast import DataServer, Source
 from echo_node.config import RunConfig
 from echo_node.net.discovery import PeerAddr
 from echo_node.weights.follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from protocol import Identity, seal
-from protocol.delta import encode_delta
-from protocol.manifest import build_manifest, payload_digest
+from protocol.weights.delta import encode_delta
+from protocol.weights.manifest import build_manifest, payload_digest
 
 PIECE = 16 * 1024
 LEARNER = Identity.from_seed(b"\x01" * 32)

@@ -6,7 +6,7 @@ import msgpack
 import pytest
 
 from protocol import Identity
-from protocol.datachannel import (
+from protocol.weights.datachannel import (
     MAX_SWARM_ENTRIES, Get, ManifestFrame, Next, NoMore, NotServed, PeerEntry, Peers, Piece, decode_frame, encode,
 )
 from protocol.errors import RemoteProtocolError

@@ -8,7 +8,7 @@ import random
 import pytest
 import zstandard
 
-from protocol.delta import decode_delta, encode_delta, estimate_delta_ratio, max_delta_size, xor_bytes
+from protocol.weights.delta import decode_delta, encode_delta, estimate_delta_ratio, max_delta_size, xor_bytes
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 
 N_PARAMS = 32_768  # small enough to keep the module well under a second
@@ -141,7 +141,7 @@ def test_dissemination_modules_import_no_numpy_or_torch() -> None:
     import sys
 
     code = (
-        "import sys, protocol.delta, protocol.manifest, protocol.pieces\n"
+        "import sys, protocol.weights.delta, protocol.weights.manifest, protocol.weights.pieces\n"
         "print(','.join(sorted(m for m in sys.modules if m.split('.')[0] in {'numpy', 'torch', 'trio', 'libp2p'})))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
@@ -223,7 +223,7 @@ def test_fp32_sparse_round_trip() -> None:
 
 def forced_sparse(new: bytes, base: bytes) -> bytes:
     """The sparse form even where the plain one is smaller (what a peer may legally send)."""
-    from protocol import delta as d
+    from protocol.weights import delta as d
 
     mn, mb = memoryview(new), memoryview(base)
     _, gaps = d._scan(mn, mb, 3)

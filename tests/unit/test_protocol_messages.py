@@ -57,7 +57,7 @@ from protocol.limits import (
     MAX_VOCAB,
     MAX_WEIGHTS_BYTES,
 )
-from protocol.manifest import build_manifest
+from protocol.weights.manifest import build_manifest
 
 PEER = Identity.from_seed(b"\x02" * 32).peer_id
 LEARNER = Identity.from_seed(b"\x03" * 32).peer_id

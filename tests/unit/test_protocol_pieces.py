@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.pieces import Action, Cancel, PieceSwarm, Request
+from protocol.weights.pieces import Action, Cancel, PieceSwarm, Request
 
 TIMEOUT = 10.0
 
@@ -258,7 +258,7 @@ def test_learner_upload_stays_near_one_copy_per_piece() -> None:
     # Uncoordinated peers with random tie-breaks still sometimes pick the same seeder-only piece
     # in the same round (the bound leaves headroom over what this simulation gives); sparing the
     # seeder saves the rest. Reaching ~1.0 needs the learner to hand out pieces itself (the
-    # source's shared queue in echo_node/broadcast.py).
+    # source's shared queue in echo_node/weights/broadcast.py).
     spared, rounds = simulate(8, 64, avoid_seeders=True)
     naive, naive_rounds = simulate(8, 64, avoid_seeders=False)
     assert spared <= 1.6 * 64, spared

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from protocol.relay import SourcePull
+from protocol.weights.relay import SourcePull
 
 
 def test_pull_keeps_the_pipeline_full_while_relay_queues_are_short() -> None:

@@ -34,7 +34,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import ClassVar, Final, Literal, TypeAlias
 
-from protocol.delta import max_delta_size
+from protocol.weights.delta import max_delta_size
 from protocol.drops import DropReason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import (

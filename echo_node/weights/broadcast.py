@@ -8,13 +8,13 @@ while its own outbound backlog is short, so a peer with a slow uplink takes fewe
 mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
 
 Whatever a peer still lacks once the source's queue is empty (a relay died mid-push, a piece was
-corrupt, a push raced the link's set-up) is fetched through `protocol.pieces.PieceSwarm`: from
+corrupt, a push raced the link's set-up) is fetched through `protocol.weights.pieces.PieceSwarm`: from
 the peers that proved they hold it, the source only as a last resort, with timeouts and
 re-requests elsewhere.
 
 Wire, per version and link: length-prefixed frames on plain TCP, never on the libp2p loop,
 where bulk bytes starve gossip and the DHT (docs/platform.md). Every frame, the signed hello and
-the learner's session signature are defined and decoded in `protocol.datachannel` (byte layout:
+the learner's session signature are defined and decoded in `protocol.weights.datachannel` (byte layout:
 docs/wire.md); this module only drives them.
 
 Reachability is learned, not assumed: a peer's data address is handed to others only after the
@@ -27,7 +27,7 @@ frame to a newcomer starts with the newcomer's own entry, which tells it which s
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
 that sends a bad piece or a bad frame, or asks without reading, is cut and banned from this
 node's data channel for every version. A receiver's decisions about the source (when to ask it,
-what to relay, when to repair) are `protocol.relay.SourcePull`'s; which piece to ask of whom is
+what to relay, when to repair) are `protocol.weights.relay.SourcePull`'s; which piece to ask of whom is
 `PieceSwarm`'s.
 """
 
@@ -46,7 +46,7 @@ from typing import Protocol
 import trio
 
 from echo_node.net.framing import read_frame, write_frame
-from protocol.datachannel import (
+from protocol.weights.datachannel import (
     FULL,
     HELLO_MAX,
     MAX_SWARM_ENTRIES,
@@ -74,9 +74,9 @@ from protocol.datachannel import (
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
 from protocol.identity import Identity
-from protocol.manifest import WeightManifest, open_manifest, piece_range, verify_piece
-from protocol.pieces import Cancel, PieceSwarm, Request
-from protocol.relay import SourcePull
+from protocol.weights.manifest import WeightManifest, open_manifest, piece_range, verify_piece
+from protocol.weights.pieces import Cancel, PieceSwarm, Request
+from protocol.weights.relay import SourcePull
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ class LinkOverflow(RemoteProtocolError):
 
 
 class Link:
-    """One data connection; frames are typed (protocol.datachannel), sent by one task so they
+    """One data connection; frames are typed (protocol.weights.datachannel), sent by one task so they
     never interleave.
 
     Bounds: what the remote makes us queue by asking (`answer`) is capped at `queue_cap` bytes

@@ -1,5 +1,5 @@
 """A receiver's dealings with the source of a version: when to ask it, what to relay, when to
-repair. Pure: handed `now`, never reads a clock; the I/O layer (echo_node/broadcast.py) sends.
+repair. Pure: handed `now`, never reads a clock; the I/O layer (echo_node/weights/broadcast.py) sends.
 
 Rules (each is a test in tests/unit/test_protocol_relay.py):
 1. Pull: keep up to `pipeline` `next` requests outstanding with the source, and ask only while
