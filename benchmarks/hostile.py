@@ -67,10 +67,10 @@ from echo_node.net.framing import read_frame, write_frame
 from echo_node.net.p2p import P2PNode
 from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse, seal
-from protocol.weights.datachannel import FULL, MAX_WIRE_FRAME, Get, ManifestFrame, decode_frame, encode, make_hello
 from protocol.framing import encode_length_prefixed
-from protocol.weights.manifest import open_manifest
 from protocol.messages import StatusRequest, StatusResponse
+from protocol.weights.datachannel import FULL, MAX_WIRE_FRAME, Get, ManifestFrame, decode_frame, encode, make_hello
+from protocol.weights.manifest import open_manifest
 from tests.factories import bad_rollout_messages, make_batch
 
 CLASSES = ["clean", "bad_rollouts", "sybil_status", "data_get_flood", "data_bad_frames", "repair_stall"]

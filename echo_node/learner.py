@@ -1,9 +1,9 @@
 """The learner: owns a run, consumes rollouts, trains with GRPO, publishes numbered versions.
 
-Dataflow: gossip (rollouts topic) -> validator (signature, run id, version sanity) ->
-sequence tracker (duplicates, gaps -> repair requests) -> replay buffer (staleness rule) ->
-trainer (one GRPO update per `groups_per_step` groups) -> new version on the data channel and a
-signed announcement on the versions topic.
+Dataflow: gossip (rollouts topic) -> intake (signature, the run's admission rules, sequence
+tracker: duplicates, gaps -> repair requests) -> replay buffer (staleness rule) -> trainer (one
+GRPO update per `groups_per_step` groups) -> weight publisher (the new version on the data
+channel) and a signed announcement on the versions topic.
 
 Invariant (see replay.py): each received rollout is trained or dropped with a reason, exactly
 once; the final ledger is written to `summary.json`. Bad input from a peer is a log line, a
@@ -22,23 +22,25 @@ from typing import Any, TextIO
 
 import trio
 
-from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.config import RunConfig, to_dict
+from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
 from echo_node.ml.model import state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy
-from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
-from echo_node.trainer import Trainer, staleness
-from echo_node.weights.publisher import WeightPublisher
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
+from echo_node.trainer import Trainer, staleness
+from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
+from echo_node.weights.publisher import WeightPublisher
 from protocol.addresses import is_loopback, unroutable_reason
+from protocol.admission import RunBounds
 from protocol.envelope import seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
+from protocol.limits import MAX_PROMPT_TOKENS
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
@@ -49,8 +51,6 @@ from protocol.messages import (
     StatusResponse,
     VersionAnnounce,
 )
-from protocol.admission import RunBounds
-from protocol.limits import MAX_PROMPT_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,13 @@ PROBES_AT_ONCE = 8
 # Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
 # until it joins again, and a flood of joins cannot queue tasks without bound.
 MAX_PENDING_PROBES = 256
+
+
 class Learner:
+    """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
+    gap repair), `Trainer` (GRPO updates), `WeightPublisher` (versions on the data channel), and
+    keeps the joins, status answers, dial-back probes, announcements and the run report."""
+
     def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
         self.cfg = cfg
         self.identity = identity

@@ -28,7 +28,6 @@ from typing import Any
 
 import trio
 
-from echo_node.weights.broadcast import DataServer
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import TorchEngine
@@ -38,6 +37,7 @@ from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, con
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic
+from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
 from protocol.envelope import seal
 from protocol.errors import LocalProtocolError, RemoteProtocolError

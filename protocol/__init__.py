@@ -10,7 +10,6 @@ building something invalid locally raises `LocalProtocolError`.
 """
 
 from protocol.admission import RunBounds, judge_batch
-from protocol.weights.delta import decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.envelope import (
     SIGNATURE_DOMAIN,
@@ -32,16 +31,6 @@ from protocol.identity import (
     peer_id_from_public_key,
     public_key_from_peer_id,
     verify,
-)
-from protocol.weights.manifest import (
-    WeightManifest,
-    build_manifest,
-    choose_piece_size,
-    open_manifest,
-    payload_digest,
-    piece_digest,
-    piece_range,
-    verify_piece,
 )
 from protocol.messages import (
     MESSAGE_TYPES,
@@ -66,9 +55,20 @@ from protocol.messages import (
     pack_groups,
     pack_repair_response,
 )
-from protocol.weights.pieces import Cancel, PieceSwarm, Request
 from protocol.sequence import Observation, SequenceTracker
 from protocol.staleness import admissible
+from protocol.weights.delta import decode_delta, encode_delta
+from protocol.weights.manifest import (
+    WeightManifest,
+    build_manifest,
+    choose_piece_size,
+    open_manifest,
+    payload_digest,
+    piece_digest,
+    piece_range,
+    verify_piece,
+)
+from protocol.weights.pieces import Cancel, PieceSwarm, Request
 
 __all__ = [
     "MESSAGE_TYPES",

@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Final, Literal, TypeAlias, TypeVar, overload
 
 from protocol._wire import pack, unpack_strict
 from protocol.drops import DropReason
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.fields import (
     ConfigDict,
     WireMessage,
@@ -49,8 +50,6 @@ from protocol.fields import (
     _short,
     _str,
 )
-from protocol.weights.manifest import WeightManifest
-from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import (
     ERROR_CODE_PATTERN,
     MAX_ABS_REWARD,
@@ -73,6 +72,7 @@ from protocol.limits import (
     MIN_GROUP_SIZE,
     ROLLOUT_BATCH_BYTES,
 )
+from protocol.weights.manifest import WeightManifest
 
 __all__ = [
     "MESSAGE_TYPES",

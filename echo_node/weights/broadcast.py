@@ -35,17 +35,20 @@ from __future__ import annotations
 
 import logging
 import math
-from contextlib import aclosing
 import socket
 import time
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
 
 from echo_node.net.framing import read_frame, write_frame
+from protocol.errors import RemoteProtocolError
+from protocol.framing import LengthPrefixedReader, encode_length_prefixed
+from protocol.identity import Identity
 from protocol.weights.datachannel import (
     FULL,
     HELLO_MAX,
@@ -59,10 +62,10 @@ from protocol.weights.datachannel import (
     ManifestFrame,
     Next,
     NoMore,
+    NotServed,
     PeerEntry,
     Peers,
     Piece,
-    NotServed,
     decode_frame,
     decode_probe_answer,
     encode,
@@ -71,9 +74,6 @@ from protocol.weights.datachannel import (
     session_signature,
     verify_session,
 )
-from protocol.errors import RemoteProtocolError
-from protocol.framing import LengthPrefixedReader, encode_length_prefixed
-from protocol.identity import Identity
 from protocol.weights.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.weights.pieces import Cancel, PieceSwarm, Request
 from protocol.weights.relay import SourcePull

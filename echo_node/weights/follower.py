@@ -27,17 +27,17 @@ from typing import Any, Protocol
 
 import trio
 
-from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.net import rpc
 from echo_node.net.discovery import JoinError, PeerAddr
 from echo_node.topics import versions_topic
-from protocol.weights.delta import decode_delta
+from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.weights.manifest import payload_digest
 from protocol.messages import StatusRequest, StatusResponse, VersionAnnounce
+from protocol.weights.delta import decode_delta
+from protocol.weights.manifest import payload_digest
 
 log = logging.getLogger(__name__)
 

@@ -24,9 +24,9 @@ from collections.abc import Container, Mapping
 import trio
 
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
-from protocol.weights.delta import encode_delta, estimate_delta_ratio
 from protocol.envelope import seal
 from protocol.identity import Identity
+from protocol.weights.delta import encode_delta, estimate_delta_ratio
 from protocol.weights.manifest import WeightManifest, build_manifest, choose_piece_size
 
 DELTA_MIN_SAVING = 0.7

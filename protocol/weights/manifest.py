@@ -34,9 +34,9 @@ import hashlib
 from dataclasses import dataclass
 from typing import ClassVar, Final, Literal, TypeAlias
 
-from protocol.weights.delta import max_delta_size
 from protocol.drops import DropReason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.fields import WireMessage, _fail, _int, _run_id, _seq, _set, _sha256, _short, _str
 from protocol.limits import (
     MAX_PIECE_SIZE,
     MAX_PIECES,
@@ -45,7 +45,7 @@ from protocol.limits import (
     MIN_PIECE_SIZE,
     SHA256_BYTES,
 )
-from protocol.fields import WireMessage, _fail, _int, _run_id, _seq, _set, _sha256, _short, _str
+from protocol.weights.delta import max_delta_size
 
 __all__ = [
     "CODECS",

@@ -16,12 +16,12 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
 from echo_node.net.framing import read_frame, write_frame
+from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
 from protocol import Identity, seal
-from protocol.weights.datachannel import Get, encode, make_hello
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_length_prefixed
+from protocol.weights.datachannel import Get, encode, make_hello
 from protocol.weights.manifest import build_manifest
 
 PIECE = 16 * 1024

@@ -14,9 +14,9 @@ import zstandard
 
 from protocol import decode_message, open_envelope
 from protocol._wire import unpack_strict
-from protocol.weights.datachannel import decode_frame as decode_data_frame
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_FRAME_BYTES
+from protocol.weights.datachannel import decode_frame as decode_data_frame
 
 # An array of 4096 arrays of 1000 empty arrays: 4 MB of msgpack, 4 million lists if decoded.
 _INNER = b"\xdc" + (1000).to_bytes(2, "big") + b"\x90" * 1000

@@ -54,14 +54,20 @@ import msgpack
 import zstandard
 
 from protocol._wire import unpack_strict
-from protocol.addresses import AddressError, check_announce, check_data_host, check_dns_name, check_port, dial_plan, parse_tcp_multiaddr
-from protocol.weights.delta import decode_delta, encode_delta
+from protocol.addresses import (
+    AddressError,
+    check_announce,
+    check_data_host,
+    check_dns_name,
+    check_port,
+    dial_plan,
+    parse_tcp_multiaddr,
+)
 from protocol.envelope import SIGNATURE_DOMAIN, open_envelope, seal, signing_input
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, decode_frame, encode_frame, encode_length_prefixed
 from protocol.identity import Identity, b58decode, is_valid_peer_id, peer_id_from_public_key, public_key_from_peer_id, verify
 from protocol.limits import MAX_DECOMPRESSED_BYTES, MAX_LENGTH_PREFIXED
-from protocol.weights.manifest import build_manifest, open_manifest, payload_digest, piece_range
 from protocol.messages import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -81,6 +87,8 @@ from protocol.messages import (
     encode_message,
     kind_of,
 )
+from protocol.weights.delta import decode_delta, encode_delta
+from protocol.weights.manifest import build_manifest, open_manifest, payload_digest, piece_range
 from tests.factories import ALICE, MALLORY, make_batch
 
 __all__ = [
@@ -1068,7 +1076,8 @@ def _frame_stream_mutate(rng: random.Random, seeds: Sequence[bytes]) -> bytes:
 
 
 def _data_frame_target() -> Target:
-    from protocol.weights.datachannel import Piece, decode_frame as decode_data_frame
+    from protocol.weights.datachannel import Piece
+    from protocol.weights.datachannel import decode_frame as decode_data_frame
 
     num_pieces = _piece_setup().num_pieces
 

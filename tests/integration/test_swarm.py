@@ -16,10 +16,10 @@ import pytest
 import trio
 
 from echo_node.metrics import read_metrics
+from echo_node.net import rpc
 from echo_node.net.discovery import connect_bootstrap, find_provider
 from echo_node.net.p2p import P2PNode, provider_key
 from echo_node.topics import rollouts_topic
-from echo_node.net import rpc
 from protocol import Identity, JoinRequest, JoinResponse
 from tests.factories import bad_rollout_messages
 from tests.integration.conftest import Cluster

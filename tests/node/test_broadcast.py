@@ -13,12 +13,21 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.weights.broadcast import BACKLOG_PIECES, DataServer, ProbeFailed, Receiver, Source, Unavailable, fetch_version, probe
-from protocol.weights.datachannel import HelloChecker, Next, decode_frame, make_hello
+from echo_node.weights.broadcast import (
+    BACKLOG_PIECES,
+    DataServer,
+    ProbeFailed,
+    Receiver,
+    Source,
+    Unavailable,
+    fetch_version,
+    probe,
+)
 from protocol import Identity, seal
-from protocol.weights.delta import decode_delta, encode_delta
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_length_prefixed
+from protocol.weights.datachannel import HelloChecker, Next, decode_frame, make_hello
+from protocol.weights.delta import decode_delta, encode_delta
 from protocol.weights.manifest import build_manifest
 from tests.factories import closed_port, silent_listener
 

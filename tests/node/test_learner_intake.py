@@ -167,8 +167,8 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
 def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """rl.publish_every = 2: three updates make versions 1..3, of which only 2 is snapshotted
     and served; peers are told about version 2 and asked for two updates' worth per version."""
-    from echo_node.weights.broadcast import FULL
     from echo_node.metrics import MetricsWriter
+    from echo_node.weights.broadcast import FULL
     from protocol.messages import StatusRequest
 
     learner.cfg.rl.publish_every = 2

@@ -8,8 +8,8 @@ import pytest
 import trio
 
 from echo_node import learner as learner_module
-from echo_node.weights.broadcast import DataServer
 from echo_node.learner import Learner
+from echo_node.weights.broadcast import DataServer
 from protocol import Identity
 from protocol.messages import JoinRequest, JoinResponse
 from tests.factories import silent_listener

@@ -6,10 +6,20 @@ import msgpack
 import pytest
 
 from protocol import Identity
-from protocol.weights.datachannel import (
-    MAX_SWARM_ENTRIES, Get, ManifestFrame, Next, NoMore, NotServed, PeerEntry, Peers, Piece, decode_frame, encode,
-)
 from protocol.errors import RemoteProtocolError
+from protocol.weights.datachannel import (
+    MAX_SWARM_ENTRIES,
+    Get,
+    ManifestFrame,
+    Next,
+    NoMore,
+    NotServed,
+    PeerEntry,
+    Peers,
+    Piece,
+    decode_frame,
+    encode,
+)
 
 P = Identity.from_seed(b"\x05" * 32).peer_id
 FRAMES = [

@@ -8,8 +8,8 @@ import random
 import pytest
 import zstandard
 
-from protocol.weights.delta import decode_delta, encode_delta, estimate_delta_ratio, max_delta_size, xor_bytes
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.weights.delta import decode_delta, encode_delta, estimate_delta_ratio, max_delta_size, xor_bytes
 
 N_PARAMS = 32_768  # small enough to keep the module well under a second
 

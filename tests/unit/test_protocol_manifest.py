@@ -11,11 +11,11 @@ import msgpack
 import pytest
 
 from protocol import Identity, decode_message, encode_message, seal
-from protocol.weights.delta import decode_delta, encode_delta
 from protocol.drops import DropReason
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import decode_frame, encode_frame
 from protocol.limits import MAX_FRAME_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MIN_PIECE_SIZE
+from protocol.weights.delta import decode_delta, encode_delta
 from protocol.weights.manifest import (
     LEAF_SIZE,
     WeightManifest,
