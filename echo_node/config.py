@@ -53,8 +53,8 @@ class NetConfig:
     repair_history: int = 512
     # Weight versions each node keeps serving on the data channel (relaying, late joiners).
     keep_versions: int = 4
-    # The learner takes at most this many joined peers; a join beyond it replaces the peer
-    # heard from least recently if that one is idle, else it is refused as "full".
+    # The learner takes at most this many joined peers; a join beyond it replaces the peer that
+    # joined or delivered least recently if that one is idle, else it is refused as "full".
     max_peers: int = 1024
     # A peer refused this many times (bad rollouts, requests or pieces) is banned for ban_s
     # seconds: its rollouts are dropped unopened, its joins and data connections refused.

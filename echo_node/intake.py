@@ -8,7 +8,8 @@ Rules:
   join is what puts a peer in the (bounded) peer table, so everything kept per publisher is
   bounded by it.
 - A rejected message is a counted drop with its reason and a penalty for its sender (and for the
-  forwarder that relayed it). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
+  forwarder that relayed it); a message of another schema version is counted but not a strike
+  (an honest peer on another release). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
   are refused and its rollouts dropped as `banned` without being opened. Bans are written to
   `bans.json` in the run directory and read back at start, so a restart does not forgive them.
 - Eviction never re-admits: the peer table evicts only peers idle for `ACTIVE_WINDOW_S`, and
@@ -278,7 +279,12 @@ class RolloutIntake:
                 self._checked.popitem(last=False)
             return True
         self.buffer.reject(reason, n)
-        if reason not in (DropReason.NOT_JOINED, DropReason.BANNED):
+        if reason is DropReason.UNSUPPORTED_SCHEMA:
+            # An honest peer running another release, not an offence: no strike (refused before
+            # its signature is checked, so cheap); GossipSub's score still weighs it.
+            if self.node is not None:
+                self.node.penalize(origin, self.topic)
+        elif reason not in (DropReason.NOT_JOINED, DropReason.BANNED):
             self.penalize(origin, f"rollout refused: {reason}")
             if forwarder != origin:
                 self.penalize(forwarder, f"relayed a refused rollout of {origin}")

@@ -29,6 +29,7 @@ from echo_node.ml.model import state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
+from echo_node.net.ratelimit import RateLimits, TokenBucket
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from echo_node.topics import rollouts_topic, versions_topic
@@ -65,6 +66,11 @@ PROBES_AT_ONCE = 8
 # Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
 # until it joins again, and a flood of joins cannot queue tasks without bound.
 MAX_PENDING_PROBES = 256
+# Status requests answered per second: per joined peer (a pull-mode peer asks before every
+# batch), and for all peers that have not joined together (they are answered, but Sybils cannot
+# make the learner spend more than this on them).
+STATUS_PER_PEER = (50.0, 100.0)  # rate, burst
+STATUS_STRANGERS = (20.0, 40.0)
 
 
 class Learner:
@@ -106,6 +112,8 @@ class Learner:
         self._started = 0.0
         self.metrics: MetricsWriter | None = None
         self._nursery: trio.Nursery | None = None
+        self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
+        self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
         self._probing: set[str] = set()
 
@@ -251,6 +259,10 @@ class Learner:
         if not isinstance(request, StatusRequest):
             raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
         self._check_run(request.run_id)
+        now = trio.current_time()
+        allowed = self._status_joined.take(remote, now) if remote in self.peers.joined else self._status_strangers.take(now)
+        if not allowed:
+            raise rpc.RequestRefused("rate_limited", "too many status requests; peers that joined get their own budget")
         manifest = self.weights.manifest(self.weights.published)
         return StatusResponse(
             run_id=self.cfg.run_id,
