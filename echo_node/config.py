@@ -20,6 +20,7 @@ from typing import Any, Literal
 from echo_node.ml import defaults as ml_defaults
 from protocol.addresses import AddressError, check_announce, check_data_host, parse_tcp_multiaddr
 from protocol.identity import is_valid_peer_id
+from protocol.limits import MAX_STALENESS, MAX_TEMPERATURE, MAX_TOKENS_PER_SEQUENCE
 
 SyncMode = Literal["pull", "async"]
 Correction = Literal["tis", "decoupled", "none"]
@@ -159,7 +160,7 @@ class RunConfig:
 
 def validate(cfg: RunConfig) -> None:
     """Raise ValueError, with the remedy, for a config no role can run with."""
-    if not _RUN_ID.match(cfg.run_id):
+    if not _RUN_ID.fullmatch(cfg.run_id):  # fullmatch: "$" alone also matches before a final newline
         raise ValueError(
             f"run id {cfg.run_id!r} is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -, "
             "starting with a letter or digit"
@@ -169,8 +170,8 @@ def validate(cfg: RunConfig) -> None:
     rl = cfg.rl
     if rl.mode not in ("pull", "async"):
         raise ValueError(f"rl.mode must be 'pull' or 'async', got {rl.mode!r}")
-    if rl.staleness < 0:
-        raise ValueError(f"rl.staleness must be >= 0, got {rl.staleness}")
+    if not 0 <= rl.staleness <= MAX_STALENESS:
+        raise ValueError(f"rl.staleness must be in 0..{MAX_STALENESS}, got {rl.staleness}")
     if not 2 <= rl.group_size <= 64:
         raise ValueError(f"rl.group_size must be in 2..64 (GRPO needs a group), got {rl.group_size}")
     if rl.groups_per_step < 1 or rl.buffer_groups < rl.groups_per_step:
@@ -189,8 +190,10 @@ def validate(cfg: RunConfig) -> None:
     if not rl.is_cap > 0 or rl.minibatches < 1:
         raise ValueError(f"rl.is_cap must be > 0 and rl.minibatches >= 1, got {rl.is_cap} and {rl.minibatches}")
     s = cfg.sampling
-    if not s.temperature > 0 or not 0 < s.top_p <= 1 or s.max_new_tokens < 1:
-        raise ValueError("sampling needs temperature > 0, 0 < top_p <= 1, max_new_tokens >= 1")
+    if not 0 < s.temperature <= MAX_TEMPERATURE or not 0 < s.top_p <= 1 or not 1 <= s.max_new_tokens <= MAX_TOKENS_PER_SEQUENCE:
+        raise ValueError(
+            f"sampling needs 0 < temperature <= {MAX_TEMPERATURE:g}, 0 < top_p <= 1, 1 <= max_new_tokens <= {MAX_TOKENS_PER_SEQUENCE}"
+        )
     if cfg.seconds is not None and cfg.seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {cfg.seconds}")
     if cfg.checkpoint.every_versions < 1:

@@ -24,6 +24,7 @@ import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -116,7 +117,7 @@ class RolloutPeer:
             try:
                 metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
                                "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
-                self.node.set_stream_handler(rpc.REPAIR, self.publisher.serve_repair)
+                self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
                 self.follower = WeightFollower(self.cfg, self.node, self.data, session, metrics=metrics)
                 await nursery.start(self.follower.run)  # the initial weights, before the first token
                 task_status.started()
@@ -311,13 +312,22 @@ class RolloutPublisher:
             self.first_publish_s = time.monotonic() - self._t0
             log.info("first rollouts published %.2fs after start", self.first_publish_s)
 
-    async def serve_repair(self, stream: Any) -> None:
+    async def serve_repair(self, stream: Any, *, learner: str) -> None:
+        """Answer one repair request, from the run's learner only: a response can be ~1000x
+        the request, so anyone else asking would turn this peer into an amplifier."""
         with trio.move_on_after(30):
-            await rpc.serve_one(stream, self._on_repair, on_bad=lambda p, e: log.warning("bad repair request from %s: %s", p, e))
+            await rpc.serve_one(
+                stream, partial(self._on_repair, learner=learner),
+                on_bad=lambda p, e: log.warning("bad repair request from %s: %s", p, e),
+            )
 
-    async def _on_repair(self, request: Any, remote: str) -> RepairResponse:
+    async def _on_repair(self, request: Any, remote: str, *, learner: str) -> RepairResponse:
+        if remote != learner:
+            raise rpc.RequestRefused("not_learner", "repair is served to the run's learner only")
         if not isinstance(request, RepairRequest) or request.run_id != self.cfg.run_id:
             raise RemoteProtocolError("not a repair request for this run")
+        if request.peer_id != self.identity.peer_id:
+            raise RemoteProtocolError(f"repair request for publisher {request.peer_id}, not this one")
         found = [self.history[s] for s in request.seqs if s in self.history]
         unavailable = [s for s in request.seqs if s not in self.history]
         return pack_repair_response(found, unavailable=unavailable)

@@ -73,10 +73,14 @@ def _float(where: str, value: object, lo: float, hi: float) -> float:
 
 
 def _str(where: str, value: object, max_len: int, *, min_len: int = 1) -> str:
+    """Lengths count characters; a string is also at most MAX_STR bytes of UTF-8, what every
+    decoder accepts (so a message that can be built can be received)."""
     if not isinstance(value, str):
         _fail(where, f"expected str, got {type(value).__name__}")
     if not min_len <= len(value) <= max_len:
         _fail(where, f"length {len(value)} outside [{min_len}, {max_len}]")
+    if len(value) > MAX_STR // 4 and len(value.encode("utf-8", "surrogatepass")) > MAX_STR:
+        _fail(where, f"{len(value.encode('utf-8', 'surrogatepass'))} bytes of UTF-8, above {MAX_STR}")
     return str(value)
 
 

@@ -7,6 +7,7 @@ trio memory stream pair, and time is trio's virtual clock.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -46,7 +47,7 @@ class Link:
     async def open_stream(self, peer_id: str, protocol_id: str) -> MemoryPeerStream:
         self.opened += 1
         ours, theirs = trio.testing.memory_stream_pair()
-        self.nursery.start_soon(self.peer.serve_repair, MemoryPeerStream(theirs, self.learner_id))
+        self.nursery.start_soon(partial(self.peer.serve_repair, learner=self.learner_id), MemoryPeerStream(theirs, self.learner_id))
         return MemoryPeerStream(ours, peer_id)
 
     def penalize(self, peer_id: str, topic: str) -> None:

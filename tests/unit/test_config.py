@@ -55,3 +55,13 @@ def test_missing_file_is_a_value_error(tmp_path: Path) -> None:
 def test_direct_construction_is_validated() -> None:
     with pytest.raises(ValueError, match="threads"):
         RunConfig(threads=0)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{"run_id": "abc\n"}, {"rl__staleness": 70_000}, {"sampling__temperature": 200.0}, {"sampling__max_new_tokens": 5000}],
+)
+def test_the_config_refuses_what_the_wire_would(overrides: dict[str, object]) -> None:
+    """A value the run spec cannot carry fails at start-up, not when the first peer joins."""
+    with pytest.raises(ValueError):
+        load_config(None, **overrides)

@@ -478,3 +478,12 @@ def test_hostile_bytes_only_raise_remote_protocol_error() -> None:
             decode_message(bytes(data))
         except RemoteProtocolError:
             pass
+
+
+def test_a_string_that_can_be_built_can_be_received() -> None:
+    """Lengths count characters, decoders bound UTF-8 bytes: a long non-ASCII string is refused
+    when built, not by every receiver."""
+    with pytest.raises(LocalProtocolError, match="bytes of UTF-8"):
+        ErrorResponse(code="x", message="é" * 3000)
+    ok = ErrorResponse(code="x", message="é" * 2048)
+    assert decode_message(encode_message(ok)) == ok
