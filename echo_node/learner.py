@@ -24,7 +24,7 @@ import trio
 
 from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
-from echo_node.metrics import MetricsWriter, first_last_mean, plot_rewards, plot_run, read_metrics
+from echo_node.metrics import first_last_mean
 from echo_node.ml.model import state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
@@ -32,6 +32,7 @@ from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
+from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
 from echo_node.trainer import Trainer, staleness
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
@@ -75,8 +76,9 @@ STATUS_STRANGERS = (20.0, 40.0)
 
 class Learner:
     """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
-    gap repair), `Trainer` (GRPO updates), `WeightPublisher` (versions on the data channel), and
-    keeps the joins, status answers, dial-back probes, announcements and the run report."""
+    gap repair), `Trainer` (GRPO updates), `WeightPublisher` (versions on the data channel),
+    `RunReport` (metrics, summary, plots); and keeps the joins, status answers, dial-back probes
+    and announcements."""
 
     def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
         self.cfg = cfg
@@ -110,7 +112,7 @@ class Learner:
         )
         self.trainer = Trainer(cfg, policy, self.buffer)
         self._started = 0.0
-        self.metrics: MetricsWriter | None = None
+        self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
         self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
@@ -122,7 +124,7 @@ class Learner:
     async def run(self) -> dict[str, Any]:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
-        self.metrics = MetricsWriter(self.cfg.run_dir / "metrics.jsonl")
+        self.report.open()
         self.weights.offer(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
@@ -252,8 +254,7 @@ class Learner:
         self._write({"event": "reachability", "peer": peer_id, "relay": False, "why": why})
 
     def _write(self, record: dict[str, Any]) -> None:
-        if self.metrics is not None:
-            self.metrics.write({**record, "wall": round(time.time(), 4)})
+        self.report.write(record)
 
     async def _on_status(self, request: Any, remote: str) -> StatusResponse:
         if not isinstance(request, StatusRequest):
@@ -352,8 +353,7 @@ class Learner:
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         ledger = self.buffer.ledger
-        assert self.metrics is not None
-        self.metrics.write(
+        self.report.write(
             {
                 "event": "train",
                 "t": round(time.monotonic() - self._started, 3),
@@ -382,7 +382,6 @@ class Learner:
         )
 
     def _finish(self) -> dict[str, Any]:
-        assert self.metrics is not None
         self.buffer.close()
         self.buffer.check()
         self.trainer.checkpoint()
@@ -415,13 +414,7 @@ class Learner:
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }
-        self.metrics.write({"event": "summary", **{k: v for k, v in summary.items() if k != "config"}})
-        self.metrics.close()
-        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        records = read_metrics(self.metrics.path)
-        title = f"{self.cfg.run_id} ({self.cfg.rl.mode})"
-        plot_rewards(records, self.cfg.run_dir / "reward.png", title=title)
-        plot_run(records, self.cfg.run_dir, title=title)
+        self.report.finish(summary)
         return summary
 
 

@@ -14,7 +14,6 @@ import trio.testing
 
 from echo_node.intake import REPAIR_TIMEOUT_S, JoinRefused
 from echo_node.learner import Learner
-from echo_node.metrics import MetricsWriter
 from echo_node.net import rpc
 from protocol import Identity, JoinRequest, seal
 from protocol.sequence import SequenceTracker
@@ -64,7 +63,7 @@ def test_three_strikes_ban_across_restarts(learner: Learner, tmp_path: Any) -> N
 
 def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: Learner, tmp_path: Any) -> None:
     learner.peers.join(ALICE.peer_id, 0.0)
-    learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
+    learner.report.open()
     learner.cfg.max_versions = 1
     steps = learner.cfg.rl.groups_per_step
     for seq in range(2 * steps):
@@ -89,7 +88,7 @@ def test_a_failing_training_step_drops_its_batch_and_training_goes_on(learner: L
     try:
         trio.run(main)
     finally:
-        learner.metrics.close()
+        learner.report.close()
     assert learner.version == 1 and learner.trainer.train_errors == 1 and calls == [steps, steps]
     assert learner.buffer.ledger.dropped["train_error"] == 8 * steps
     learner.buffer.check()

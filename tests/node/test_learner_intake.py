@@ -135,9 +135,7 @@ def test_demand_is_split_among_the_peers_that_deliver(learner: Learner) -> None:
 def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The run's deadline can fall right after a batch left the buffer: the update completes
     and is counted (this once dropped 64 rollouts from the ledger at the end of a demo)."""
-    from echo_node.metrics import MetricsWriter
-
-    learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
+    learner.report.open()
     for seq in range(8):
         assert offer(learner, seal(make_batch(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
 
@@ -159,7 +157,7 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
     try:
         trio.run(main)
     finally:
-        learner.metrics.close()
+        learner.report.close()
     learner.buffer.close()
     learner.buffer.check()
     assert learner.buffer.ledger.trained == 64 and learner.version == 1
@@ -168,13 +166,12 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
 def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """rl.publish_every = 2: three updates make versions 1..3, of which only 2 is snapshotted
     and served; peers are told about version 2 and asked for two updates' worth per version."""
-    from echo_node.metrics import MetricsWriter
     from echo_node.weights.broadcast import FULL
     from protocol.messages import StatusRequest
 
     learner.cfg.rl.publish_every = 2
     learner.cfg.max_versions = 3
-    learner.metrics = MetricsWriter(tmp_path / "m.jsonl")
+    learner.report.open()
     for seq in range(3 * learner.cfg.rl.groups_per_step):
         assert offer(learner, seal(make_batch(identity=ALICE, seq=seq), ALICE), ALICE.peer_id)
 
@@ -190,7 +187,7 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
     try:
         status = trio.run(main)
     finally:
-        learner.metrics.close()
+        learner.report.close()
     assert learner.version == 3 and learner.weights.published == 2
     assert sorted(v for v, base in learner.weights.sources if base == FULL) == [0, 2]
     assert status.version == 2

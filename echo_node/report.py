@@ -1,0 +1,49 @@
+"""The learner's account of a run, for its operator and for whoever studies it.
+
+`metrics.jsonl` grows as the run goes: one JSON record per event (`train` per update,
+`reachability`, `first_accept`, `train_error`, ... and `summary` last), each with `wall` (the
+wall clock, so a benchmark can line learner and peer records up). At the end `summary.json`
+holds the ledger and the run's totals, next to reward and run plots.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from echo_node.metrics import MetricsWriter, plot_rewards, plot_run, read_metrics
+
+
+class RunReport:
+    def __init__(self, run_dir: Path, title: str) -> None:
+        self.run_dir = run_dir
+        self.title = title
+        self._writer: MetricsWriter | None = None
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "metrics.jsonl"
+
+    def open(self) -> None:
+        self._writer = MetricsWriter(self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one record (dropped if the report is not open: nothing to write it to yet)."""
+        if self._writer is not None:
+            self._writer.write({**record, "wall": record.get("wall", round(time.time(), 4))})
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        """The `summary` record, summary.json (with the config) and the plots."""
+        self.write({"event": "summary", **{k: v for k, v in summary.items() if k != "config"}})
+        self.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        records = read_metrics(self.path)
+        plot_rewards(records, self.run_dir / "reward.png", title=self.title)
+        plot_run(records, self.run_dir, title=self.title)
