@@ -34,6 +34,11 @@ Measured per class:
   `wall_s` (the whole run, warm-up included); ratios are against `clean`;
 - the summary's `rollouts_dropped`, `banned`, `penalties`, and what the attacker saw.
 
+The baseline is the mean of two clean runs, the first and the last of the benchmark;
+`baseline.clean_spread` (their difference over the mean) is the noise a ratio should be read
+against. The attackers' CPU time in the window (`attack.attacker_cpu_s`) is spent on the honest
+peers' core.
+
 Targets printed alongside: window-rate ratio >= 0.9, all honest alive, RSS growth <= 50 MB.
 Pinning on this 2-core machine: learner on core 0; bootstrap, peers and this process (the
 attackers) on core 1, so attackers compete with the honest peers, not with the learner.
@@ -592,6 +597,11 @@ def run_class(name: str, seconds: float, peers: int, root: Path) -> dict[str, An
     return out
 
 
+def _mean(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(sum(known) / len(known), 2) if known else None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--classes", default=",".join(CLASSES), help=f"comma list among {','.join(CLASSES)} (clean is the baseline)")
@@ -610,14 +620,20 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="hostile-") as tmp:
         root = args.keep or Path(tmp)
-        for name in classes:
-            print(f"hostile: {name} ...", file=sys.stderr, flush=True)
-            results[name] = run_class(name, args.seconds, args.peers, root / f"{name}-{int(time.time())}")
-            r = results[name]
-            print(f"hostile: {name}: alive={r.get('all_alive')} rate={r.get('honest_rate')} rss={r.get('learner_rss_mb')} "
+        # The baseline runs first and again last: the machine's speed drifts between runs, and
+        # the spread of the two says how much of a ratio is noise.
+        runs = [(name, name) for name in classes] + ([("clean_end", "clean")] if "clean" in classes else [])
+        for key, name in runs:
+            print(f"hostile: {key} ...", file=sys.stderr, flush=True)
+            results[key] = run_class(name, args.seconds, args.peers, root / f"{key}-{int(time.time())}")
+            r = results[key]
+            print(f"hostile: {key}: alive={r.get('all_alive')} rate={r.get('honest_rate')} rss={r.get('learner_rss_mb')} "
                   f"({r['class_wall_s']} s)", file=sys.stderr, flush=True)
-    base = results.get("clean", {}).get("honest_rate")
-    base_run = results.get("clean", {}).get("honest_rate_run")
+    cleans = [results[k] for k in ("clean", "clean_end") if k in results]
+    base = _mean([r.get("honest_rate") for r in cleans])
+    base_run = _mean([r.get("honest_rate_run") for r in cleans])
+    rates = [r.get("honest_rate") for r in cleans]
+    clean_spread = round(abs(rates[0] - rates[1]) / base, 3) if len(rates) == 2 and base and None not in rates else None
     verdicts = {}
     for name, r in results.items():
         rate = r.get("honest_rate")
@@ -637,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         "honest_peers": args.peers,
         "pinning": {"learner": sorted(LEARNER_CPUS), "bootstrap_peers_attackers": sorted(OTHER_CPUS)},
         "targets": TARGETS,
+        "baseline": {"honest_rate": base, "honest_rate_run": base_run, "clean_spread": clean_spread},
         "verdicts": verdicts,
         "classes": results,
         "wall_s": round(time.monotonic() - t0, 1),
