@@ -126,6 +126,14 @@ class RolloutConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class VerifyConfig:
+    # The learner re-scores every completion with the run's reward function and checks every
+    # prompt is one the task poses; a batch that fails bans its publisher (echo_node/verify.py).
+    # Off only to measure what verification buys.
+    rewards: bool = True
+
+
+@dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     every_versions: int = 20
 
@@ -149,6 +157,7 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
 
     def __post_init__(self) -> None:
         validate(self)

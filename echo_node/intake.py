@@ -7,8 +7,10 @@ Rules:
 - Only peers that joined publish. A message from anyone else is a counted `not_joined` drop: a
   join is what puts a peer in the (bounded) peer table, so everything kept per publisher is
   bounded by it.
-- A rejected message is a counted drop with its reason and a penalty for its sender (and for the
-  forwarder that relayed it); a message of another schema version is counted but not a strike
+- A batch whose claims fail the learner's re-checks (`verify`: prompts the task poses, rewards
+  its completions earn) bans its publisher at once and purges its buffered groups (`purged`).
+- Any other rejected message is a counted drop with its reason and a penalty for its sender (and
+  for the forwarder that relayed it); a message of another schema version is counted but not a strike
   (an honest peer on another release). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
   are refused and its rollouts dropped as `banned` without being opened. Bans are written to
   `bans.json` in the run directory and read back at start, so a restart does not forgive them.
@@ -44,6 +46,7 @@ import trio
 
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
+from echo_node.verify import Failure
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -67,6 +70,8 @@ CHECKED_CACHE = 1024
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
 MAX_BANS = 65536
+# Refusals no honest peer earns: its claims did not survive the learner's re-checks.
+CHEATING = frozenset({DropReason.BAD_REWARD, DropReason.BAD_PROMPT})
 
 
 class JoinRefused(Exception):
@@ -219,6 +224,7 @@ class RolloutIntake:
         topic: str,
         bans_path: Path | None = None,
         on_first_accept: Callable[[str], None] = lambda peer: None,
+        verify: Callable[[RolloutBatch], Failure | None] | None = None,
     ) -> None:
         self.run = run
         self.buffer = buffer
@@ -227,6 +233,13 @@ class RolloutIntake:
         self.topic = topic
         self.bans_path = bans_path
         self.on_first_accept = on_first_accept
+        # The learner's re-checks of what a batch claims (echo_node/verify.py); None: none.
+        self.verify = verify
+        # Why the last refused batch failed verification, for the ban's log line; what
+        # verification cost and caught.
+        self._evidence = ""
+        self.verify_s = 0.0
+        self.verify_failures: Counter[str] = Counter()
         self.node: Gossip | None = None
         self.tracker = SequenceTracker()
         # The learner's version when the tracker last forgot a publisher (see the module rules).
@@ -265,7 +278,16 @@ class RolloutIntake:
                 "rejected %d rollouts from %s: %s (run %r, newest token version %d, learner at %d)",
                 n, origin, reason, batch.run_id, batch.max_version, self.version(),
             )
-        return batch, reason, n
+            self._evidence = f"{reason} on arrival"
+            return batch, reason, n
+        t0 = time.perf_counter()
+        failure = self.verify(batch) if self.verify is not None else None
+        self.verify_s += time.perf_counter() - t0
+        if failure is not None:
+            self.verify_failures[failure.reason.value] += 1
+            self._evidence = failure.evidence
+            return batch, failure.reason, n
+        return batch, None, n
 
     def validate(self, forwarder: str, origin: str, data: bytes) -> bool:
         """The gossip validator: True passes the message on (to other subscribers and to
@@ -279,7 +301,9 @@ class RolloutIntake:
                 self._checked.popitem(last=False)
             return True
         self.buffer.reject(reason, n)
-        if reason is DropReason.UNSUPPORTED_SCHEMA:
+        if reason in CHEATING:
+            self.caught(origin, reason)
+        elif reason is DropReason.UNSUPPORTED_SCHEMA:
             # An honest peer running another release, not an offence: no strike (refused before
             # its signature is checked, so cheap); GossipSub's score still weighs it.
             if self.node is not None:
@@ -289,6 +313,13 @@ class RolloutIntake:
             if forwarder != origin:
                 self.penalize(forwarder, f"relayed a refused rollout of {origin}")
         return False
+
+    def caught(self, peer_id: str, reason: DropReason) -> None:
+        """A batch failed verification: ban its publisher at once and purge its groups still
+        waiting to be trained, with one WARNING naming the check and the evidence."""
+        purged = self.buffer.purge(peer_id)
+        log.warning("caught %s: %s (%s); banned, %d buffered rollouts purged", peer_id, reason, self._evidence, purged)
+        self.ban(peer_id, f"{reason}: {self._evidence}")
 
     def ban(self, peer_id: str, why: str) -> None:
         """Ban at once: for offences no honest peer commits."""
@@ -389,6 +420,9 @@ class RolloutIntake:
             batch, reason, n = self.check(envelope, peer_id)
             if reason is not None or batch is None:
                 self.buffer.reject(reason or DropReason.MALFORMED, n)
+                if reason in CHEATING:
+                    self.caught(peer_id, reason)
+                    return
                 self.penalize(peer_id, f"bad repaired rollout: {reason}")
                 continue
             self.ingest(batch, peer_id)

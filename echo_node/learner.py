@@ -35,6 +35,7 @@ from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
 from echo_node.trainer import Trainer, staleness
+from echo_node.verify import RewardCheck
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.weights.publisher import WeightPublisher
 from protocol.addresses import is_loopback, unroutable_reason
@@ -96,6 +97,7 @@ class Learner:
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
             bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept,
+            verify=RewardCheck(policy.tokenizer, policy.task) if cfg.verify.rewards else None,
         )
         self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
         self.intake.node = self.node
@@ -409,6 +411,12 @@ class Learner:
             # the rollout ledger), by reason.
             "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
             "train_errors": self.trainer.train_errors,
+            # The learner's re-checks of peers' claims: batches failed by reason, and their cost.
+            "verification": {
+                "failures": dict(self.intake.verify_failures),
+                "seconds": round(self.intake.verify_s, 3),
+                "share_of_train_time": round(self.intake.verify_s / max(1e-9, self.trainer.train_s), 4),
+            },
             "banned": sorted(self.peers.banned),
             "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,

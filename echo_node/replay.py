@@ -165,6 +165,16 @@ class ReplayBuffer:
         self._groups = kept
         return evicted
 
+    def purge(self, origin: str) -> int:
+        """Drop every buffered group from `origin` (its publisher was caught cheating), counted
+        as "purged"; returns the rollouts dropped."""
+        victims = [g for g in self._groups if self._origin.get(id(g)) == origin]
+        for g in victims:
+            self._groups.remove(g)
+            self._forget(g)
+            self._drop(DropReason.PURGED, len(g.samples))
+        return sum(len(g.samples) for g in victims)
+
     def restore(self, groups: list[RolloutGroup]) -> None:
         """Put back groups taken for a step that did not happen; the next `take` picks them again."""
         for g in reversed(groups):

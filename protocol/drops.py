@@ -30,9 +30,11 @@ class DropReason(enum.StrEnum):
     BAD_GROUP = "bad_group"  # group shape does not match the run spec (e.g. wrong group size)
     OUT_OF_VOCAB = "out_of_vocab"  # a token id the run's model has no embedding for
     TOO_LONG = "too_long"  # a completion or prompt longer than the run samples
-    BAD_REWARD = "bad_reward"  # a reward outside the task's range
+    BAD_REWARD = "bad_reward"  # a reward outside the task's range, or not the one its completion earns
+    BAD_PROMPT = "bad_prompt"  # a prompt the run's task does not pose (or encodes otherwise)
     NOT_JOINED = "not_joined"  # the publisher never joined the run (or was evicted from it)
     BANNED = "banned"  # the publisher is banned for earlier bad messages
     OVERLOAD = "overload"  # the receiver had no room (buffer full, rate limit)
+    PURGED = "purged"  # admitted, then removed when its publisher was caught cheating
     TRAIN_ERROR = "train_error"  # admitted, but the training step on its batch failed
     UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped

@@ -35,6 +35,11 @@ async def silent_listener(nursery: trio.Nursery) -> int:
     return port
 
 
+# The default run's prompt "23+01=" (bos, then one id per character) and its answer "024" + eos.
+PROMPT_IDS = (1, 5, 6, 13, 3, 4, 14)
+ANSWER_IDS = (3, 5, 7, 2)
+
+
 def make_group(
     *,
     n: int = 0,
@@ -44,19 +49,25 @@ def make_group(
     rewards: list[float] | None = None,
 ) -> RolloutGroup:
     """A group of `samples` completions of `tokens` tokens, every token sampled at `version`,
-    named f"g{n}"."""
-    rewards = rewards if rewards is not None else [float(i % 2) for i in range(samples)]
+    named f"g{n}". Honest by default: with 4 tokens the odd samples give the right answer, and
+    every reward is the one the default run's task gives (the learner re-scores them)."""
+    completions = [
+        ANSWER_IDS if tokens == len(ANSWER_IDS) and s % 2 else tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,)
+        for s in range(samples)
+    ]
+    if rewards is None:
+        rewards = [1.0 if c == ANSWER_IDS else 0.0 for c in completions]
     return RolloutGroup(
         group_id=f"g{n}",
-        prompt_ids=(1, 5, 6, 13, 3, 4, 14),
+        prompt_ids=PROMPT_IDS,
         samples=tuple(
             Sample(
-                completion_ids=tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,),
+                completion_ids=c,
                 behaviour_logprobs=tuple(-0.5 for _ in range(tokens)),
                 token_versions=(version,) * tokens,
                 reward=rewards[s],
             )
-            for s in range(samples)
+            for s, c in enumerate(completions)
         ),
     )
 
