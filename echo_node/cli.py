@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-every", type=int, default=None, metavar="K", help="async: publish every K-th version (K <= S)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
     p.add_argument("--max-versions", type=int, default=None)
+    p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
+                   help="a private swarm: only these peer ids may join (one per line, # comments)")
 
     p = sub.add_parser("join", help="contribute rollouts to a run as a volunteer peer")
     _common(p, role="peer")
@@ -98,6 +100,7 @@ def _config(args: argparse.Namespace) -> Any:
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
         net__learner=getattr(args, "learner", None),
+        net__allow_peers=_read_peer_list(args.allow_peers) if getattr(args, "allow_peers", None) else None,
         model__path=args.model,
         rl__mode=getattr(args, "mode", None),
         rl__staleness=getattr(args, "staleness", None),
@@ -117,6 +120,15 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     validate_net(net)
     trio.run(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True))
     return 0
+
+
+def _read_peer_list(path: Path) -> list[str]:
+    """Peer ids, one per line; blank lines and # comments ignored (config validates the ids)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read the peer list {path}: {exc.strerror or exc}") from None
+    return [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
 
 
 def _cmd_learn(args: argparse.Namespace) -> int:

@@ -61,6 +61,8 @@ class NetConfig:
     # seconds: its rollouts are dropped unopened, its joins and data connections refused.
     ban_after: int = 3
     ban_s: float = 600.0
+    # A private swarm: when not empty, the learner takes joins from these peer ids only.
+    allow_peers: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -223,6 +225,9 @@ def validate_net(net: NetConfig) -> None:
         raise ValueError(str(exc)) from None
     if not 0 <= net.data_port <= 65535:
         raise ValueError(f"net.data_port must be a TCP port (0 for any), got {net.data_port}")
+    bad = [p for p in net.allow_peers if not is_valid_peer_id(p)]
+    if bad:
+        raise ValueError(f"net.allow_peers: {bad[0]!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
     if net.learner is not None and not is_valid_peer_id(net.learner):
         raise ValueError(f"net.learner {net.learner!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
     if net.max_peers < 1 or net.ban_after < 1 or not net.ban_s >= 0:

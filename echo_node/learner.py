@@ -116,6 +116,7 @@ class Learner:
         self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
+        self._allowed = frozenset(cfg.net.allow_peers)
         self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
@@ -193,6 +194,8 @@ class Learner:
         self._check_run(request.run_id)
         if request.peer_id != remote:
             raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
+        if self._allowed and remote not in self._allowed:
+            raise rpc.RequestRefused("not_allowed", "this run takes only the peers its operator listed")
         try:
             self.peers.join(remote, trio.current_time())
         except JoinRefused as exc:
