@@ -60,7 +60,8 @@ class Trainer:
         failed and the batch was dropped. Call inside a shielded scope (see the rules)."""
         t0 = time.monotonic()
         try:
-            stats: dict[str, float] = await trio.to_thread.run_sync(self.optimizer.step, [_train_group(g) for g in groups])
+            batch = [_train_group(g, self.version) for g in groups]
+            stats: dict[str, float] = await trio.to_thread.run_sync(self.optimizer.step, batch)
         except Exception:
             self._failed(groups)
             return None
@@ -86,12 +87,13 @@ class Trainer:
         save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
 
 
-def _train_group(g: RolloutGroup) -> TrainGroup:
+def _train_group(g: RolloutGroup, version: int) -> TrainGroup:
     return TrainGroup(
         prompt_ids=list(g.prompt_ids),
         completions=[list(s.completion_ids) for s in g.samples],
         behaviour_logprobs=[list(s.behaviour_logprobs) for s in g.samples],
         rewards=[s.reward for s in g.samples],
+        on_policy=[[v == version for v in s.token_versions] for s in g.samples],
     )
 
 

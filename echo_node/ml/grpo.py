@@ -54,6 +54,10 @@ class TrainGroup:
     completions: list[list[int]]
     behaviour_logprobs: list[list[float]]
     rewards: list[float]
+    # Per token: sampled by the very weights this step trains (its claimed version is the
+    # learner's current one), so the behaviour log-prob must match the learner's own. Optional:
+    # feeds the `lp_gap_*` stats, the calibration for log-prob spot checks.
+    on_policy: list[list[bool]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completions)
@@ -321,6 +325,20 @@ def grpo_loss(
     return loss, stats
 
 
+def _logprob_gaps(groups: list[TrainGroup], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
+    """|learner log-prob - claimed behaviour log-prob| over the tokens sampled by the weights
+    being trained (`TrainGroup.on_policy`): what an honest peer's engine and the learner's forward
+    disagree by, and what a forged log-prob shows up as."""
+    rows = [flags for g in groups for flags in (g.on_policy or [[False] * len(c) for c in g.completions])]
+    t_max = prox.shape[1]
+    on = torch.tensor([r + [False] * (t_max - len(r)) for r in rows], dtype=torch.bool) & mask
+    n = int(on.sum())
+    if n == 0:
+        return {}
+    gap = (prox - mu).abs()[on]
+    return {"lp_gap_tokens": float(n), "lp_gap_mean": float(gap.mean()), "lp_gap_max": float(gap.max())}
+
+
 def tis_loss(
     new_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor
 ) -> tuple[Tensor, dict[str, float]]:
@@ -437,6 +455,7 @@ class PolicyOptimizer:
         t_max = prox.shape[1]
         mu = torch.tensor([row + [0.0] * (t_max - len(row)) for row in behaviour], dtype=torch.float32)
         weights, is_stats = importance_weights(prox, mu, mask, cap=self.is_cap)
+        stats.update(_logprob_gaps(used, prox, mu, mask))
         if self.correction == "none":
             weights = mask.float()
         stats.update(is_stats)

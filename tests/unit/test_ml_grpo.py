@@ -276,3 +276,18 @@ def test_lean_forward_refuses_what_it_cannot_reproduce() -> None:
     # Unforced, a model with attention dropout in training takes HF's forward (dropout applied).
     lp, _ = sequence_logprobs(model, [[1, 5]], [[3]], 0)
     assert lp.shape == (1, 1)
+
+
+@pytest.mark.parametrize(("shift", "gap"), [(0.0, 0.0), (-20.0, 20.0)])
+def test_the_step_reports_how_far_claimed_logprobs_are_from_its_own(shift: float, gap: float) -> None:
+    """On tokens sampled by the weights being trained an honest claim matches the learner's own
+    log-prob; a fabricated one (-20 per token, as a forger sent) is 20 off."""
+    arch, prompt, good, bad = _tiny_setup()
+    model = build_model(arch, seed=0)
+    with torch.no_grad():
+        lp, _ = sequence_logprobs(model, [prompt, prompt], [good, bad], 0)
+    rows = [[x + shift for x in lp[i].tolist()] for i in range(2)]
+    on = [[True] * len(good), [True] * len(bad)]
+    stats = PolicyOptimizer(model, lr=1e-3, pad_id=0).step([TrainGroup(prompt, [good, bad], rows, [1.0, 0.0], on_policy=on)])
+    assert stats["lp_gap_tokens"] == 6
+    assert stats["lp_gap_max"] == pytest.approx(gap, abs=1e-4)
