@@ -40,6 +40,18 @@ PROMPT_IDS = (1, 5, 6, 13, 3, 4, 14)
 ANSWER_IDS = (3, 5, 7, 2)
 
 
+def offer(learner: Any, data: bytes, origin: str, forwarder: str | None = None) -> bool:
+    """What a learner's gossip path does with one message: validate, and deliver what passes."""
+
+    async def go() -> bool:
+        if not learner.intake.validate(forwarder or origin, origin, data):
+            return False
+        learner.intake.deliver(data, origin)
+        return True
+
+    return bool(trio.run(go))
+
+
 def make_group(
     *,
     n: int = 0,

@@ -6,14 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import trio
 
 from echo_node.learner import Learner
 from echo_node.ml.tasks import get_task
 from echo_node.ml.tokenizer import CharTokenizer
 from echo_node.verify import RewardCheck
 from protocol import DropReason, RolloutBatch, seal
-from tests.factories import ALICE, ANSWER_IDS, MALLORY, make_batch, make_group
+from tests.factories import ALICE, ANSWER_IDS, MALLORY, make_batch, make_group, offer
 
 CHECK = RewardCheck(CharTokenizer(), get_task("addition"))
 
@@ -46,16 +45,6 @@ def test_an_honest_batch_passes() -> None:
 def test_a_forged_claim_fails_with_evidence(batch: RolloutBatch, reason: DropReason) -> None:
     failure = CHECK(batch)
     assert failure is not None and failure.reason is reason and failure.evidence
-
-
-def offer(learner: Learner, data: bytes, origin: str) -> bool:
-    async def go() -> bool:
-        if not learner.intake.validate(origin, origin, data):
-            return False
-        learner.intake.deliver(data, origin)
-        return True
-
-    return trio.run(go)
 
 
 def test_a_forger_is_banned_at_once_and_its_buffered_groups_purged(learner: Learner) -> None:

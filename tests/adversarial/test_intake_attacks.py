@@ -17,17 +17,7 @@ from echo_node.learner import Learner
 from echo_node.net import rpc
 from protocol import Identity, JoinRequest, seal
 from protocol.sequence import SequenceTracker
-from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch
-
-
-def offer(learner: Learner, data: bytes, origin: str) -> bool:
-    async def go() -> bool:
-        if not learner.intake.validate(origin, origin, data):
-            return False
-        learner.intake.deliver(data, origin)
-        return True
-
-    return trio.run(go)
+from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch, offer
 
 
 def test_a_stranger_cannot_publish(learner: Learner) -> None:

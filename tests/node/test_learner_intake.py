@@ -16,7 +16,7 @@ import trio.testing
 
 from echo_node.learner import Learner
 from protocol import seal
-from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch
+from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch, offer
 
 
 @pytest.fixture(autouse=True)
@@ -25,18 +25,6 @@ def joined(learner: Learner) -> None:
     for who in (ALICE, MALLORY):
         learner.peers.join(who.peer_id, 0.0)
     learner.peers.ban_after = 1000
-
-
-def offer(learner: Learner, data: bytes, origin: str, forwarder: str | None = None) -> bool:
-    """What the gossip path does: validate, and deliver what passes."""
-
-    async def go() -> bool:
-        if not learner.intake.validate(forwarder or origin, origin, data):
-            return False
-        learner.intake.deliver(data, origin)
-        return True
-
-    return trio.run(go)
 
 
 def test_every_bad_message_is_counted_penalized_and_logged(learner: Learner, caplog: pytest.LogCaptureFixture) -> None:
