@@ -63,6 +63,8 @@ ACTIVE_WINDOW_S = 15.0
 # A publisher that does not answer a repair request within this is treated as gone.
 REPAIR_TIMEOUT_S = 10.0
 REPAIRS_AT_ONCE = 8
+# How stale the demand split may be when nothing joined, left or delivered since.
+EFFECTIVE_REFRESH_S = 1.0
 # Verified batches waiting for the consumer; more than a subscription queue's worth means the
 # consumer fell behind and re-checks the rest.
 CHECKED_CACHE = 1024
@@ -95,6 +97,9 @@ class PeerBook:
     joined: OrderedDict[str, float] = field(default_factory=OrderedDict)
     # Groups accepted per joined peer within the last ACTIVE_WINDOW_S: (time, groups), oldest first.
     recent: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
+    # `effective_peers`' last answer and when (trio time): it is asked on every status request,
+    # and walking every peer's window each time would make status O(peers).
+    _effective: tuple[float, float] | None = None
     accepted: Counter[str] = field(default_factory=Counter)
     penalties: Counter[str] = field(default_factory=Counter)
     # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process).
@@ -119,6 +124,7 @@ class PeerBook:
     def leave(self, peer_id: str) -> None:
         self.joined.pop(peer_id, None)
         self.recent.pop(peer_id, None)
+        self._effective = None
         self.relays.pop(peer_id, None)
         self.unreachable.pop(peer_id, None)
         self.accepted.pop(peer_id, None)
@@ -132,21 +138,25 @@ class PeerBook:
         self.joined.move_to_end(peer_id)
         window = self.recent.setdefault(peer_id, deque())
         window.append((now, groups))
-        while window and now - window[0][0] > ACTIVE_WINDOW_S:
-            window.popleft()
+        _prune(window, now)
+        self._effective = None
 
     def effective_peers(self, now: float) -> float:
         """How many full-rate peers the recent contributions amount to: groups accepted in the
         window over the most any one peer delivered (>= 1). Equal peers count as their number;
         a peer (or a hundred Sybils) delivering a trickle counts as that trickle, not as a head,
-        so it cannot cut the demand of the peers that do the work."""
+        so it cannot cut the demand of the peers that do the work. Recomputed on a contribution or
+        a departure, else at most every EFFECTIVE_REFRESH_S (windows age out in between)."""
+        if self._effective is not None and now - self._effective[0] < EFFECTIVE_REFRESH_S:
+            return self._effective[1]
         totals = []
         for window in self.recent.values():
-            while window and now - window[0][0] > ACTIVE_WINDOW_S:
-                window.popleft()
+            _prune(window, now)
             totals.append(sum(n for _, n in window))
         top = max(totals, default=0)
-        return max(1.0, sum(totals) / top) if top else 1.0
+        value = max(1.0, sum(totals) / top) if top else 1.0
+        self._effective = (now, value)
+        return value
 
     def penalize(self, peer_id: str, *, strikes: int = 1) -> bool:
         """Count an offence (`strikes` of them); True if it got the peer banned just now."""
@@ -203,6 +213,12 @@ class PeerBook:
             return
         now = time.time()
         self.banned.update({p: t for p, t in bans.items() if t > now})
+
+
+def _prune(window: deque[tuple[float, int]], now: float) -> None:
+    """Drop a peer's contributions older than ACTIVE_WINDOW_S."""
+    while window and now - window[0][0] > ACTIVE_WINDOW_S:
+        window.popleft()
 
 
 class Gossip(Protocol):
