@@ -35,7 +35,7 @@ from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.messages import StatusRequest, StatusResponse, VersionAnnounce
+from protocol.messages import RunSpec, StatusRequest, StatusResponse, VersionAnnounce
 from protocol.weights.delta import decode_delta
 from protocol.weights.manifest import payload_digest
 
@@ -81,6 +81,9 @@ class Joined(Protocol):
     @property
     def engine(self) -> Engine: ...
 
+    @property
+    def spec(self) -> RunSpec: ...
+
 
 class WeightFollower:
     def __init__(
@@ -123,7 +126,7 @@ class WeightFollower:
             await self.refresh()
             task_status.started()
             nursery.start_soon(self._follow_announcements)
-            if self.session.spec.sync_mode == "async":  # type: ignore[attr-defined]
+            if self.session.spec.sync_mode == "async":
                 nursery.start_soon(self._poll_status)
                 nursery.start_soon(self._fetch_newest)
 
