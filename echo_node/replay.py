@@ -112,9 +112,14 @@ class ReplayBuffer:
         self._forget(victim)
         self._drop(DropReason.OVERLOAD, len(victim.samples))
 
-    def _forget(self, group: RolloutGroup) -> None:
-        self.bytes -= self._size.pop(id(group), 0)
+    def _release(self, group: RolloutGroup) -> int:
+        """Stop tracking a group's origin and size (it left the ledger's care); its size."""
         self._origin.pop(id(group), None)
+        return self._size.pop(id(group), 0)
+
+    def _forget(self, group: RolloutGroup) -> None:
+        """A buffered group leaves: release it and its bytes."""
+        self.bytes -= self._release(group)
 
     def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
         """Pop up to `n_groups` admissible groups, freshest first; stale ones are dropped.
@@ -132,9 +137,10 @@ class ReplayBuffer:
         per_origin: Counter[str] = Counter()
         picked: list[int] = []
         for i in order:
-            if len(picked) < n_groups and per_origin[self._origin[id(self._groups[i])]] < share:
+            origin = self._origin[id(self._groups[i])]
+            if len(picked) < n_groups and per_origin[origin] < share:
                 picked.append(i)
-                per_origin[self._origin[id(self._groups[i])]] += 1
+                per_origin[origin] += 1
         chosen = set(picked)
         picked += [i for i in order if i not in chosen][: n_groups - len(picked)]
         chosen = set(picked)
@@ -184,15 +190,13 @@ class ReplayBuffer:
     def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
         for g in groups:
             self.ledger.trained += len(g.samples)
-            self._size.pop(id(g), None)
-            self._origin.pop(id(g), None)
+            self._release(g)
 
     def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:
         """Count taken groups whose training step failed as dropped (they are not put back: a
         batch that broke a step once would break it again)."""
         for g in groups:
-            self._size.pop(id(g), None)
-            self._origin.pop(id(g), None)
+            self._release(g)
             self._drop(reason, len(g.samples))
 
     def close(self) -> None:
