@@ -100,9 +100,6 @@ class RLConfig:
     # the peer holding the most is dropped as "overload".
     buffer_groups: int = 256
     buffer_bytes: int = 64 << 20
-    # A training step takes at most this share of its groups from one peer while others have
-    # admissible ones.
-    max_peer_share: float = 0.5
     # async: the learner publishes (snapshots, hashes, announces and serves) every k-th version
     # only. Versions still count every update, so staleness is measured as before; a peer's
     # weights are up to k - 1 versions older. Pull needs every version (k = 1), and k <= S
@@ -129,10 +126,31 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class VerifyConfig:
-    # The learner re-scores every completion with the run's reward function and checks every
-    # prompt is one the task poses; a batch that fails bans its publisher (echo_node/verify.py).
-    # Off only to measure what verification buys.
-    rewards: bool = True
+    # The learner's checks of what peers claim (echo_node/verify.py); a batch that fails one
+    # bans its publisher for `ban_versions` versions and purges its buffered groups.
+    # Every batch: completions end at eos, prompts are the ones their slots assign, rewards are
+    # the run's. Off (and every check with it) only to measure what verification buys.
+    enabled: bool = True
+    # Log-prob spot checks: the learner recomputes the behaviour log-probs of a group's tokens
+    # under the versions they claim and tests that they were sampled at the run's temperature.
+    logprobs: bool = True
+    # Share of groups spot-checked, chosen unpredictably; every group of a peer's first
+    # `probation_batches` batches, and of its next ones after any refused message, is checked.
+    spot_rate: float = 0.1
+    probation_batches: int = 2
+    # Largest |claimed - recomputed| log-prob of a token, and largest mean over a group's
+    # checked tokens. Honest peers on CPU fp32 measured max 2.9e-5, mean 1.1e-7 over 85,536
+    # tokens (benchmarks/results/measurements.md); a bf16 engine rounds logits to ~3 digits,
+    # which these leave room for; fabricated log-probs or another model's are off by far more.
+    lp_tolerance_max: float = 0.5
+    lp_tolerance_mean: float = 0.05
+    # Chance an honest peer fails the sampling checks: per token for "improbable token", per
+    # checked batch for "not sampled at the run's temperature" (e.g. greedy).
+    false_alarm: float = 1e-9
+    ban_versions: int = 1000
+    # A step takes at most this share of its groups from one peer while others have admissible
+    # ones: what an attacker not caught yet can move the policy by.
+    max_peer_share: float = 0.5
 
 
 @dataclass(kw_only=True, slots=True)
@@ -196,8 +214,13 @@ def validate(cfg: RunConfig) -> None:
             f"rl.publish_every = {rl.publish_every} needs async mode with staleness >= it (got mode "
             f"{rl.mode!r}, staleness {rl.staleness}): a peer's newest weights would be too old to train on"
         )
-    if rl.buffer_bytes < 1 << 20 or not 0 < rl.max_peer_share <= 1:
-        raise ValueError(f"rl.buffer_bytes must be >= 1 MiB and rl.max_peer_share in (0, 1], got {rl.buffer_bytes}, {rl.max_peer_share}")
+    if rl.buffer_bytes < 1 << 20:
+        raise ValueError(f"rl.buffer_bytes must be >= 1 MiB, got {rl.buffer_bytes}")
+    v = cfg.verify
+    if not 0 < v.max_peer_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1:
+        raise ValueError("verify needs 0 < max_peer_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1")
+    if not (v.lp_tolerance_max > 0 and v.lp_tolerance_mean > 0 and 0 < v.false_alarm < 1):
+        raise ValueError("verify.lp_tolerance_max and lp_tolerance_mean must be > 0, false_alarm in (0, 1)")
     if not rl.is_cap > 0 or rl.minibatches < 1:
         raise ValueError(f"rl.is_cap must be > 0 and rl.minibatches >= 1, got {rl.is_cap} and {rl.minibatches}")
     s = cfg.sampling

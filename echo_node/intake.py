@@ -7,8 +7,11 @@ Rules:
 - Only peers that joined publish. A message from anyone else is a counted `not_joined` drop: a
   join is what puts a peer in the (bounded) peer table, so everything kept per publisher is
   bounded by it.
-- A batch whose claims fail the learner's re-checks (`verify`: prompts the task poses, rewards
-  its completions earn) bans its publisher at once and purges its buffered groups (`purged`).
+- A batch whose claims fail the learner's checks (echo_node/verify.py: the cheap ones in the
+  validator, spot checks of log-probs and sampling in the consumer before the buffer) bans its
+  publisher at once for `ban_versions` versions and purges its buffered groups (`purged`). Any
+  refused message puts its publisher back on probation: its next batches are spot-checked in
+  full. A group another publisher sent first is dropped as `copied`.
 - Any other rejected message is a counted drop with its reason and a penalty for its sender (and
   for the forwarder that relayed it); a message of another schema version is counted but not a strike
   (an honest peer on another release). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
@@ -46,7 +49,7 @@ import trio
 
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
-from echo_node.verify import Failure
+from echo_node.verify import Copies, Verifier
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -72,8 +75,10 @@ CHECKED_CACHE = 1024
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
 MAX_BANS = 65536
-# Refusals no honest peer earns: its claims did not survive the learner's re-checks.
-CHEATING = frozenset({DropReason.BAD_REWARD, DropReason.BAD_PROMPT})
+# Refusals no honest peer earns: its claims did not survive the learner's checks.
+CHEATING = frozenset(
+    {DropReason.BAD_REWARD, DropReason.BAD_PROMPT, DropReason.BAD_COMPLETION, DropReason.BAD_LOGPROBS, DropReason.BAD_SAMPLING}
+)
 
 
 class JoinRefused(Exception):
@@ -101,9 +106,14 @@ class PeerBook:
     # and walking every peer's window each time would make status O(peers).
     _effective: tuple[float, float] | None = None
     accepted: Counter[str] = field(default_factory=Counter)
+    # Signed batches opened per joined peer (what a ban is measured in: how many it took).
+    batches: Counter[str] = field(default_factory=Counter)
     penalties: Counter[str] = field(default_factory=Counter)
-    # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process).
+    # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process), or
+    # for bans counted in versions, the learner version it ends at (`version` tells the current).
     banned: dict[str, float] = field(default_factory=dict)
+    banned_until_version: dict[str, int] = field(default_factory=dict)
+    version: Callable[[], int] = lambda: 0
     # Data addresses a dial-back proved (handed to other peers as relays), and why the others
     # are not (they download and contribute, but are never handed out).
     relays: dict[str, tuple[str, int]] = field(default_factory=dict)
@@ -128,6 +138,7 @@ class PeerBook:
         self.relays.pop(peer_id, None)
         self.unreachable.pop(peer_id, None)
         self.accepted.pop(peer_id, None)
+        self.batches.pop(peer_id, None)
 
     def contributed(self, peer_id: str, groups: int, now: float) -> None:
         """A joined peer's groups were accepted: it is active (requests alone never make a
@@ -158,8 +169,9 @@ class PeerBook:
         self._effective = (now, value)
         return value
 
-    def penalize(self, peer_id: str, *, strikes: int = 1) -> bool:
-        """Count an offence (`strikes` of them); True if it got the peer banned just now."""
+    def penalize(self, peer_id: str, *, strikes: int = 1, until_version: int | None = None) -> bool:
+        """Count an offence (`strikes` of them); True if it got the peer banned just now (until
+        `until_version` if given, else for `ban_s` seconds)."""
         self.penalties[peer_id] += strikes
         excess = len(self.penalties) - self.max_peers - MAX_STRANGERS
         if excess > 0:  # forget the oldest strangers' counts (insertion order)
@@ -167,31 +179,39 @@ class PeerBook:
                 del self.penalties[p]
         if self.penalties[peer_id] < self.ban_after or self.is_banned(peer_id):
             return False
-        if len(self.banned) >= MAX_BANS:
-            del self.banned[min(self.banned, key=self.banned.__getitem__)]  # the ban ending first
-        self.banned[peer_id] = time.time() + self.ban_s
+        bans: dict[str, Any] = self.banned if until_version is None else self.banned_until_version
+        if len(bans) >= MAX_BANS:
+            del bans[min(bans, key=bans.__getitem__)]  # the ban ending first
+        bans[peer_id] = time.time() + self.ban_s if until_version is None else until_version
         self.leave(peer_id)
         return True
 
     def is_banned(self, peer_id: str) -> bool:
         until = self.banned.get(peer_id)
-        if until is None:
-            return False
-        if until <= time.time():
-            del self.banned[peer_id]
+        if until is not None and until > time.time():
+            return True
+        until_version = self.banned_until_version.get(peer_id)
+        if until_version is not None and until_version > self.version():
+            return True
+        if until is not None or until_version is not None:
+            self.banned.pop(peer_id, None)
+            self.banned_until_version.pop(peer_id, None)
             self.penalties.pop(peer_id, None)
-            return False
-        return True
+        return False
 
     def score(self, peer_id: str) -> float:
         """GossipSub's application score: a peer below its graylist threshold is ignored."""
-        return -10.0 * self.penalties.get(peer_id, 0) - (1000.0 if peer_id in self.banned else 0.0)
+        banned = peer_id in self.banned or peer_id in self.banned_until_version
+        return -10.0 * self.penalties.get(peer_id, 0) - (1000.0 if banned else 0.0)
 
     def save_bans(self, path: Path) -> None:
         """Write the live bans (atomically: a crash mid-write leaves the previous file). A
         failure to write is logged; the ban holds in memory either way."""
-        now = time.time()
-        live = {p: until for p, until in self.banned.items() if until > now}
+        now, version = time.time(), self.version()
+        live = {
+            "until_time": {p: until for p, until in self.banned.items() if until > now},
+            "until_version": {p: until for p, until in self.banned_until_version.items() if until > version},
+        }
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(".tmp")
@@ -207,12 +227,17 @@ class PeerBook:
             return
         try:
             data = json.loads(path.read_text())
-            bans = {str(p): float(t) for p, t in data.items()}
-        except (ValueError, AttributeError, TypeError) as exc:
+            if "until_time" not in data:  # the first format: {peer: until_time}
+                data = {"until_time": data, "until_version": {}}
+            bans = {str(p): float(t) for p, t in data["until_time"].items()}
+            by_version = {str(p): int(v) for p, v in data["until_version"].items()}
+        except (ValueError, AttributeError, TypeError, KeyError) as exc:
             log.warning("ignored %s: %s", path, exc)
             return
         now = time.time()
         self.banned.update({p: t for p, t in bans.items() if t > now})
+        # A learner restarted from version 0 keeps the bans it gave in versions, whole.
+        self.banned_until_version.update(by_version)
 
 
 def _prune(window: deque[tuple[float, int]], now: float) -> None:
@@ -240,7 +265,9 @@ class RolloutIntake:
         topic: str,
         bans_path: Path | None = None,
         on_first_accept: Callable[[str], None] = lambda peer: None,
-        verify: Callable[[RolloutBatch], Failure | None] | None = None,
+        on_caught: Callable[[dict[str, Any]], None] = lambda record: None,
+        verify: Verifier | None = None,
+        ban_versions: int = 1000,
     ) -> None:
         self.run = run
         self.buffer = buffer
@@ -249,13 +276,15 @@ class RolloutIntake:
         self.topic = topic
         self.bans_path = bans_path
         self.on_first_accept = on_first_accept
-        # The learner's re-checks of what a batch claims (echo_node/verify.py); None: none.
+        self.on_caught = on_caught
+        # The learner's checks of what a batch claims (echo_node/verify.py); None: none.
         self.verify = verify
-        # Why the last refused batch failed verification, for the ban's log line; what
-        # verification cost and caught.
+        self.ban_versions = ban_versions
+        self.copies = Copies()
+        # Why the last refused batch failed verification, for the ban's log line.
         self._evidence = ""
-        self.verify_s = 0.0
-        self.verify_failures: Counter[str] = Counter()
+        # Spot checks run one at a time, in a worker thread (they own one model copy).
+        self._spot_lock = trio.Lock()
         self.node: Gossip | None = None
         self.tracker = SequenceTracker()
         # The learner's version when the tracker last forgot a publisher (see the module rules).
@@ -287,6 +316,7 @@ class RolloutIntake:
             log.warning("rejected a rollout message from %s: %s", origin, exc)
             return None, exc.reason, 1
         assert isinstance(batch, RolloutBatch)
+        self.peers.batches[origin] += 1
         n = batch.num_samples
         reason = judge_batch(batch, run=self.run, current_version=self.version())
         if reason is not None:
@@ -296,11 +326,8 @@ class RolloutIntake:
             )
             self._evidence = f"{reason} on arrival"
             return batch, reason, n
-        t0 = time.perf_counter()
-        failure = self.verify(batch) if self.verify is not None else None
-        self.verify_s += time.perf_counter() - t0
+        failure = self.verify.claims(batch) if self.verify is not None else None
         if failure is not None:
-            self.verify_failures[failure.reason.value] += 1
             self._evidence = failure.evidence
             return batch, failure.reason, n
         return batch, None, n
@@ -331,19 +358,28 @@ class RolloutIntake:
         return False
 
     def caught(self, peer_id: str, reason: DropReason) -> None:
-        """A batch failed verification: ban its publisher at once and purge its groups still
-        waiting to be trained, with one WARNING naming the check and the evidence."""
+        """A batch failed verification: ban its publisher at once for `ban_versions` versions
+        and purge its groups still waiting to be trained, with one WARNING naming the check and
+        the evidence."""
         purged = self.buffer.purge(peer_id)
-        log.warning("caught %s: %s (%s); banned, %d buffered rollouts purged", peer_id, reason, self._evidence, purged)
-        self.ban(peer_id, f"{reason}: {self._evidence}")
+        until = self.version() + self.ban_versions
+        self.on_caught({"peer": peer_id, "reason": str(reason), "evidence": self._evidence[:500],
+                        "batches": self.peers.batches[peer_id], "purged": purged, "until_version": until})
+        log.warning(
+            "caught %s: %s (%s); banned until version %d, %d buffered rollouts purged", peer_id, reason, self._evidence, until, purged
+        )
+        self.penalize(peer_id, f"{reason}: {self._evidence}", strikes=self.peers.ban_after, until_version=until)
 
     def ban(self, peer_id: str, why: str) -> None:
         """Ban at once: for offences no honest peer commits."""
         self.penalize(peer_id, why, strikes=self.peers.ban_after)
 
-    def penalize(self, peer_id: str, why: str, *, strikes: int = 1) -> None:
-        if self.peers.penalize(peer_id, strikes=strikes):
-            log.warning("banned %s for %.0fs: %s", peer_id, self.peers.ban_s, why)
+    def penalize(self, peer_id: str, why: str, *, strikes: int = 1, until_version: int | None = None) -> None:
+        if self.verify is not None:
+            self.verify.suspect(peer_id)
+        if self.peers.penalize(peer_id, strikes=strikes, until_version=until_version):
+            term = f"{self.peers.ban_s:.0f}s" if until_version is None else f"until version {until_version}"
+            log.warning("banned %s for %s: %s", peer_id, term, why)
             self.tracker.forget(peer_id)
             if self.bans_path is not None:
                 self.peers.save_bans(self.bans_path)
@@ -356,8 +392,8 @@ class RolloutIntake:
         batch = self._checked.pop(msg.data, None)
         self.buffer.reject(DropReason.OVERLOAD, batch.num_samples if batch is not None else 1)
 
-    def deliver(self, data: bytes, origin: str) -> None:
-        """Ingest a message the gossip validator passed, as the validator decoded it."""
+    async def deliver(self, data: bytes, origin: str) -> None:
+        """Admit a message the gossip validator passed, as the validator decoded it."""
         batch = self._checked.pop(data, None)
         if batch is None:  # fell out of the cache: check it again
             batch, reason, n = self.check(data, origin)
@@ -365,6 +401,23 @@ class RolloutIntake:
                 # Valid a moment ago; the peer was banned or evicted since, or the cache
                 # overflowed on a version boundary. Counted, not lost.
                 self.buffer.reject(reason or DropReason.MALFORMED, n)
+                return
+        await self.admit(batch, origin)
+
+    async def admit(self, batch: RolloutBatch, origin: str) -> None:
+        """Spot-check what `batch`'s publisher's turn calls for, then ingest it."""
+        indices = self.verify.plan(batch) if self.verify is not None else []
+        if indices:
+            assert self.verify is not None
+            async with self._spot_lock:
+                failure = await trio.to_thread.run_sync(self.verify.spot, batch, indices)
+            if failure is not None:
+                self.buffer.reject(failure.reason, batch.num_samples)
+                self._evidence = failure.evidence
+                self.caught(origin, failure.reason)
+                return
+            if self.peers.is_banned(origin):  # caught while its batch was being checked
+                self.buffer.reject(DropReason.BANNED, batch.num_samples)
                 return
         self.ingest(batch, origin)
 
@@ -386,6 +439,11 @@ class RolloutIntake:
             return
         taken = 0
         for group in batch.groups:
+            first = self.copies.first_sender(group, origin)
+            if first != origin:
+                log.info("dropped a group of %s: %s sent the same prompt and samples first", origin, first)
+                self.buffer.reject(DropReason.COPIED, len(group.samples))
+                continue
             if self.buffer.offer(group, current, origin) is not None:
                 continue
             if not self.peers.accepted[origin]:
@@ -398,7 +456,7 @@ class RolloutIntake:
 
     async def consume(self, messages: Any) -> None:
         async for msg in messages:
-            self.deliver(msg.data, msg.sender)
+            await self.deliver(msg.data, msg.sender)
 
     # -- gap repair ------------------------------------------------------------------------------
 
@@ -441,7 +499,9 @@ class RolloutIntake:
                     return
                 self.penalize(peer_id, f"bad repaired rollout: {reason}")
                 continue
-            self.ingest(batch, peer_id)
+            await self.admit(batch, peer_id)
+            if self.peers.is_banned(peer_id):
+                return
             recovered += 1
         # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
         # not fit in this response stay missing and are asked for on the next round.

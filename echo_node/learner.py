@@ -35,7 +35,7 @@ from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
 from echo_node.trainer import Trainer, staleness
-from echo_node.verify import RewardCheck
+from echo_node.verify import Verifier
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.weights.publisher import WeightPublisher
 from protocol.addresses import is_loopback, unroutable_reason
@@ -87,17 +87,25 @@ class Learner:
         self.policy = policy
         self.stdout = stdout
         # Tables the intake owns, also read here (demand, relays, the summary).
-        self.peers = PeerBook(max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s)
+        self.peers = PeerBook(
+            max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s, version=lambda: self.version
+        )
         self.buffer = ReplayBuffer(
             mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups,
-            capacity_bytes=cfg.rl.buffer_bytes, max_share=cfg.rl.max_peer_share,
+            capacity_bytes=cfg.rl.buffer_bytes, max_share=cfg.verify.max_peer_share,
         )
         self.rollouts_topic = rollouts_topic(cfg.run_id)
         self.versions_topic = versions_topic(cfg.run_id)
+        # Spot checks need the weights of every version a rollout can still be admitted on.
+        self.verifier = Verifier(
+            cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
+        ) if cfg.verify.enabled else None
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
-            bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept,
-            verify=RewardCheck(policy.tokenizer, policy.task) if cfg.verify.rewards else None,
+            bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept, verify=self.verifier,
+            on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
+            ban_versions=cfg.verify.ban_versions,
         )
         self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
         self.intake.node = self.node
@@ -128,7 +136,7 @@ class Learner:
         """Serve and train until the configured time or version budget is spent."""
         self._started = time.monotonic()
         self.report.open()
-        self.weights.offer(0, state_to_bytes(self.policy.model))
+        self._offer(0, state_to_bytes(self.policy.model))
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -345,7 +353,14 @@ class Learner:
                 if self.version % self.cfg.checkpoint.every_versions == 0:
                     await trio.to_thread.run_sync(trainer.checkpoint)
 
+    def _offer(self, version: int, blob: bytes) -> None:
+        self.weights.offer(version, blob)
+        if self.verifier is not None:
+            self.verifier.remember(version, blob)
+
     async def _publish_version(self, blob: bytes) -> None:
+        if self.verifier is not None:  # before a peer can learn of the version
+            self.verifier.remember(self.version, blob)
         manifest = await self.weights.publish(self.version, blob)
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
@@ -382,6 +397,7 @@ class Learner:
                 "learner_bytes_up": self.weights.bytes_up(),
                 "deltas_offered": self.weights.deltas_offered,
                 "lost_messages": self.intake.lost_messages,
+                "verify": self._verify_record(),
                 **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
             }
         )
@@ -409,24 +425,43 @@ class Learner:
                 p: {"accepted": self.peers.accepted[p], "relay": p in self.peers.relays, "unreachable": self.peers.unreachable.get(p)}
                 for p in sorted(self.peers.joined)
             },
+            # Groups trained per publisher, banned ones included.
+            "trained_groups": dict(sorted(self.buffer.trained_groups.items())),
             "lost_messages": self.intake.lost_messages,
             # Rollout messages py-libp2p dropped before the validator (never opened, so not in
             # the rollout ledger), by reason.
             "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
             "train_errors": self.trainer.train_errors,
-            # The learner's re-checks of peers' claims: batches failed by reason, and their cost.
-            "verification": {
-                "failures": dict(self.intake.verify_failures),
-                "seconds": round(self.intake.verify_s, 3),
-                "share_of_train_time": round(self.intake.verify_s / max(1e-9, self.trainer.train_s), 4),
-            },
-            "banned": sorted(self.peers.banned),
+            # The learner's checks of peers' claims: per check, batches passed and failed; what
+            # the spot checks covered; their cost against training's.
+            "verification": self.verification(),
+            "banned": sorted({*self.peers.banned, *self.peers.banned_until_version}),
             "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }
         self.report.finish(summary)
         return summary
+
+
+    def _verify_record(self) -> dict[str, Any] | None:
+        """The train record's cumulative verification counts (metrics.plot_run draws them)."""
+        if self.verifier is None:
+            return None
+        st = self.verifier.stats
+        return {
+            "failed": dict(st.failed),
+            "banned": len(self.peers.banned) + len(self.peers.banned_until_version),
+            "spot_rate": round(st.groups_spot_checked / max(1, st.groups_seen), 4),
+            "share": round((st.claims_s + st.spot_s) / max(1e-9, self.trainer.train_s), 4),
+        }
+
+    def verification(self) -> dict[str, Any]:
+        if self.verifier is None:
+            return {"enabled": False}
+        stats = self.verifier.stats.to_dict()
+        seconds = float(stats["seconds"])  # type: ignore[arg-type]
+        return {"enabled": True, **stats, "share_of_train_time": round(seconds / max(1e-9, self.trainer.train_s), 4)}
 
 
 def run_bounds(cfg: RunConfig, policy: Policy) -> RunBounds:

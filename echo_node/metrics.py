@@ -287,26 +287,50 @@ def _draw_drops(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
     return bool(reasons)
 
 
+def _draw_verification(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
+    rows = [(v, r["verify"]) for r in steps if (v := _num(r, "version")) is not None and isinstance(r.get("verify"), dict)]
+    if not rows:
+        return False
+    xs = [v for v, _ in rows]
+    checks = sorted({c for _, d in rows for c in d.get("failed", {})})
+    for check in checks:  # cumulative failed batches per check; absent means 0
+        ax.plot(xs, [_num(d.get("failed", {}), check) or 0.0 for _, d in rows], linewidth=1.5, marker=".", label=f"failed: {check}")
+    ax.plot(xs, [_num(d, "banned") or 0.0 for _, d in rows], linewidth=1.5, linestyle="--", color="black", label="peers banned")
+    ax.set_xlabel("policy version")
+    ax.set_ylabel("batches failed / peers banned (cumulative)")
+    right = ax.twinx()
+    right.plot(xs, [_num(d, "spot_rate") or 0.0 for _, d in rows], color="tab:gray", linewidth=1, label="spot-check rate")
+    right.plot(xs, [_num(d, "share") or 0.0 for _, d in rows], color="tab:purple", linewidth=1, label="verify time / train time")
+    right.set_ylabel("share")
+    handles, labels = ax.get_legend_handles_labels()
+    more_h, more_l = right.get_legend_handles_labels()
+    ax.legend(handles + more_h, labels + more_l, loc="upper left", fontsize="small")
+    return True
+
+
 _RUN_FIGURES: tuple[tuple[str, str, Callable[[Axes, Sequence[dict[str, Any]]], bool]], ...] = (
     ("idle.png", "learner idle", _draw_idle),
     ("staleness.png", "staleness of trained tokens", _draw_staleness),
     ("tokens.png", "tokens per update", _draw_tokens),
     ("is_weights.png", "importance weights", _draw_is_weights),
     ("drops.png", "drops by reason", _draw_drops),
+    ("verification.png", "verification", _draw_verification),
 )
 
 
 def plot_run(records: Sequence[dict[str, Any]], run_dir: Path, *, title: str) -> list[Path]:
     """Write the run's diagnostic PNGs into `run_dir` (next to reward.png); return their paths.
 
-    Files, always all five so a researcher finds the same set after every run:
+    Files, always all six so a researcher finds the same set after every run:
     - `idle.png`: learner idle share per update (wait_s / (wait_s + train_s)) and the cumulative
       `idle_ratio`, against seconds since start;
     - `staleness.png`: trained tokens per staleness k, summed over the run;
     - `tokens.png`: tokens trained per update, against policy version;
     - `is_weights.png`: importance-weight mean/min/max before the cap (log axis) and the
       truncated share (right axis), against policy version;
-    - `drops.png`: cumulative dropped rollouts, one line per reason, against seconds since start.
+    - `drops.png`: cumulative dropped rollouts, one line per reason, against seconds since start;
+    - `verification.png`: batches failed per check and peers banned (cumulative), the spot-check
+      rate achieved and verification time over training time (right axis), against version.
     A figure whose keys are absent from the records (an older metrics.jsonl) says "no data".
     """
     import matplotlib

@@ -68,6 +68,8 @@ class ReplayBuffer:
         self._origin: dict[int, str] = {}
         self._size: dict[int, int] = {}
         self.bytes = 0
+        # Groups trained per origin, over the run (one count per peer that ever had one trained).
+        self.trained_groups: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -190,6 +192,9 @@ class ReplayBuffer:
     def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
         for g in groups:
             self.ledger.trained += len(g.samples)
+            origin = self._origin.get(id(g))
+            if origin is not None:
+                self.trained_groups[origin] += 1
             self._release(g)
 
     def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:

@@ -5,10 +5,11 @@ Services, each in the peer's nursery:
   learner's data address, the policy and engine built from the spec). Immutable.
 - `WeightFollower` (echo_node/weights/follower.py): weights from the learner to the engine,
   in pull or async mode.
-- `Generator`: samples what the learner asks for per version (flow control), scores it, and
-  hands each batch to the `RolloutPublisher`.
-- `RolloutPublisher`: one signed `RolloutBatch` per generation batch (or a few, if they do not
-  fit one gossip frame) with a per-publisher sequence number; the last `net.repair_history`
+- `Generator`: samples what the learner asks for per version (flow control), on the prompts and
+  seed the run assigns each batch (protocol/assignment.py), scores it, and hands each batch to
+  the `RolloutPublisher`.
+- `RolloutPublisher`: one signed `RolloutBatch` per generation batch, under the sequence number
+  its prompts were assigned for; the last `net.repair_history`
   are kept to answer the learner's gap-repair requests.
 
 In async mode a completion carries the versions of its tokens (weights swap in
@@ -18,9 +19,7 @@ corrects every token by its own behaviour log-prob.
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from echo_node.policy import Policy, peer_policy
 from echo_node.topics import rollouts_topic
 from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
+from protocol.assignment import batch_seed, groups_that_fit, prompt_draw
 from protocol.envelope import seal
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.identity import Identity
@@ -54,6 +54,7 @@ from protocol.messages import (
     Sample,
     pack_groups,
     pack_repair_response,
+    worst_group_bytes,
 )
 
 log = logging.getLogger(__name__)
@@ -198,7 +199,6 @@ class Generator:
         self.engine = session.engine
         self.follower = follower
         self.publisher = publisher
-        self.rng = random.Random(int.from_bytes(hashlib.sha256(publisher.identity.public_key).digest()[:8], "big") ^ cfg.seed)
         # Groups sampled on the engine's current version.
         self.produced = 0
         self.produced_version = -1
@@ -220,14 +220,25 @@ class Generator:
             if left <= 0:
                 await self.wait_for_version()
                 continue
-            prompts = self.session.policy.task.sample_prompts(min(left, self.cfg.rollout.groups_per_batch), self.rng)
-            version = self.engine.version
-            groups = await trio.to_thread.run_sync(self._generate, prompts)
+            version, seq = self.engine.version, self.publisher.seq
+            prompts = self.assigned_prompts(version, seq, min(left, self.cfg.rollout.groups_per_batch))
+            seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, version, seq)
+            groups = await trio.to_thread.run_sync(self._generate, prompts, seed)
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
             self.produced += len(groups)
-            await self.publisher.publish(groups)
+            await self.publisher.publish(groups, seq=seq)
+
+    def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
+        """The prompts of the batch to be published under `seq`, begun on `version`
+        (protocol/assignment.py), as many as are wanted and always fit one message."""
+        task, tokenizer = self.session.policy.task, self.session.policy.tokenizer
+        peer = self.publisher.identity.peer_id
+        prompts = [task.prompt_for(prompt_draw(self.spec.run_id, peer, version, seq, i)) for i in range(wanted)]
+        longest = max(len(tokenizer.encode_prompt(p)) for p in prompts)
+        worst = worst_group_bytes(group_size=self.spec.group_size, prompt_tokens=longest, max_new_tokens=self.spec.sampling.max_new_tokens)
+        return prompts[: groups_that_fit(worst)]
 
     def track_version(self) -> None:
         """The learner's demand is per version: the count starts over when a newer version is
@@ -253,7 +264,7 @@ class Generator:
         if waited.cancelled_caught:
             self.produced = max(0, follower.demand - self.cfg.rollout.groups_per_batch)
 
-    def _generate(self, prompts: list[str]) -> list[ScoredGroup]:
+    def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         s = self.spec.sampling
         policy = self.session.policy
         return generate_groups(
@@ -264,7 +275,7 @@ class Generator:
             group_size=self.spec.group_size,
             temperature=s.temperature,
             top_p=s.top_p,
-            seed=self.rng.getrandbits(31),
+            seed=seed,
             swap=self.follower.take_pending if self.spec.sync_mode == "async" else None,
             max_new_tokens=s.max_new_tokens,  # the learner refuses longer completions
         )
@@ -286,28 +297,30 @@ class RolloutPublisher:
         self.first_publish_s: float | None = None
         self._t0 = time.monotonic()
 
-    async def publish(self, scored: list[ScoredGroup]) -> None:
-        """One generation batch's groups as few signed gossip messages as fit (one, on the
-        default task), each kept for gap repair under its seq."""
-        tag = f"{self.identity.peer_id[-8:]}-{self.seq}"
-        groups = [rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored)]
-        for chunk in pack_groups(groups):
-            batch = RolloutBatch(run_id=self.cfg.run_id, peer_id=self.identity.peer_id, seq=self.seq, groups=chunk)
-            try:
-                envelope = seal(batch, self.identity)
-            except LocalProtocolError as exc:
-                # Only a lone group can overflow a frame (pack_groups keeps batches well under
-                # one): drop it, counted and logged, without using up a seq the learner would
-                # then ask for in vain.
-                self.unsendable_groups += len(chunk)
-                log.warning("dropped %d rollout group(s) too big for one gossip message: %s", len(chunk), exc)
-                continue
-            self.history[self.seq] = envelope
-            while len(self.history) > self.cfg.net.repair_history:
-                self.history.popitem(last=False)
-            self.seq += 1
-            await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
-            self.published_groups += len(chunk)
+    async def publish(self, scored: list[ScoredGroup], *, seq: int) -> None:
+        """One generation batch's groups as one signed gossip message under `seq` (the seq its
+        prompts were assigned for: the next one), kept for gap repair."""
+        if seq != self.seq:
+            raise LocalProtocolError(f"batch sampled for seq {seq}, but the next seq is {self.seq}")
+        tag = f"{self.identity.peer_id[-8:]}-{seq}"
+        groups = tuple(rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored))
+        try:
+            if len(pack_groups(groups)) != 1:
+                raise LocalProtocolError(f"{len(groups)} groups do not fit one rollout batch")
+            envelope = seal(RolloutBatch(run_id=self.cfg.run_id, peer_id=self.identity.peer_id, seq=seq, groups=groups), self.identity)
+        except LocalProtocolError as exc:
+            # The generator plans batches to fit (Generator.assigned_prompts), so only a group
+            # too big for a frame even alone gets here: dropped, counted and logged, without
+            # using up a seq the learner would then ask for in vain.
+            self.unsendable_groups += len(groups)
+            log.warning("dropped %d rollout group(s) that do not fit one gossip message: %s", len(groups), exc)
+            return
+        self.history[seq] = envelope
+        while len(self.history) > self.cfg.net.repair_history:
+            self.history.popitem(last=False)
+        self.seq += 1
+        await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
+        self.published_groups += len(groups)
         if self.first_publish_s is None and self.published_groups:
             self.first_publish_s = time.monotonic() - self._t0
             log.info("first rollouts published %.2fs after start", self.first_publish_s)

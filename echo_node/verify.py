@@ -1,32 +1,69 @@
-"""What the learner re-checks of a peer's claims before training on them.
+"""What the learner re-checks of a peer's claims before training on them: a ladder of checks.
 
-Rules:
-- Prompts: a group's prompt must decode to text the run's task can score, and re-encode to the
-  very same ids (`Tokenizer.encode_prompt`): a prompt of the peer's own making, or an encoding
-  the run would never produce, is `bad_prompt`.
-- Rewards: every completion is re-scored with the run's own reward function on the text the
-  tokenizer decodes from its ids (the task's rule: a reward depends only on prompt and
-  completion); a claimed reward further than `REWARD_TOLERANCE` from the learner's is
-  `bad_reward`.
+Every batch, on arrival (cheap, in the gossip validator), group by group:
+1. `completion`: nothing follows an eos. The task scores the text the tokenizer decodes, which
+   stops at eos, so tokens after it would be trained on unscored (an injected string riding on
+   a correct answer); no engine samples past eos.
+2. `prompt`: the group's prompt is the one its slot assigns (protocol/assignment.py), encoded as
+   the run encodes prompts; its samples all began on one version (the slot's).
+3. `reward`: every completion re-scored with the run's reward function; a claim further than
+   REWARD_TOLERANCE from the learner's score fails.
 
-A batch is signed by its publisher, so one failed group fails the batch; the intake then bans
-the publisher at once and purges its groups still waiting in the replay buffer: no honest peer
-claims a reward its completion did not earn.
+Spot checks (a share of groups, every group of a peer on probation; in a worker thread, before
+the batch reaches the buffer), per group and per version its tokens claim, with that version's
+weights:
+4. `logprobs`: the claimed behaviour log-probs are what those weights give at the run's
+   temperature: within `lp_tolerance_max` on every token, `lp_tolerance_mean` on average.
+5. `sampling`: the tokens were sampled as the run samples (temperature, nucleus), q being that
+   distribution. (a) No token an honest sampler draws with q below `false_alarm` / V: tokens of
+   q <= eps together are drawn with probability at most V * eps. (b) Over a batch's checked
+   tokens, neither less likely than sampling gives (a prefilled answer, another model's
+   tokens) nor more (greedy picks): each is a test martingale prod q(token)^a / E_q[q^a]
+   (a = -1/2, a = 1) with mean 1 under honest sampling, so by Ville's inequality an honest
+   batch reaches 1 / `false_alarm` with chance at most `false_alarm`.
+
+A version whose weights the learner no longer keeps cannot be spot-checked; such tokens are
+counted (`unverifiable_tokens`), not failed. A batch is signed by its publisher, so one failed
+group fails the batch; the intake then bans the publisher and purges its buffered groups.
+
+Copies (`Copies`, in the intake's consumer): a group whose prompt and samples another publisher
+sent first is dropped as `copied`; the first publisher keeps credit. Not a ban: two honest peers
+can, rarely, be assigned one prompt and sample the same tokens.
 """
 
 from __future__ import annotations
 
+import copy
+import hashlib
 import math
-from dataclasses import dataclass
+import random
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
 
+import torch
+from torch import Tensor
+
+from echo_node.config import VerifyConfig
+from echo_node.ml.engine import top_p_filter
+from echo_node.ml.grpo import completion_log_softmax
+from echo_node.ml.model import load_state_bytes
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
+from protocol._wire import pack
+from protocol.assignment import group_version, prompt_draw
 from protocol.drops import DropReason
-from protocol.messages import RolloutBatch
+from protocol.messages import RolloutBatch, RolloutGroup
 
 # Rewards travel as float64; a reward function is deterministic, so only float noise separates
 # an honest claim from the learner's own score.
 REWARD_TOLERANCE = 1e-6
+CHECKS = ("completion", "prompt", "reward", "logprobs", "sampling")
+# Peers whose probation state is kept (least recently seen forgotten first: it starts over).
+MAX_TRACKED_PEERS = 65536
+# Group fingerprints kept for copy detection.
+COPY_WINDOW = 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,27 +72,114 @@ class Failure:
     evidence: str
 
 
-class RewardCheck:
-    def __init__(self, tokenizer: Tokenizer, task: Task) -> None:
+@dataclass(slots=True)
+class VerifyStats:
+    """Per check, batches that passed and failed it; what spot checks covered and cost."""
+
+    passed: Counter[str] = field(default_factory=Counter)
+    failed: Counter[str] = field(default_factory=Counter)
+    groups_seen: int = 0
+    groups_spot_checked: int = 0
+    tokens_spot_checked: int = 0
+    unverifiable_tokens: int = 0
+    claims_s: float = 0.0
+    spot_s: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "checks": {c: {"pass": self.passed[c], "fail": self.failed[c]} for c in CHECKS},
+            "groups_seen": self.groups_seen,
+            "groups_spot_checked": self.groups_spot_checked,
+            "spot_rate_achieved": round(self.groups_spot_checked / max(1, self.groups_seen), 4),
+            "tokens_spot_checked": self.tokens_spot_checked,
+            "unverifiable_tokens": self.unverifiable_tokens,
+            "seconds": round(self.claims_s + self.spot_s, 3),
+        }
+
+
+class Verifier:
+    """The ladder for one run. `claims` runs in the gossip validator; `spot` in a worker thread,
+    one call at a time (the intake serialises them); `remember` on the event loop."""
+
+    def __init__(
+        self,
+        cfg: VerifyConfig,
+        *,
+        run_id: str,
+        tokenizer: Tokenizer,
+        task: Task,
+        model: torch.nn.Module,
+        temperature: float,
+        top_p: float = 1.0,
+        keep_versions: int,
+    ) -> None:
+        self.cfg = cfg
+        self.run_id = run_id
         self.tokenizer = tokenizer
         self.task = task
-        self.checked_groups = 0
+        self.temperature = temperature
+        self.top_p = top_p
+        self.keep_versions = keep_versions
+        self.stats = VerifyStats()
+        # The spot checker's own copy of the model: the trainer's changes under it while it runs.
+        self._model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.logprobs else None
+        self._loaded = -1
+        self._vocab = int(model.config.vocab_size)
+        self._blobs: OrderedDict[int, bytes] = OrderedDict()
+        self._blobs_lock = threading.Lock()
+        # Peer -> batches still checked in full.
+        self._probation: OrderedDict[str, int] = OrderedDict()
+        self._rng = random.SystemRandom()  # peers must not predict which groups are checked
 
-    def __call__(self, batch: RolloutBatch) -> Failure | None:
+    # -- every batch -------------------------------------------------------------------------
+
+    def claims(self, batch: RolloutBatch) -> Failure | None:
+        """Checks 1-3 on every group of `batch`; the first failure, or None."""
+        t0 = time.perf_counter()
+        try:
+            for name, check in (("completion", self._completions), ("prompt", self._prompts), ("reward", self._rewards)):
+                failure = check(batch)
+                if failure is not None:
+                    self.stats.failed[name] += 1
+                    return failure
+                self.stats.passed[name] += 1
+            self.stats.groups_seen += len(batch.groups)
+            return None
+        finally:
+            self.stats.claims_s += time.perf_counter() - t0
+
+    def _completions(self, batch: RolloutBatch) -> Failure | None:
+        eos = self.tokenizer.eos_id
         for g in batch.groups:
-            self.checked_groups += 1
-            try:
-                prompt = self.tokenizer.decode(g.prompt_ids)
-                canonical = self.tokenizer.encode_prompt(prompt) == list(g.prompt_ids)
-            except ValueError as exc:
-                return Failure(DropReason.BAD_PROMPT, f"group {g.group_id}: prompt does not decode ({exc})")
-            if not canonical:
-                return Failure(DropReason.BAD_PROMPT, f"group {g.group_id}: prompt {prompt!r} is not encoded as the run encodes it")
+            for i, s in enumerate(g.samples):
+                ids = s.completion_ids
+                if eos in ids[:-1]:
+                    at = ids.index(eos)
+                    return Failure(
+                        DropReason.BAD_COMPLETION,
+                        f"group {g.group_id} sample {i}: {len(ids) - at - 1} token(s) after eos at position {at}",
+                    )
+        return None
+
+    def _prompts(self, batch: RolloutBatch) -> Failure | None:
+        for index, g in enumerate(batch.groups):
+            version = group_version([s.token_versions[0] for s in g.samples if s.token_versions])
+            if version is None:
+                return Failure(DropReason.BAD_PROMPT, f"group {g.group_id}: its samples began on different versions")
+            expected = self.task.prompt_for(prompt_draw(self.run_id, batch.peer_id, version, batch.seq, index))
+            if list(g.prompt_ids) != self.tokenizer.encode_prompt(expected):
+                got = self.tokenizer.decode(g.prompt_ids)
+                return Failure(
+                    DropReason.BAD_PROMPT,
+                    f"group {index} of seq {batch.seq} on version {version} answers {got!r}; its slot assigns {expected!r}",
+                )
+        return None
+
+    def _rewards(self, batch: RolloutBatch) -> Failure | None:
+        for g in batch.groups:
+            prompt = self.tokenizer.decode(g.prompt_ids)  # the assigned prompt (checked above)
             completions = [self.tokenizer.decode(s.completion_ids) for s in g.samples]
-            try:
-                rewards = self.task.reward([prompt] * len(completions), completions)
-            except ValueError as exc:
-                return Failure(DropReason.BAD_PROMPT, f"group {g.group_id}: the task cannot score prompt {prompt!r} ({exc})")
+            rewards = self.task.reward([prompt] * len(completions), completions)
             for i, (s, r) in enumerate(zip(g.samples, rewards)):
                 if not math.isclose(s.reward, r, rel_tol=0.0, abs_tol=REWARD_TOLERANCE):
                     return Failure(
@@ -64,3 +188,157 @@ class RewardCheck:
                         f"on {prompt!r}, the run's reward is {r:g}",
                     )
         return None
+
+    # -- spot checks -------------------------------------------------------------------------
+
+    def remember(self, version: int, blob: bytes) -> None:
+        """Weights of a published version, kept while rollouts sampled on it can be admitted."""
+        if self._model is None:
+            return
+        with self._blobs_lock:
+            self._blobs[version] = blob
+            while len(self._blobs) > self.keep_versions:
+                self._blobs.popitem(last=False)
+
+    def suspect(self, peer_id: str) -> None:
+        """Check every group of `peer_id`'s next `probation_batches` batches."""
+        self._probation[peer_id] = self.cfg.probation_batches
+        self._probation.move_to_end(peer_id)
+
+    def plan(self, batch: RolloutBatch) -> list[int]:
+        """Which groups of `batch` to spot-check: all while its publisher is on probation (a
+        peer is, for its first batches), else each with probability `spot_rate`."""
+        if self._model is None:
+            return []
+        peer = batch.peer_id
+        if peer not in self._probation:
+            self.suspect(peer)
+            while len(self._probation) > MAX_TRACKED_PEERS:
+                self._probation.popitem(last=False)
+        left = self._probation[peer]
+        if left > 0:
+            self._probation[peer] = left - 1
+            return list(range(len(batch.groups)))
+        return [i for i in range(len(batch.groups)) if self._rng.random() < self.cfg.spot_rate]
+
+    def spot(self, batch: RolloutBatch, indices: list[int]) -> Failure | None:
+        """Checks 4-5 on groups `indices` of `batch` (worker thread)."""
+        t0 = time.perf_counter()
+        try:
+            failure = self._spot(batch, indices)
+        finally:
+            self.stats.spot_s += time.perf_counter() - t0
+        self.stats.groups_spot_checked += len(indices)
+        for name in ("logprobs", "sampling"):
+            if failure is not None and failure.reason is _REASON[name]:
+                self.stats.failed[name] += 1
+                break
+            self.stats.passed[name] += 1
+        return failure
+
+    def _spot(self, batch: RolloutBatch, indices: list[int]) -> Failure | None:
+        # Log e-values of the two sampling tests, over every checked token of the batch.
+        surprise = greed = 0.0
+        tokens = 0
+        for index in indices:
+            g = batch.groups[index]
+            for version in sorted({v for s in g.samples for v in s.token_versions}):
+                if not self._load(version):
+                    self.stats.unverifiable_tokens += sum(s.token_versions.count(version) for s in g.samples)
+                    continue
+                result = self._group_at(g, version)
+                if isinstance(result, Failure):
+                    return result
+                n, low, high = result
+                tokens, surprise, greed = tokens + n, surprise + low, greed + high
+        self.stats.tokens_spot_checked += tokens
+        threshold = -math.log(self.cfg.false_alarm)
+        for log_e, how in ((surprise, "less"), (greed, "more")):
+            if log_e >= threshold:
+                return Failure(
+                    DropReason.BAD_SAMPLING,
+                    f"{tokens} checked tokens are {how} likely than sampling at temperature {self.temperature:g} gives "
+                    f"(e-value e^{log_e:.1f}: an honest sampler's chance <= e^-{log_e:.1f})",
+                )
+        return None
+
+    def _load(self, version: int) -> bool:
+        if version == self._loaded:
+            return True
+        with self._blobs_lock:
+            blob = self._blobs.get(version)
+        if blob is None:
+            return False
+        assert self._model is not None
+        load_state_bytes(self._model, blob)
+        self._loaded = version
+        return True
+
+    def _group_at(self, g: RolloutGroup, version: int) -> Failure | tuple[int, float, float]:
+        """Checks 4 and 5(a) on the tokens of `g` tagged `version` (weights loaded); else
+        (tokens, log e-values of both 5(b) tests over them)."""
+        assert self._model is not None
+        rows = [s for s in g.samples if version in s.token_versions]
+        with torch.inference_mode():
+            logp, targets, mask = completion_log_softmax(
+                self._model, [list(g.prompt_ids)] * len(rows), [list(s.completion_ids) for s in rows],
+                self.tokenizer.pad_id, temperature=self.temperature,
+            )
+        t_max = targets.shape[1]
+        tagged = torch.tensor([[v == version for v in s.token_versions] + [False] * (t_max - len(s.token_versions)) for s in rows])
+        on = tagged & mask
+        recomputed = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        claimed = torch.tensor([list(s.behaviour_logprobs) + [0.0] * (t_max - len(s.behaviour_logprobs)) for s in rows])
+        diff = (recomputed - claimed).abs().masked_fill(~on, -1.0)
+        gap = diff[on]
+        if gap.numel() and (float(gap.max()) > self.cfg.lp_tolerance_max or float(gap.mean()) > self.cfg.lp_tolerance_mean):
+            r, t = divmod(int(diff.argmax()), t_max)
+            return Failure(
+                DropReason.BAD_LOGPROBS,
+                f"group {g.group_id} on version {version}: claimed log-probs are {float(gap.mean()):.3g} from the "
+                f"learner's on average, {float(gap.max()):.3g} at most (token {t}: claimed {float(claimed[r, t]):.4g}, "
+                f"recomputed {float(recomputed[r, t]):.4g}); tolerance {self.cfg.lp_tolerance_mean:g} / {self.cfg.lp_tolerance_max:g}",
+            )
+        # The distribution the engine samples from: tempered, then cut to the nucleus.
+        logq = torch.log_softmax(top_p_filter(logp, self.top_p), dim=-1) if self.top_p < 1 else logp
+        sampled = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        floor = math.log(self.cfg.false_alarm / self._vocab)
+        improbable = on & (sampled < floor)
+        if improbable.any():
+            r, t = (int(x) for x in improbable.nonzero()[0])
+            return Failure(
+                DropReason.BAD_SAMPLING,
+                f"group {g.group_id} on version {version}: token {t} of a sample has probability "
+                f"{math.exp(float(sampled[r, t])):.2e} at temperature {self.temperature:g}, below {math.exp(floor):.1e}",
+            )
+        return int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0)
+
+
+def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:
+    """log of prod_t q(token_t)^a / E_q[q^a] over tokens `on`: a test martingale (mean 1 under
+    honest sampling), so by Ville's inequality an honest sampler reaches e^x with chance <= e^-x.
+    a < 0 grows on improbable tokens (prefilled, another model's), a > 0 on too-likely ones
+    (greedy picks). Tokens outside the nucleus never get here (the floor check refuses them)."""
+    moment = torch.logsumexp((1.0 + a) * logq.masked_fill(logq == -math.inf, -1e30), dim=-1)
+    return float((a * sampled - moment)[on].sum())
+
+
+_REASON = {"logprobs": DropReason.BAD_LOGPROBS, "sampling": DropReason.BAD_SAMPLING}
+
+
+class Copies:
+    """Who first sent each group (its prompt and samples, not its name): a later publisher of
+    the same is a copier. Bounded to the last COPY_WINDOW groups."""
+
+    def __init__(self, window: int = COPY_WINDOW) -> None:
+        self.window = window
+        self._first: OrderedDict[bytes, str] = OrderedDict()
+
+    def first_sender(self, group: RolloutGroup, origin: str) -> str:
+        """The publisher that sent `group` first (`origin` if nobody else did)."""
+        key = hashlib.sha256(pack([list(group.prompt_ids), [s.to_wire() for s in group.samples]])).digest()
+        first = self._first.setdefault(key, origin)
+        self._first.move_to_end(key)
+        while len(self._first) > self.window:
+            self._first.popitem(last=False)
+        return first

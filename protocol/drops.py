@@ -31,7 +31,11 @@ class DropReason(enum.StrEnum):
     OUT_OF_VOCAB = "out_of_vocab"  # a token id the run's model has no embedding for
     TOO_LONG = "too_long"  # a completion or prompt longer than the run samples
     BAD_REWARD = "bad_reward"  # a reward outside the task's range, or not the one its completion earns
-    BAD_PROMPT = "bad_prompt"  # a prompt the run's task does not pose (or encodes otherwise)
+    BAD_PROMPT = "bad_prompt"  # not the prompt the group's slot assigns (protocol/assignment.py)
+    BAD_COMPLETION = "bad_completion"  # tokens after eos: unscored text no engine samples
+    BAD_LOGPROBS = "bad_logprobs"  # behaviour log-probs the claimed versions do not give
+    BAD_SAMPLING = "bad_sampling"  # tokens not sampled at the run's temperature (improbable, greedy)
+    COPIED = "copied"  # a group another publisher sent first (same prompt, same samples)
     NOT_JOINED = "not_joined"  # the publisher never joined the run (or was evicted from it)
     BANNED = "banned"  # the publisher is banned for earlier bad messages
     OVERLOAD = "overload"  # the receiver had no room (buffer full, rate limit)

@@ -101,14 +101,16 @@ __all__ = [
     "kind_of",
     "pack_groups",
     "pack_repair_response",
+    "worst_group_bytes",
 ]
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 5  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+SCHEMA_VERSION: Final = 6  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
 # 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
 # message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
-# channel's hello moved to v2 with it)
+# channel's hello moved to v2 with it); 6: a group's prompt is the one its slot assigns
+# (protocol/assignment.py)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
@@ -528,6 +530,20 @@ def pack_groups(
             packed.append([group])
             used = cost
     return [tuple(chunk) for chunk in packed]
+
+
+def worst_group_bytes(*, group_size: int, prompt_tokens: int, max_new_tokens: int, group_id_len: int = MAX_NAME_LEN) -> int:
+    """The most a group of this shape can take in a batch's encoding (largest ids, versions and
+    floats msgpack has for them): what a publisher plans a batch's size with, before sampling."""
+    n = max(1, max_new_tokens)
+    sample = Sample(
+        completion_ids=(MAX_VOCAB - 1,) * n,
+        behaviour_logprobs=(-1.5,) * n,
+        token_versions=(MAX_VERSION,) * n,
+        reward=-1.5,
+    )
+    group = RolloutGroup(group_id="g" * group_id_len, prompt_ids=(MAX_VOCAB - 1,) * max(1, prompt_tokens), samples=(sample,) * group_size)
+    return len(pack(group.to_wire()))
 
 
 # --- unsigned encoding for authenticated streams ----------------------------------------------

@@ -8,7 +8,10 @@ from typing import Any
 import msgpack
 import trio
 
+from echo_node.ml.tasks import get_task
+from echo_node.ml.tokenizer import CharTokenizer
 from protocol import Identity, RolloutBatch, RolloutGroup, Sample, encode_frame, seal
+from protocol.assignment import prompt_draw
 from protocol.framing import decode_frame
 
 ALICE = Identity.from_seed(b"\x0a" * 32)
@@ -35,9 +38,23 @@ async def silent_listener(nursery: trio.Nursery) -> int:
     return port
 
 
-# The default run's prompt "23+01=" (bos, then one id per character) and its answer "024" + eos.
-PROMPT_IDS = (1, 5, 6, 13, 3, 4, 14)
-ANSWER_IDS = (3, 5, 7, 2)
+# The default run's tokenizer: bos=1, eos=2, digit d = 3 + d, '+' = 13, '=' = 14.
+TOKENIZER = CharTokenizer()
+TASK = get_task("addition")
+
+
+def prompt_ids(prompt: str) -> tuple[int, ...]:
+    return tuple(TOKENIZER.encode_prompt(prompt))
+
+
+def answer_ids(prompt: str) -> tuple[int, ...]:
+    """The right completion of `prompt` on the default run: its answer, then eos."""
+    return (*TOKENIZER.encode(TASK.answer(prompt)), TOKENIZER.eos_id)
+
+
+def assigned_prompt(run_id: str, identity: Identity, version: int, seq: int, index: int) -> str:
+    """The prompt the run assigns group `index` of `identity`'s batch `seq` begun on `version`."""
+    return TASK.prompt_for(prompt_draw(run_id, identity.peer_id, version, seq, index))
 
 
 def offer(learner: Any, data: bytes, origin: str, forwarder: str | None = None) -> bool:
@@ -46,7 +63,7 @@ def offer(learner: Any, data: bytes, origin: str, forwarder: str | None = None) 
     async def go() -> bool:
         if not learner.intake.validate(forwarder or origin, origin, data):
             return False
-        learner.intake.deliver(data, origin)
+        await learner.intake.deliver(data, origin)
         return True
 
     return bool(trio.run(go))
@@ -55,23 +72,26 @@ def offer(learner: Any, data: bytes, origin: str, forwarder: str | None = None) 
 def make_group(
     *,
     n: int = 0,
+    prompt: str = "23+01=",
     version: int = 0,
     samples: int = 8,
     tokens: int = 4,
     rewards: list[float] | None = None,
 ) -> RolloutGroup:
-    """A group of `samples` completions of `tokens` tokens, every token sampled at `version`,
-    named f"g{n}". Honest by default: with 4 tokens the odd samples give the right answer, and
-    every reward is the one the default run's task gives (the learner re-scores them)."""
+    """A group of `samples` completions of `tokens` tokens for `prompt`, every token sampled at
+    `version`, named f"g{n}". Honest by default: with 4 tokens the odd samples give the right
+    answer, and every reward is the one the default run's task gives (the learner re-scores
+    them). Its log-probs are not a model's: a learner that spot-checks them refuses it."""
+    answer = answer_ids(prompt)
     completions = [
-        ANSWER_IDS if tokens == len(ANSWER_IDS) and s % 2 else tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,)
+        answer if tokens == len(answer) and s % 2 else tuple(3 + (s + t) % 10 for t in range(tokens - 1)) + (2,)
         for s in range(samples)
     ]
     if rewards is None:
-        rewards = [1.0 if c == ANSWER_IDS else 0.0 for c in completions]
+        rewards = [1.0 if c == answer else 0.0 for c in completions]
     return RolloutGroup(
         group_id=f"g{n}",
-        prompt_ids=PROMPT_IDS,
+        prompt_ids=prompt_ids(prompt),
         samples=tuple(
             Sample(
                 completion_ids=c,
@@ -90,14 +110,19 @@ def make_batch(
     identity: Identity = ALICE,
     seq: int = 0,
     groups: int = 1,
+    version: int = 0,
     **group_kw: Any,
 ) -> RolloutBatch:
-    """A batch of `groups` groups made by `make_group(**group_kw)`, published as `identity`."""
+    """A batch of `groups` groups made by `make_group(**group_kw)` on the prompts the run assigns
+    them, published as `identity`."""
     return RolloutBatch(
         run_id=run_id,
         peer_id=identity.peer_id,
         seq=seq,
-        groups=tuple(make_group(n=seq * 1000 + i, **group_kw) for i in range(groups)),
+        groups=tuple(
+            make_group(n=seq * 1000 + i, prompt=assigned_prompt(run_id, identity, version, seq, i), version=version, **group_kw)
+            for i in range(groups)
+        ),
     )
 
 

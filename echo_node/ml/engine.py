@@ -74,7 +74,7 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _top_p_filter(logits: Tensor, top_p: float) -> Tensor:
+def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     """Mask (to -inf) tokens outside the smallest set whose probability mass reaches top_p."""
     sorted_logits, sorted_idx = torch.sort(logits, dim=-1, descending=True)
     cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
@@ -496,7 +496,7 @@ class TorchEngine:
             scaled = logits / temperature
             logp = torch.log_softmax(scaled, dim=-1)
             if top_p < 1.0:
-                probs = torch.softmax(_top_p_filter(scaled, top_p), dim=-1)
+                probs = torch.softmax(top_p_filter(scaled, top_p), dim=-1)
             else:
                 probs = logp.exp()
             tok = torch.multinomial(probs, 1, generator=gen).squeeze(-1)

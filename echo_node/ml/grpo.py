@@ -105,6 +105,25 @@ def sequence_logprobs(
     it reproduces, else the model's own forward; False forces the model's own forward (the
     reference the lean one is tested against); True demands the lean one.
     """
+    logp, targets, mask = completion_log_softmax(
+        model, prompt_ids, completion_ids, pad_id, temperature=temperature, fast_path=fast_path
+    )
+    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return token_logp.masked_fill(~mask, 0.0), mask
+
+
+def completion_log_softmax(
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    pad_id: int,
+    *,
+    temperature: float = 1.0,
+    fast_path: bool | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The whole tempered next-token distribution at every completion position, as
+    `sequence_logprobs` computes it: (log-probs [B, Tmax, V], targets [B, Tmax] right-padded
+    with `pad_id`, mask [B, Tmax]). What a log-prob spot check needs beyond the sampled token."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if temperature <= 0:
@@ -112,8 +131,8 @@ def sequence_logprobs(
     batch = len(prompt_ids)
     t_max = max((len(c) for c in completion_ids), default=0)
     if batch == 0 or t_max == 0:
-        empty = torch.zeros((batch, t_max))
-        return empty, empty.bool()
+        vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+        return torch.zeros((batch, t_max, vocab)), torch.zeros((batch, t_max), dtype=torch.long), torch.zeros((batch, t_max), dtype=torch.bool)
     if any(not p for p in prompt_ids):
         raise ValueError("every prompt needs at least one token (bos)")
     targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
@@ -122,9 +141,7 @@ def sequence_logprobs(
         picked = _lean_llama_logits(cast("LlamaForCausalLM", model), prompt_ids, completion_ids, t_max, pad_id)
     else:
         picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
-    logp = torch.log_softmax(picked.float() / temperature, dim=-1)
-    token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return token_logp.masked_fill(~mask, 0.0), mask
+    return torch.log_softmax(picked.float() / temperature, dim=-1), targets, mask
 
 
 def _hf_logits(

@@ -32,6 +32,11 @@ class Task(Protocol):
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[str]: ...
 
+    def prompt_for(self, draw: int) -> str:
+        """The prompt a 64-bit draw poses (protocol/assignment.py): how the learner and every
+        peer agree on a group's prompt. A pure function of `draw`, for any draw."""
+        ...
+
     def answer(self, prompt: str) -> str: ...
 
     def supervised_pairs(self, n: int, rng: random.Random) -> list[tuple[str, str]]: ...
@@ -78,6 +83,10 @@ class AdditionTask:
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[str]:
         return [f"{rng.randrange(100):02d}+{rng.randrange(100):02d}=" for _ in range(n)]
+
+    def prompt_for(self, draw: int) -> str:
+        # Both operands uniform on 00..99 (2**64 is not a multiple of 10,000: a bias of 1e-15).
+        return f"{draw % 100:02d}+{draw // 100 % 100:02d}="
 
     def answer(self, prompt: str) -> str:
         return addition_answer(prompt)

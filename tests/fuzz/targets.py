@@ -1326,8 +1326,10 @@ class LearnerIntake:
         if not hasattr(peers, "join"):
             return
         for peer in self.joined:
-            if peer in getattr(peers, "banned", {}):
-                peers.banned.pop(peer, None)
+            bans = [getattr(peers, name, {}) for name in ("banned", "banned_until_version")]
+            if any(peer in b for b in bans):
+                for b in bans:
+                    b.pop(peer, None)
                 peers.penalties.pop(peer, None)
             if peer not in peers.joined:
                 peers.join(peer, 0.0)
@@ -1343,7 +1345,9 @@ class LearnerIntake:
         assert type(ok) is bool, f"the gossip validator returned {ok!r}"
         if ok:
             async def deliver() -> None:
-                self.deliver(data, origin)
+                delivered = self.deliver(data, origin)
+                if delivered is not None:  # async since the consumer spot-checks
+                    await delivered
 
             trio.run(deliver)
 

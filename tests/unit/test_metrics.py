@@ -10,7 +10,7 @@ import pytest
 from echo_node.metrics import MetricsWriter, plot_run, read_metrics, summarize_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-RUN_FILES = {"idle.png", "staleness.png", "tokens.png", "is_weights.png", "drops.png"}
+RUN_FILES = {"idle.png", "staleness.png", "tokens.png", "is_weights.png", "drops.png", "verification.png"}
 
 
 def old_step(

@@ -1,0 +1,149 @@
+"""The learner's checks on every batch (echo_node/verify.py): completions end at eos, prompts
+are the ones their slots assign, rewards are the run's. A forged claim bans the publisher at
+once, for versions, across restarts, and purges its buffered groups."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from echo_node.config import VerifyConfig
+from echo_node.learner import Learner
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.verify import Verifier
+from protocol import DropReason, RolloutBatch, seal
+from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, answer_ids, make_batch, make_group, offer
+
+
+def verifier(**cfg: object) -> Verifier:
+    torch.manual_seed(0)
+    model = build_model(tiny_llama_config(TOKENIZER.vocab_size))
+    return Verifier(
+        VerifyConfig(**cfg), run_id="run-1", tokenizer=TOKENIZER, task=TASK, model=model, temperature=1.0, keep_versions=4  # type: ignore[arg-type]
+    )
+
+
+CHECK = verifier(logprobs=False)
+
+
+def forged(batch: RolloutBatch, **group_changes: object) -> RolloutBatch:
+    return replace(batch, groups=tuple(replace(g, **group_changes) for g in batch.groups))
+
+
+def with_samples(batch: RolloutBatch, change: object) -> RolloutBatch:
+    """`batch` with every sample replaced by `change(sample)`."""
+    return replace(batch, groups=tuple(replace(g, samples=tuple(change(s) for s in g.samples)) for g in batch.groups))  # type: ignore[operator]
+
+
+def wrong_answers_rewarded(seq: int = 9) -> RolloutBatch:
+    """The forgery that taught the policy to answer "999": wrong answers claimed correct."""
+    return with_samples(make_batch(identity=MALLORY, seq=seq), lambda s: replace(s, reward=1.0 - s.reward))
+
+
+def injected_after_eos() -> RolloutBatch:
+    """Right answers, rewarded right, with "999" riding after the eos the reward stops at (the
+    default run's 4-token completions have no room for it: `too_long` refuses it there first)."""
+    return with_samples(make_batch(identity=MALLORY, seq=3), lambda s: replace(
+        s, completion_ids=s.completion_ids + (12, 12, 12), behaviour_logprobs=s.behaviour_logprobs + (-0.1,) * 3,
+        token_versions=s.token_versions + s.token_versions[-1:] * 3,
+    ))
+
+
+def cherry_picked() -> RolloutBatch:
+    """An easy prompt of the peer's choosing instead of its slot's, honestly answered."""
+    return replace(make_batch(identity=MALLORY, seq=4), groups=(make_group(prompt="00+00="),))
+
+
+def copied_from_alice() -> RolloutBatch:
+    """Alice's group, re-signed under Mallory's key (same seq, so even the slot index matches)."""
+    return replace(make_batch(identity=ALICE, seq=5), peer_id=MALLORY.peer_id)
+
+
+def test_honest_batches_pass() -> None:
+    for seq in range(20):
+        for version in (0, 3):
+            assert CHECK.claims(make_batch(identity=ALICE, seq=seq, version=version, groups=3)) is None
+    assert CHECK.stats.failed == {}
+
+
+@pytest.mark.parametrize(
+    ("batch", "reason"),
+    [
+        (wrong_answers_rewarded(), DropReason.BAD_REWARD),
+        (injected_after_eos(), DropReason.BAD_COMPLETION),
+        (cherry_picked(), DropReason.BAD_PROMPT),
+        (copied_from_alice(), DropReason.BAD_PROMPT),
+        (forged(make_batch(), prompt_ids=(1, 12, 12, 13, 12, 12, 13)), DropReason.BAD_PROMPT),  # "99+99+": no task prompt
+        (forged(make_batch(), prompt_ids=make_batch().groups[0].prompt_ids[1:]), DropReason.BAD_PROMPT),  # the slot's, no bos
+        # The slot's prompt, but the batch says its samples began on another version than the slot's.
+        (with_samples(make_batch(version=0), lambda s: replace(s, token_versions=(1,) * len(s.token_versions))), DropReason.BAD_PROMPT),
+    ],
+    ids=["reward", "after-eos", "cherry-picked", "copied", "not-a-prompt", "no-bos", "other-version"],
+)
+def test_a_forged_claim_fails_with_evidence(batch: RolloutBatch, reason: DropReason) -> None:
+    failure = CHECK.claims(batch)
+    assert failure is not None and failure.reason is reason and failure.evidence
+
+
+def test_samples_that_began_on_two_versions_fail() -> None:
+    batch = make_batch(version=2)
+    g = batch.groups[0]
+    mixed = replace(g, samples=(replace(g.samples[0], token_versions=(1,) * 4), *g.samples[1:]))
+    failure = CHECK.claims(replace(batch, groups=(mixed,)))
+    assert failure is not None and failure.reason is DropReason.BAD_PROMPT and "different versions" in failure.evidence
+
+
+def test_a_forger_is_banned_at_once_for_versions_and_its_buffered_groups_purged(learner: Learner) -> None:
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    assert offer(learner, seal(make_batch(identity=MALLORY, seq=1, groups=2), MALLORY), MALLORY.peer_id)  # honest-looking
+    assert offer(learner, seal(make_batch(identity=ALICE, seq=1), ALICE), ALICE.peer_id)
+    assert not offer(learner, seal(wrong_answers_rewarded(), MALLORY), MALLORY.peer_id)
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    assert learner.peers.banned_until_version[MALLORY.peer_id] == learner.cfg.verify.ban_versions
+    assert learner.buffer.ledger.dropped == {"bad_reward": 8, "purged": 16}
+    assert [learner.buffer.origin(g) for g in learner.buffer.take(10, 0)] == [ALICE.peer_id]
+    # Alice's answers were right and stay so: honest peers are never flagged.
+    assert not learner.peers.penalties.get(ALICE.peer_id)
+    saved = json.loads((learner.cfg.run_dir / "bans.json").read_text())
+    assert saved["until_version"] == {MALLORY.peer_id: learner.cfg.verify.ban_versions}
+
+
+def test_a_version_ban_survives_a_restart_and_ends_at_its_version(learner: Learner) -> None:
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    assert not offer(learner, seal(wrong_answers_rewarded(), MALLORY), MALLORY.peer_id)
+    again = Learner(learner.cfg, learner.identity, learner.policy)
+    assert again.peers.is_banned(MALLORY.peer_id)
+    again.trainer.version = learner.cfg.verify.ban_versions
+    assert not again.peers.is_banned(MALLORY.peer_id)
+
+
+def test_a_copy_of_a_group_is_dropped_and_the_first_sender_keeps_it(learner: Learner) -> None:
+    """Two publishers sending one group (same prompt, same samples): the second is `copied`,
+    not banned (two honest peers can, rarely, sample the same)."""
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    assert offer(learner, seal(make_batch(identity=ALICE, seq=7), ALICE), ALICE.peer_id)
+    copy = replace(make_batch(identity=MALLORY, seq=7), groups=make_batch(identity=ALICE, seq=7).groups)
+    learner.intake.ingest(copy, MALLORY.peer_id)  # as if its slot had assigned the same prompt
+    assert learner.buffer.ledger.dropped == {"copied": 8}
+    assert [learner.buffer.origin(g) for g in learner.buffer.take(10, 0)] == [ALICE.peer_id]
+    assert not learner.peers.is_banned(MALLORY.peer_id)
+
+
+def test_with_verification_off_the_forgeries_are_trained(learner: Learner) -> None:
+    """What the checks buy: without them the learner takes every one of these."""
+    learner.intake.verify = None
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    for batch in (wrong_answers_rewarded(), cherry_picked(), copied_from_alice()):
+        assert offer(learner, seal(batch, MALLORY), MALLORY.peer_id)
+    assert len(learner.buffer) == 3
+
+
+def test_factory_groups_earn_their_rewards() -> None:
+    group = make_group(prompt="37+05=")
+    assert [s.reward for s in group.samples] == [float(s.completion_ids == answer_ids("37+05=")) for s in group.samples]
+    assert any(s.reward for s in group.samples) and not all(s.reward for s in group.samples)

@@ -1,0 +1,173 @@
+"""Log-prob spot checks (echo_node/verify.py, checks 4 and 5): the learner recomputes a group's
+behaviour log-probs under the versions it claims and tests that its tokens were sampled at the
+run's temperature. Batches here are sampled by the real engine from a real (tiny) model."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+import torch
+
+from echo_node.config import VerifyConfig
+from echo_node.learner import Learner
+from echo_node.ml.engine import TorchEngine
+from echo_node.ml.grpo import sequence_logprobs
+from echo_node.ml.model import build_model, state_to_bytes, tiny_llama_config
+from echo_node.ml.rollout import generate_groups
+from echo_node.rollout_peer import rollout_group
+from echo_node.verify import Verifier
+from protocol import DropReason, Identity, RolloutBatch, RolloutGroup, seal
+from protocol.assignment import batch_seed
+from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, assigned_prompt, offer
+
+RUN = "run-1"
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return build_model(tiny_llama_config(TOKENIZER.vocab_size))
+
+
+def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=gen))
+    return other
+
+
+def sample_batch(
+    model: torch.nn.Module, *, identity: Identity = ALICE, seq: int = 0, version: int = 0, groups: int = 4, temperature: float = 1.0
+) -> RolloutBatch:
+    """What an honest peer on `model` (claimed as `version`) publishes under `seq`."""
+    engine = TorchEngine(model, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+    engine.version = version
+    prompts = [assigned_prompt(RUN, identity, version, seq, i) for i in range(groups)]
+    scored = generate_groups(
+        engine, TOKENIZER, TASK, prompts, group_size=8, temperature=temperature, max_new_tokens=4,
+        seed=batch_seed(RUN, identity.peer_id, version, seq),
+    )
+    return RolloutBatch(run_id=RUN, peer_id=identity.peer_id, seq=seq, groups=tuple(rollout_group(g, group_id=f"g{i}") for i, g in enumerate(scored)))
+
+
+def with_true_logprobs(model: torch.nn.Module, group: RolloutGroup) -> RolloutGroup:
+    """`group` with the log-probs `model` gives its tokens: a forger who computes them honestly."""
+    lp, _ = sequence_logprobs(model, [list(group.prompt_ids)] * len(group.samples), [list(s.completion_ids) for s in group.samples], TOKENIZER.pad_id)
+    return replace(group, samples=tuple(
+        replace(s, behaviour_logprobs=tuple(min(0.0, x) for x in lp[i, : len(s.completion_ids)].tolist())) for i, s in enumerate(group.samples)
+    ))
+
+
+def each_group(batch: RolloutBatch, change: Callable[[RolloutGroup], RolloutGroup]) -> RolloutBatch:
+    return replace(batch, groups=tuple(change(g) for g in batch.groups))
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model()
+
+
+def sharpened(model: torch.nn.Module, factor: float = 6.0) -> torch.nn.Module:
+    """`model` made confident, as a trained policy is (a random one finds every token likely)."""
+    sharp = copy.deepcopy(model)
+    with torch.no_grad():
+        sharp.lm_head.weight.mul_(factor)
+    return sharp
+
+
+def verifier(model: torch.nn.Module, **cfg: object) -> Verifier:
+    v = Verifier(VerifyConfig(**cfg), run_id=RUN, tokenizer=TOKENIZER, task=TASK, model=model, temperature=1.0, keep_versions=4)  # type: ignore[arg-type]
+    v.remember(0, state_to_bytes(model))
+    return v
+
+
+def spot(v: Verifier, batch: RolloutBatch) -> DropReason | None:
+    assert v.claims(batch) is None, "the cheap checks pass: only the spot check can tell"
+    failure = v.spot(batch, list(range(len(batch.groups))))
+    return None if failure is None else failure.reason
+
+
+def test_honest_batches_pass_every_spot_check(model: torch.nn.Module) -> None:
+    for m in (model, sharpened(model)):
+        v = verifier(m)
+        assert [spot(v, sample_batch(m, seq=seq)) for seq in range(30)] == [None] * 30
+        assert v.stats.tokens_spot_checked > 2000 and v.stats.failed == {}
+
+
+def test_tokens_of_two_versions_are_each_checked_against_their_own(model: torch.nn.Module) -> None:
+    """Async: a completion's tokens carry the version that sampled each one."""
+    v1 = perturbed(model, 0.05)
+    v = verifier(model)
+    v.remember(1, state_to_bytes(v1))
+    assert spot(v, sample_batch(v1, seq=1, version=1)) is None
+    old_claimed_new = sample_batch(model, seq=2, version=1)  # v0's tokens claimed as v1's
+    assert spot(v, old_claimed_new) is DropReason.BAD_LOGPROBS
+
+
+@pytest.mark.parametrize(
+    ("attack", "reason", "confident"),
+    [
+        # (b) fabricated log-probs: -20 per token inflates every importance weight.
+        (lambda m, b: each_group(b, lambda g: replace(g, samples=tuple(
+            replace(s, behaviour_logprobs=(-20.0,) * len(s.completion_ids)) for s in g.samples))), DropReason.BAD_LOGPROBS, False),
+        # (c) another model's completions and log-probs, claimed as the current version.
+        (lambda m, b: sample_batch(perturbed(m, 0.05), seq=b.seq), DropReason.BAD_LOGPROBS, False),
+        # greedy picks, with the log-probs the run's temperature gives them.
+        (lambda m, b: sample_batch(m, seq=b.seq, temperature=0.0), DropReason.BAD_SAMPLING, False),
+        # (f) a prefilled answer with a token injected (bos, dropped by decoding, so the reward
+        # still pays), log-probs computed honestly: improbable tokens give it away.
+        (lambda m, b: each_group(b, lambda g: with_true_logprobs(m, replace(g, samples=tuple(
+            replace(s, completion_ids=(s.completion_ids[0], TOKENIZER.bos_id, *s.completion_ids[1:3]))
+            if len(s.completion_ids) == 4 else s for s in g.samples)))), DropReason.BAD_SAMPLING, True),
+    ],
+    ids=["fabricated", "other-model", "greedy", "prefilled"],
+)
+def test_a_forged_sample_fails_its_spot_check(
+    model: torch.nn.Module, attack: Callable[..., RolloutBatch], reason: DropReason, confident: bool
+) -> None:
+    model = sharpened(model) if confident else model
+    v = verifier(model)
+    assert spot(v, sample_batch(model, seq=3)) is None  # the honest batch the attack starts from
+    batch = attack(model, sample_batch(model, seq=3))
+    batch = each_group(batch, lambda g: replace(g, samples=tuple(
+        replace(s, reward=r) for s, r in zip(g.samples, TASK.reward(
+            [TOKENIZER.decode(g.prompt_ids)] * len(g.samples), [TOKENIZER.decode(s.completion_ids) for s in g.samples]))
+    )))  # every reward is the run's: only the spot check can catch it
+    assert spot(v, batch) is reason
+    assert v.stats.failed == {reason.value.removeprefix("bad_"): 1}
+
+
+def test_a_version_no_longer_kept_is_counted_not_failed(model: torch.nn.Module) -> None:
+    v = verifier(model)
+    assert spot(v, sample_batch(perturbed(model, 0.05), seq=4, version=7)) is None
+    assert v.stats.unverifiable_tokens > 0 and v.stats.tokens_spot_checked == 0
+
+
+def test_probation_checks_everything_then_the_spot_rate_takes_over(model: torch.nn.Module) -> None:
+    v = verifier(model, spot_rate=0.25, probation_batches=2)
+    batch = sample_batch(model, groups=8)
+    assert [len(v.plan(batch)) for _ in range(2)] == [8, 8]
+    later = [len(v.plan(batch)) for _ in range(400)]
+    assert 0.18 < sum(later) / (8 * 400) < 0.32 and min(later) < 8
+    v.suspect(ALICE.peer_id)  # e.g. after a refused message
+    assert len(v.plan(batch)) == 8
+
+
+def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, learner: Learner) -> None:
+    """Through the learner's intake: Alice's honest batches are trained, Mallory's first batch
+    passes (honest), her second carries another model's samples and gets her banned."""
+    learner.verifier = v = verifier(learner.policy.model)
+    learner.intake.verify = v
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    model = learner.policy.model
+    assert offer(learner, seal(sample_batch(model, seq=1), ALICE), ALICE.peer_id)
+    assert offer(learner, seal(sample_batch(model, identity=MALLORY, seq=1), MALLORY), MALLORY.peer_id)
+    offer(learner, seal(sample_batch(perturbed(model, 0.05), identity=MALLORY, seq=2), MALLORY), MALLORY.peer_id)
+    assert learner.peers.is_banned(MALLORY.peer_id) and not learner.peers.penalties.get(ALICE.peer_id)
+    assert learner.buffer.ledger.dropped == {"bad_logprobs": 32, "purged": 32}
+    assert {learner.buffer.origin(g) for g in learner.buffer.take(100, 0)} == {ALICE.peer_id}
