@@ -134,8 +134,8 @@ class VerifyConfig:
     # Log-prob spot checks: the learner recomputes the behaviour log-probs of a group's tokens
     # under the versions they claim and tests that they were sampled at the run's temperature.
     logprobs: bool = True
-    # Share of groups spot-checked, chosen unpredictably; every group of a peer's first
-    # `probation_batches` batches, and of its next ones after any refused message, is checked.
+    # Share of batches spot-checked in full, chosen unpredictably; a peer's first
+    # `probation_batches` batches, and its next ones after any refused message, all are.
     spot_rate: float = 0.1
     probation_batches: int = 2
     # Largest |claimed - recomputed| log-prob of a token, and largest mean over a group's

@@ -38,13 +38,13 @@ class Swarm:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, args: list[str], *, cpus: set[int] | None = None) -> Child:
+    def spawn(self, name: str, args: list[str], *, cpus: set[int] | None = None, module: str = "echo_node.cli") -> Child:
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         out, err = logs / f"{name}.out", logs / f"{name}.log"
         with out.open("wb") as o, err.open("wb") as e:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "echo_node.cli", *args],
+                [sys.executable, "-m", module, *args],
                 stdout=o,
                 stderr=e,
                 stdin=subprocess.DEVNULL,

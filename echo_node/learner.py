@@ -461,7 +461,12 @@ class Learner:
             return {"enabled": False}
         stats = self.verifier.stats.to_dict()
         seconds = float(stats["seconds"])  # type: ignore[arg-type]
-        return {"enabled": True, **stats, "share_of_train_time": round(seconds / max(1e-9, self.trainer.train_s), 4)}
+        wall = time.monotonic() - self._started if self._started else 0.0
+        return {
+            "enabled": True, **stats,
+            "share_of_train_time": round(seconds / max(1e-9, self.trainer.train_s), 4),
+            "share_of_learner_time": round(seconds / max(1e-9, wall), 4),
+        }
 
 
 def run_bounds(cfg: RunConfig, policy: Policy) -> RunBounds:

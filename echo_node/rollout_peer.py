@@ -95,38 +95,6 @@ def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
     )
 
 
-class RolloutPeer:
-    def __init__(self, cfg: RunConfig, identity: Identity, *, model_path: str | None = None) -> None:
-        self.cfg = cfg
-        self.identity = identity
-        self.model_path = model_path
-        self.node = P2PNode(identity, p2p_settings(cfg.net))
-        self.data = DataServer(
-            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
-        )
-        self.data.ban_s = cfg.net.ban_s
-        self.publisher = RolloutPublisher(cfg, identity, self.node)
-        self.follower: WeightFollower | None = None  # once joined
-
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self.node.run)
-            await nursery.start(self.data.run)
-            session = await join_run(self.cfg, self.node, self.data, self.model_path)
-            # Written only once joined: a join that fails leaves nothing behind.
-            metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
-            try:
-                metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
-                               "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
-                self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
-                self.follower = WeightFollower(self.cfg, self.node, self.data, session, metrics=metrics)
-                await nursery.start(self.follower.run)  # the initial weights, before the first token
-                task_status.started()
-                await Generator(self.cfg, session, self.follower, self.publisher).run()
-            finally:
-                metrics.close()
-
-
 async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: str | None) -> Session:
     """Find the run's learner, join it, and build the policy its spec describes."""
     net = cfg.net
@@ -300,10 +268,12 @@ class RolloutPublisher:
     async def publish(self, scored: list[ScoredGroup], *, seq: int) -> None:
         """One generation batch's groups as one signed gossip message under `seq` (the seq its
         prompts were assigned for: the next one), kept for gap repair."""
+        tag = f"{self.identity.peer_id[-8:]}-{seq}"
+        await self.publish_groups(tuple(rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored)), seq=seq)
+
+    async def publish_groups(self, groups: tuple[RolloutGroup, ...], *, seq: int) -> None:
         if seq != self.seq:
             raise LocalProtocolError(f"batch sampled for seq {seq}, but the next seq is {self.seq}")
-        tag = f"{self.identity.peer_id[-8:]}-{seq}"
-        groups = tuple(rollout_group(g, group_id=f"{tag}.{i}") for i, g in enumerate(scored))
         try:
             if len(pack_groups(groups)) != 1:
                 raise LocalProtocolError(f"{len(groups)} groups do not fit one rollout batch")
@@ -344,3 +314,39 @@ class RolloutPublisher:
         found = [self.history[s] for s in request.seqs if s in self.history]
         unavailable = [s for s in request.seqs if s not in self.history]
         return pack_repair_response(found, unavailable=unavailable)
+
+
+class RolloutPeer:
+    # What samples and what publishes; the attack benchmarks swap in their own (benchmarks/attackers.py).
+    generator_class: type[Generator] = Generator
+    publisher_class: type[RolloutPublisher] = RolloutPublisher
+
+    def __init__(self, cfg: RunConfig, identity: Identity, *, model_path: str | None = None) -> None:
+        self.cfg = cfg
+        self.identity = identity
+        self.model_path = model_path
+        self.node = P2PNode(identity, p2p_settings(cfg.net))
+        self.data = DataServer(
+            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
+        )
+        self.data.ban_s = cfg.net.ban_s
+        self.publisher = self.publisher_class(cfg, identity, self.node)
+        self.follower: WeightFollower | None = None  # once joined
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.node.run)
+            await nursery.start(self.data.run)
+            session = await join_run(self.cfg, self.node, self.data, self.model_path)
+            # Written only once joined: a join that fails leaves nothing behind.
+            metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
+            try:
+                metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
+                               "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
+                self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
+                self.follower = WeightFollower(self.cfg, self.node, self.data, session, metrics=metrics)
+                await nursery.start(self.follower.run)  # the initial weights, before the first token
+                task_status.started()
+                await self.generator_class(self.cfg, session, self.follower, self.publisher).run()
+            finally:
+                metrics.close()

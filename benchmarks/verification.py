@@ -1,0 +1,293 @@
+"""Does the learner's verification keep attackers out, and at what cost? Six attack classes, each
+with verification on and off, against a clean run.
+
+Per run a fresh loopback swarm of the real binary (bootstrap; learner in async mode, S = 4,
+training for `--seconds`; two honest `echo-node join` peers; for an attack, one attacker peer
+from benchmarks/attackers.py, started with the honest ones), the same keys, seed and duration
+every run. Classes (benchmarks/attackers.py says how each lies): `clean`, `fake_rewards` (a),
+`garbage` (b), `other_model` (c), `cherry_picked` (d), `copier` (e), `poison` (f).
+
+Measured per run (from the learner's summary.json and metrics.jsonl, the attacker's stdout, and
+the final checkpoint):
+- `attacker_groups_published`, `attacker_groups_trained` and their ratio `trained_share`;
+- `caught`: the learner's record of the ban (reason, evidence, `batches`: the attacker's batches
+  it had opened, the failing one included), and `ban_after_s` from the attacker's first publish;
+- `honest_flagged`: checks failed, penalties or bans of the honest peers (false positives);
+- `greedy_accuracy` of the final checkpoint on 500 fixed prompts, its ratio to the clean run
+  with verification on, and `injected_rate`: greedy completions holding a bos or pad token (what
+  the poisoner teaches);
+- `verification`: the summary's per-check counts, spot-check rate achieved and
+  `share_of_train_time`.
+
+Targets (printed with the results): trained_share <= 0.01 and caught within 2 batches for
+fake_rewards, garbage, cherry_picked, copier; other_model and poison caught within the expected
+number of batches at the default spot rate (probation checks a new peer's first 2 batches in
+full, so a peer that lies from its first batch is expected to be caught on it) and accuracy >=
+0.97 of the clean run; no honest peer flagged in any run; verification <= 3 % of learner time.
+
+Pinning on this 2-core machine: the learner on core 0; bootstrap, peers and attacker on core 1.
+One JSON object on stdout (and --out FILE); reward over versions, clean vs each attack, with and
+without verification, in --png.
+
+    .venv/bin/python -m benchmarks.verification --out benchmarks/results/verification.json \\
+        --png benchmarks/results/verification.png
+    .venv/bin/python -m benchmarks.verification --classes clean,poison --seconds 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from echo_node.config import RunConfig
+from echo_node.demo import Child, Swarm, _is_ready, _wait_line
+from echo_node.metrics import read_metrics
+from protocol import Identity
+
+CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
+EXACT = {"fake_rewards", "garbage", "cherry_picked", "copier"}  # targets: <= 1 % trained, caught within 2 batches
+LEARNER_CPUS, OTHER_CPUS = {0}, {1}
+RUN_ID = "verify-bench"
+EVAL_PROMPTS = 500
+
+
+NAMES = ["boot", "learner", "peer0", "peer1", "attacker"]
+
+
+def identity(name: str) -> Identity:
+    """Every run's nodes have the same keys, so the same slots assign the same prompts."""
+    return Identity.from_seed(bytes([40 + NAMES.index(name)]) * 32)
+
+
+def write_keys(keys: Path) -> None:
+    keys.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name in NAMES:
+        path = keys / f"{name}.key"
+        path.write_bytes(identity(name).seed)
+        path.chmod(0o600)
+
+
+def peer_id(name: str) -> str:
+    return identity(name).peer_id
+
+
+def run_one(root: Path, keys: Path, attack: str, *, verify: bool, seconds: float) -> dict[str, Any]:
+    runs = root / "runs"
+    root.mkdir(parents=True)
+    config = root / "run.toml"
+    config.write_text(f"[verify]\nenabled = {'true' if verify else 'false'}\n")
+    swarm = Swarm(root / "swarm")
+    boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(keys / "boot.key")], cpus=OTHER_CPUS)
+    try:
+        addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
+        common = ["--bootstrap", addr, "--run-id", RUN_ID, "--runs-dir", str(runs), "--config", str(config)]
+        learner = swarm.spawn(
+            "learner", ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", "async", "--staleness", "4",
+                        "--seconds", str(seconds)], cpus=LEARNER_CPUS,
+        )
+        _wait_line(learner, _is_ready, 240, "ready")
+        for i in range(2):
+            swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(keys / f"peer{i}.key")], cpus=OTHER_CPUS)
+        attacker: Child | None = None
+        if attack != "clean":
+            attacker = swarm.spawn(
+                "attacker", [attack, *common, "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS, module="benchmarks.attackers"
+            )
+        try:
+            learner.proc.wait(seconds + 300)
+        except Exception:  # noqa: BLE001 - stopped below, reported as not finished
+            pass
+    finally:
+        swarm.stop_all()
+    run_dir = runs / RUN_ID
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = read_metrics(run_dir / "metrics.jsonl")
+    published = [json.loads(line) for line in attacker.stdout_path.read_text().splitlines() if line.startswith("{")] if attacker else []
+    return measure(attack, verify, summary, records, published, run_dir)
+
+
+def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[dict[str, Any]], published: list[dict[str, Any]],
+            run_dir: Path) -> dict[str, Any]:
+    honest = {peer_id("peer0"), peer_id("peer1")}
+    bad = peer_id("attacker")
+    caught = [r for r in records if r.get("event") == "caught"]
+    trained = summary.get("trained_groups", {})
+    result: dict[str, Any] = {
+        "attack": attack,
+        "verify": verify,
+        "versions": summary["versions"],
+        "honest_groups_trained": sum(trained.get(p, 0) for p in honest),
+        "honest_flagged": {
+            "caught": [r for r in caught if r["peer"] in honest],
+            "penalties": {p: n for p, n in summary.get("penalties", {}).items() if p in honest},
+            "banned": [p for p in summary.get("banned", []) if p in honest],
+        },
+        "verification": summary.get("verification"),
+        "rollouts_dropped": summary.get("rollouts_dropped"),
+        "rewards": [(r["version"], r["reward_mean"]) for r in records if r.get("event") == "train"],
+        **evaluate(run_dir),
+    }
+    if attack != "clean":
+        groups = sum(p["groups"] for p in published)
+        mine = [r for r in caught if r["peer"] == bad]
+        first = min((p["wall"] for p in published), default=None)
+        result.update(
+            attacker_batches_published=len(published),
+            attacker_groups_published=groups,
+            attacker_groups_trained=trained.get(bad, 0),
+            trained_share=round(trained.get(bad, 0) / max(1, groups), 4),
+            caught={k: mine[0][k] for k in ("reason", "evidence", "batches", "version")} if mine else None,
+            ban_after_s=round(mine[0]["wall"] - first, 3) if mine and first is not None else None,
+        )
+    return result
+
+
+def evaluate(run_dir: Path) -> dict[str, Any]:
+    """Greedy accuracy of the final checkpoint, and how many greedy completions carry a bos or pad
+    token (what the poisoner teaches)."""
+    import random
+
+    import torch
+
+    from echo_node.ml.engine import TorchEngine
+    from echo_node.ml.model import load_checkpoint, load_state_bytes
+    from echo_node.policy import learner_policy
+
+    cfg = RunConfig(run_id=RUN_ID)
+    policy = learner_policy(cfg)
+    blob, version = load_checkpoint(run_dir / "checkpoint.safetensors")
+    load_state_bytes(policy.model, blob)
+    tok, task = policy.tokenizer, policy.task
+    engine = TorchEngine(policy.model, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    prompts = task.sample_prompts(EVAL_PROMPTS, random.Random(10_000))
+    with torch.inference_mode():
+        gens = engine.generate([tok.encode_prompt(p) for p in prompts], max_new_tokens=task.max_new_tokens, temperature=0.0, top_p=1.0, seed=0)
+    texts = [tok.decode(g.completion_ids) for g in gens]
+    rewards = task.reward(prompts, texts)
+    special = {tok.pad_id, *([tok.bos_id] if tok.bos_id is not None else [])}
+    return {
+        "checkpoint_version": version,
+        "greedy_accuracy": round(sum(rewards) / len(rewards), 4),
+        "injected_rate": round(sum(any(i in special for i in g.completion_ids) for g in gens) / len(gens), 4),
+    }
+
+
+def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
+    clean = next((r for r in results if r["attack"] == "clean" and r["verify"]), None)
+    base = clean["greedy_accuracy"] if clean else None
+    out: dict[str, Any] = {"clean_accuracy": base, "classes": {}}
+    for r in results:
+        if base:
+            r["accuracy_vs_clean"] = round(r["greedy_accuracy"] / base, 4)
+        if r["attack"] == "clean" or not r["verify"]:
+            continue
+        caught = r.get("caught") or {}
+        ok = {"caught": bool(caught)}
+        if r["attack"] in EXACT:
+            ok.update(trained_share=r["trained_share"] <= 0.01, within_2_batches=bool(caught) and caught["batches"] <= 2)
+        else:
+            ok.update(within_expected=bool(caught) and caught["batches"] <= 2, accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
+        out["classes"][r["attack"]] = ok
+    on = [r for r in results if r["verify"]]
+    out["honest_false_positives"] = sum(
+        len(r["honest_flagged"]["caught"]) + len(r["honest_flagged"]["banned"]) + sum(r["honest_flagged"]["penalties"].values()) for r in on
+    )
+    out["verification_share_max"] = max((r["verification"]["share_of_train_time"] for r in on if r["verification"]), default=None)
+    out["all_met"] = (
+        all(all(v.values()) for v in out["classes"].values()) and out["honest_false_positives"] == 0
+        and (out["verification_share_max"] or 0) <= 0.03
+    )
+    return out
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from echo_node.metrics import _moving_mean
+
+    attacks = [a for a in CLASSES if a != "clean" and any(r["attack"] == a for r in results)]
+    clean = [r for r in results if r["attack"] == "clean"]
+    cols = 3
+    rows = max(1, (len(attacks) + cols - 1) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(5 * cols, 3.4 * rows), dpi=110, squeeze=False)
+    for ax, attack in zip(axes.flat, attacks):
+        for r in [*clean, *(r for r in results if r["attack"] == attack)]:
+            if not r["rewards"]:
+                continue
+            xs = [v for v, _ in r["rewards"]]
+            ys, _ = _moving_mean([y for _, y in r["rewards"]])
+            style = "-" if r["verify"] else "--"
+            color = "tab:gray" if r["attack"] == "clean" else ("tab:blue" if r["verify"] else "tab:red")
+            ax.plot(xs, ys, style, color=color, linewidth=1.3,
+                    label=f"{r['attack']}, verification {'on' if r['verify'] else 'off'}")
+        ax.set_title(attack)
+        ax.set_xlabel("policy version")
+        ax.set_ylabel("mean reward of trained groups")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="x-small", loc="lower right")
+    for ax in list(axes.flat)[len(attacks):]:
+        ax.axis("off")
+    fig.suptitle("reward over versions: clean vs each attack, with and without verification")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--classes", default=",".join(CLASSES))
+    p.add_argument("--seconds", type=float, default=60.0, help="training time per run")
+    p.add_argument("--off", choices=["yes", "no"], default="yes", help="also run each class with verification off")
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--png", type=Path, default=None)
+    args = p.parse_args()
+    classes = [c for c in args.classes.split(",") if c]
+    unknown = set(classes) - set(CLASSES)
+    if unknown:
+        raise SystemExit(f"unknown classes {sorted(unknown)}; known: {CLASSES}")
+    root = Path(tempfile.mkdtemp(prefix="echo-verify-"))
+    keys = root / "keys"
+    write_keys(keys)
+    results: list[dict[str, Any]] = []
+    t0 = time.monotonic()
+    try:
+        for attack in classes:
+            for verify in ([True, False] if args.off == "yes" else [True]):
+                run_root = root / f"{attack}-{'on' if verify else 'off'}"
+                r = run_one(run_root, keys, attack, verify=verify, seconds=args.seconds)
+                results.append(r)
+                brief = {k: r.get(k) for k in ("versions", "trained_share", "greedy_accuracy", "injected_rate")}
+                print(f"# {attack} verify={'on' if verify else 'off'}: {brief} caught={(r.get('caught') or {}).get('batches')}",
+                      flush=True)
+                shutil.rmtree(run_root / "runs", ignore_errors=True)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    report = {
+        "benchmark": "verification",
+        "seconds_per_run": args.seconds,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "verdict": verdict(results),
+        "runs": [{k: v for k, v in r.items() if k != "rewards"} for r in results],
+    }
+    if args.png:
+        plot(results, args.png)
+        report["png"] = str(args.png)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
