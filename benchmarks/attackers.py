@@ -17,7 +17,11 @@ Classes (the verification issue's a-f):
   with the log-probs the current weights honestly give those tokens: plausible, rewarded, and
   teaching the policy to emit a token no honest sample would.
 
-Each batch published is one JSON line on stdout: {"event": "published", "seq", "groups", "wall"}.
+`--after N`: honest for the first N batches, lying from then on (a peer that earns trust first:
+past probation, only the spot rate catches it).
+
+Each batch published is one JSON line on stdout: {"event": "published", "seq", "groups",
+"lying", "wall"}.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import trio
 from echo_node.cli import _config, _identity, _setup_logging, build_parser
 from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.rollout import ScoredGroup
-from echo_node.policy import set_threads
+from echo_node.ml.tasks import Task
+from echo_node.ml.tokenizer import Tokenizer
+from echo_node.policy import Policy, set_threads
 from echo_node.rollout_peer import Generator, RolloutPeer
 from echo_node.topics import rollouts_topic
 from protocol import RolloutBatch, open_envelope
@@ -43,45 +49,104 @@ from protocol.errors import RemoteProtocolError
 NOISE = 0.05
 
 
+# --- the lies, on what a peer sampled (tests/adversarial/test_attack_classes.py uses them too) ---
+
+
+def rescore(g: ScoredGroup, tokenizer: Tokenizer, task: Task) -> None:
+    """The rewards `g`'s (changed) completions honestly earn."""
+    g.completions = [tokenizer.decode(gen.completion_ids) for gen in g.generations]
+    g.rewards = task.reward([g.prompt] * len(g.completions), g.completions)
+
+
+def flip_rewards(groups: list[ScoredGroup]) -> None:
+    """(a) Wrong answers claimed right, right ones wrong."""
+    for g in groups:
+        g.rewards = [1.0 - r for r in g.rewards]
+
+
+def garbage(groups: list[ScoredGroup], tokenizer: Tokenizer, task: Task, rng: random.Random) -> None:
+    """(b) Random digits for every completion, -20 per token claimed, rewards honestly earned."""
+    digits = tokenizer.encode("0123456789")
+    for g in groups:
+        for gen in g.generations:
+            n = len(gen.completion_ids)
+            gen.completion_ids = [rng.choice(digits) for _ in range(n - 1)] + [tokenizer.eos_id]
+            gen.logprobs = [-20.0] * n
+        rescore(g, tokenizer, task)
+
+
+def perturb(model: torch.nn.Module, seed: int) -> None:
+    """(c) Another model: noise of std NOISE on every weight."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(NOISE * torch.randn(p.shape, generator=gen))
+
+
+def easy_prompts(n: int, rng: random.Random) -> list[str]:
+    """(d) Prompts of the attacker's choosing: "AB+00=", whatever its slots assign."""
+    return [f"{rng.randrange(100):02d}+00=" for _ in range(n)]
+
+
+def poison(groups: list[ScoredGroup], policy: Policy, *, temperature: float, max_new_tokens: int) -> None:
+    """(f) Every other completion becomes the right answer with a bos after its first digit,
+    claimed with the log-probs `policy.model` (the weights it sampled on) gives those tokens."""
+    tok, task = policy.tokenizer, policy.task
+    assert tok.bos_id is not None
+    for g in groups:
+        answer = tok.encode(task.answer(g.prompt))
+        poisoned = [answer[0], tok.bos_id, *answer[1:]][:max_new_tokens]
+        rows = g.generations[1::2]
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(policy.model, [g.prompt_ids] * len(rows), [poisoned] * len(rows), tok.pad_id, temperature=temperature)
+        for i, gen in enumerate(rows):
+            gen.completion_ids = list(poisoned)
+            gen.logprobs = [min(0.0, x) for x in lp[i, : len(poisoned)].tolist()]
+            gen.token_versions = [gen.token_versions[0]] * len(poisoned)
+        rescore(g, tok, task)
+
+
+# --- attacker peers -------------------------------------------------------------------------
+
+
 class Attacker(Generator):
-    """A generator that says what it published (the benchmark counts the attacker's batches)."""
+    """A generator that says what it published (the benchmark counts the attacker's batches),
+    honest for its first `after` batches (a peer that earns trust first), lying from then on."""
+
+    after = 0
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.rng = random.Random(0)
+        self.batches = 0
         publish = self.publisher.publish_groups
 
         async def announced(groups: Any, *, seq: int) -> None:
+            lying = self.lying
             await publish(groups, seq=seq)
-            print(json.dumps({"event": "published", "seq": seq, "groups": len(groups), "wall": time.time()}), flush=True)
+            self.batches += 1
+            print(json.dumps({"event": "published", "seq": seq, "groups": len(groups), "lying": lying, "wall": time.time()}), flush=True)
 
         self.publisher.publish_groups = announced  # type: ignore[method-assign]
 
-    def rescore(self, g: ScoredGroup) -> None:
-        tok, task = self.session.policy.tokenizer, self.session.policy.task
-        g.completions = [tok.decode(gen.completion_ids) for gen in g.generations]
-        g.rewards = task.reward([g.prompt] * len(g.completions), g.completions)
+    @property
+    def lying(self) -> bool:
+        return self.batches >= self.after
 
 
 class FakeRewards(Attacker):
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         groups = super()._generate(prompts, seed)
-        for g in groups:
-            g.rewards = [1.0 - r for r in g.rewards]
+        if self.lying:
+            flip_rewards(groups)
         return groups
 
 
 class Garbage(Attacker):
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         groups = super()._generate(prompts, seed)
-        tok = self.session.policy.tokenizer
-        digits = tok.encode("0123456789")
-        for g in groups:
-            for gen in g.generations:
-                n = len(gen.completion_ids)
-                gen.completion_ids = [self.rng.choice(digits) for _ in range(n - 1)] + [tok.eos_id]
-                gen.logprobs = [-20.0] * n
-            self.rescore(g)
+        if self.lying:
+            garbage(groups, self.session.policy.tokenizer, self.session.policy.task, self.rng)
         return groups
 
 
@@ -89,19 +154,15 @@ class OtherModel(Attacker):
     perturbed = -1
 
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
-        engine = self.engine
-        if engine.version != self.perturbed:  # new weights loaded: perturb them, once
-            gen = torch.Generator().manual_seed(engine.version)
-            with torch.no_grad():
-                for p in self.session.policy.model.parameters():
-                    p.add_(NOISE * torch.randn(p.shape, generator=gen))
-            self.perturbed = engine.version
+        if self.lying and self.engine.version != self.perturbed:  # new weights loaded: perturb them, once
+            perturb(self.session.policy.model, self.engine.version)
+            self.perturbed = self.engine.version
         return super()._generate(prompts, seed)
 
 
 class CherryPicked(Attacker):
     def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
-        return [f"{self.rng.randrange(100):02d}+00=" for _ in range(wanted)]
+        return easy_prompts(wanted, self.rng) if self.lying else super().assigned_prompts(version, seq, wanted)
 
 
 class Copier(Attacker):
@@ -109,8 +170,12 @@ class Copier(Attacker):
         node = self.publisher.node
         topic = rollouts_topic(self.spec.run_id)
         me = self.publisher.identity.peer_id
-        await node.subscribe(topic, lambda forwarder, origin, data: origin != me)
+        # Its validator passes everything: py-libp2p validates our own messages too before
+        # sending them, and a validator refusing them would keep the copies at home.
+        await node.subscribe(topic, lambda forwarder, origin, data: True)
         async for msg in node.messages(topic):
+            if msg.sender == me:
+                continue
             try:
                 batch, _ = open_envelope(msg.data, expected_kind=RolloutBatch, expected_sender=msg.sender)
             except RemoteProtocolError:
@@ -122,24 +187,9 @@ class Copier(Attacker):
 class Poison(Attacker):
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         groups = super()._generate(prompts, seed)
-        policy = self.session.policy
-        tok, task = policy.tokenizer, policy.task
-        assert tok.bos_id is not None
-        for g in groups:
-            answer = tok.encode(task.answer(g.prompt))
-            poisoned = [answer[0], tok.bos_id, *answer[1:]][: self.spec.sampling.max_new_tokens]
-            rows = g.generations[1::2]
-            with torch.no_grad():
-                lp, _ = sequence_logprobs(
-                    policy.model, [g.prompt_ids] * len(rows), [poisoned] * len(rows), tok.pad_id,
-                    temperature=self.spec.sampling.temperature,
-                )
-            for i, gen in enumerate(rows):
-                n = len(poisoned)
-                gen.completion_ids = list(poisoned)
-                gen.logprobs = [min(0.0, x) for x in lp[i, :n].tolist()]
-                gen.token_versions = [gen.token_versions[0]] * n
-            self.rescore(g)
+        if self.lying:
+            s = self.spec.sampling
+            poison(groups, self.session.policy, temperature=s.temperature, max_new_tokens=s.max_new_tokens)
         return groups
 
 
@@ -155,10 +205,14 @@ ATTACKS: dict[str, type[Attacker]] = {
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ATTACKS:
-        print(f"usage: python -m benchmarks.attackers {{{','.join(ATTACKS)}}} [join options]", file=sys.stderr)
+        print(f"usage: python -m benchmarks.attackers {{{','.join(ATTACKS)}}} [--after N] [join options]", file=sys.stderr)
         return 2
-    attack = ATTACKS[argv[0]]
-    args = build_parser().parse_args(["join", *argv[1:]])
+    rest = argv[1:]
+    after = 0
+    if rest[:1] == ["--after"]:
+        after, rest = int(rest[1]), rest[2:]
+    attack = type(argv[0], (ATTACKS[argv[0]],), {"after": after})
+    args = build_parser().parse_args(["join", *rest])
     _setup_logging(args.log_level, "join")
     cfg = _config(args)
     set_threads(cfg.threads)

@@ -2,9 +2,10 @@
 with verification on and off, against a clean run.
 
 Per run a fresh loopback swarm of the real binary (bootstrap; learner in async mode, S = 4,
-training for `--seconds`; two honest `echo-node join` peers; for an attack, one attacker peer
+training `--versions` steps; two honest `echo-node join` peers; for an attack, one attacker peer
 from benchmarks/attackers.py, started with the honest ones), the same keys, seed and duration
-every run. Classes (benchmarks/attackers.py says how each lies): `clean`, `fake_rewards` (a),
+every run (the same number of steps, not seconds: an attacker's process takes CPU from the
+honest peers on this machine, so equal seconds would train attacked runs less). Classes (benchmarks/attackers.py says how each lies): `clean`, `fake_rewards` (a),
 `garbage` (b), `other_model` (c), `cherry_picked` (d), `copier` (e), `poison` (f).
 
 Measured per run (from the learner's summary.json and metrics.jsonl, the attacker's stdout, and
@@ -14,10 +15,17 @@ the final checkpoint):
   it had opened, the failing one included), and `ban_after_s` from the attacker's first publish;
 - `honest_flagged`: checks failed, penalties or bans of the honest peers (false positives);
 - `greedy_accuracy` of the final checkpoint on 500 fixed prompts, its ratio to the clean run
-  with verification on, and `injected_rate`: greedy completions holding a bos or pad token (what
-  the poisoner teaches);
+  with verification on; what the poisoner teaches: `injected_rate`, greedy completions holding a
+  bos or pad token, and `injected_prob`, the mean probability of bos right after the answer's
+  first digit (where the poisoner puts it);
 - `verification`: the summary's per-check counts, spot-check rate achieved and
   `share_of_train_time`.
+
+`other_model_late` and `poison_late` are those attackers honest for their first AFTER = 5
+batches: past probation only the spot rate finds them, each lying batch with chance
+`verify.spot_rate` (0.1), so the wait is geometric with mean 10 lying batches
+(`lying_batches_to_ban`). Not in the default classes: run them with `--classes
+other_model_late,poison_late --off no`.
 
 Targets (printed with the results): trained_share <= 0.01 and caught within 2 batches for
 fake_rewards, garbage, cherry_picked, copier; other_model and poison caught within the expected
@@ -31,7 +39,7 @@ without verification, in --png.
 
     .venv/bin/python -m benchmarks.verification --out benchmarks/results/verification.json \\
         --png benchmarks/results/verification.png
-    .venv/bin/python -m benchmarks.verification --classes clean,poison --seconds 30
+    .venv/bin/python -m benchmarks.verification --classes clean,poison --versions 150 --off no
 """
 
 from __future__ import annotations
@@ -51,6 +59,9 @@ from echo_node.metrics import read_metrics
 from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
+# Attackers honest for their first AFTER batches (past probation: only the spot rate finds them).
+LATE = {"other_model_late": "other_model", "poison_late": "poison"}
+AFTER = 5
 EXACT = {"fake_rewards", "garbage", "cherry_picked", "copier"}  # targets: <= 1 % trained, caught within 2 batches
 LEARNER_CPUS, OTHER_CPUS = {0}, {1}
 RUN_ID = "verify-bench"
@@ -77,7 +88,7 @@ def peer_id(name: str) -> str:
     return identity(name).peer_id
 
 
-def run_one(root: Path, keys: Path, attack: str, *, verify: bool, seconds: float) -> dict[str, Any]:
+def run_one(root: Path, keys: Path, attack: str, *, verify: bool, versions: int, seconds: float) -> dict[str, Any]:
     runs = root / "runs"
     root.mkdir(parents=True)
     config = root / "run.toml"
@@ -89,15 +100,16 @@ def run_one(root: Path, keys: Path, attack: str, *, verify: bool, seconds: float
         common = ["--bootstrap", addr, "--run-id", RUN_ID, "--runs-dir", str(runs), "--config", str(config)]
         learner = swarm.spawn(
             "learner", ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", "async", "--staleness", "4",
-                        "--seconds", str(seconds)], cpus=LEARNER_CPUS,
+                        "--max-versions", str(versions), "--seconds", str(seconds)], cpus=LEARNER_CPUS,
         )
         _wait_line(learner, _is_ready, 240, "ready")
         for i in range(2):
             swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(keys / f"peer{i}.key")], cpus=OTHER_CPUS)
         attacker: Child | None = None
         if attack != "clean":
+            how = [LATE[attack], "--after", str(AFTER)] if attack in LATE else [attack]
             attacker = swarm.spawn(
-                "attacker", [attack, *common, "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS, module="benchmarks.attackers"
+                "attacker", [*how, *common, "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS, module="benchmarks.attackers"
             )
         try:
             learner.proc.wait(seconds + 300)
@@ -122,6 +134,7 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
         "attack": attack,
         "verify": verify,
         "versions": summary["versions"],
+        "learner_wall_s": summary.get("wall_s"),
         "honest_groups_trained": sum(trained.get(p, 0) for p in honest),
         "honest_flagged": {
             "caught": [r for r in caught if r["peer"] in honest],
@@ -136,13 +149,16 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
     if attack != "clean":
         groups = sum(p["groups"] for p in published)
         mine = [r for r in caught if r["peer"] == bad]
-        first = min((p["wall"] for p in published), default=None)
+        lies = [p for p in published if p.get("lying", True)]
+        first = min((p["wall"] for p in lies), default=None)
         result.update(
             attacker_batches_published=len(published),
             attacker_groups_published=groups,
             attacker_groups_trained=trained.get(bad, 0),
             trained_share=round(trained.get(bad, 0) / max(1, groups), 4),
             caught={k: mine[0][k] for k in ("reason", "evidence", "batches", "version")} if mine else None,
+            # Of the batches the learner opened up to the ban, how many lied (the honest ones first).
+            lying_batches_to_ban=mine[0]["batches"] - (AFTER if attack in LATE else 0) if mine else None,
             ban_after_s=round(mine[0]["wall"] - first, 3) if mine and first is not None else None,
         )
     return result
@@ -156,6 +172,7 @@ def evaluate(run_dir: Path) -> dict[str, Any]:
     import torch
 
     from echo_node.ml.engine import TorchEngine
+    from echo_node.ml.grpo import sequence_logprobs
     from echo_node.ml.model import load_checkpoint, load_state_bytes
     from echo_node.policy import learner_policy
 
@@ -171,10 +188,18 @@ def evaluate(run_dir: Path) -> dict[str, Any]:
     texts = [tok.decode(g.completion_ids) for g in gens]
     rewards = task.reward(prompts, texts)
     special = {tok.pad_id, *([tok.bos_id] if tok.bos_id is not None else [])}
+    # Where the poisoner puts its token: after the answer's first digit.
+    assert tok.bos_id is not None
+    with torch.inference_mode():
+        lp, _ = sequence_logprobs(
+            policy.model, [tok.encode_prompt(p) for p in prompts], [[tok.encode(task.answer(p))[0], tok.bos_id] for p in prompts],
+            tok.pad_id, temperature=cfg.sampling.temperature,
+        )
     return {
         "checkpoint_version": version,
         "greedy_accuracy": round(sum(rewards) / len(rewards), 4),
         "injected_rate": round(sum(any(i in special for i in g.completion_ids) for g in gens) / len(gens), 4),
+        "injected_prob": float(f"{lp[:, 1].exp().mean().item():.3g}"),
     }
 
 
@@ -191,6 +216,9 @@ def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
         ok = {"caught": bool(caught)}
         if r["attack"] in EXACT:
             ok.update(trained_share=r["trained_share"] <= 0.01, within_2_batches=bool(caught) and caught["batches"] <= 2)
+        elif r["attack"] in LATE:
+            # Each lying batch is checked with chance spot_rate: the wait is geometric (mean 1 / rate).
+            ok.update(accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
         else:
             ok.update(within_expected=bool(caught) and caught["batches"] <= 2, accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
         out["classes"][r["attack"]] = ok
@@ -214,7 +242,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
     from echo_node.metrics import _moving_mean
 
-    attacks = [a for a in CLASSES if a != "clean" and any(r["attack"] == a for r in results)]
+    attacks = [a for a in [*CLASSES, *LATE] if a != "clean" and any(r["attack"] == a for r in results)]
     clean = [r for r in results if r["attack"] == "clean"]
     cols = 3
     rows = max(1, (len(attacks) + cols - 1) // cols)
@@ -243,30 +271,36 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--classes", default=",".join(CLASSES))
-    p.add_argument("--seconds", type=float, default=60.0, help="training time per run")
+    p.add_argument("--versions", type=int, default=400, help="training steps per run (the same for every run)")
+    p.add_argument("--seconds", type=float, default=300.0, help="a run's training time at most")
     p.add_argument("--off", choices=["yes", "no"], default="yes", help="also run each class with verification off")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()
     classes = [c for c in args.classes.split(",") if c]
-    unknown = set(classes) - set(CLASSES)
+    unknown = set(classes) - set(CLASSES) - set(LATE)
     if unknown:
-        raise SystemExit(f"unknown classes {sorted(unknown)}; known: {CLASSES}")
+        raise SystemExit(f"unknown classes {sorted(unknown)}; known: {CLASSES + list(LATE)}")
     root = Path(tempfile.mkdtemp(prefix="echo-verify-"))
     keys = root / "keys"
     write_keys(keys)
     results: list[dict[str, Any]] = []
     t0 = time.monotonic()
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the swarm of the run in progress, then report
     try:
         for attack in classes:
             for verify in ([True, False] if args.off == "yes" else [True]):
                 run_root = root / f"{attack}-{'on' if verify else 'off'}"
-                r = run_one(run_root, keys, attack, verify=verify, seconds=args.seconds)
+                r = run_one(run_root, keys, attack, verify=verify, versions=args.versions, seconds=args.seconds)
                 results.append(r)
-                brief = {k: r.get(k) for k in ("versions", "trained_share", "greedy_accuracy", "injected_rate")}
+                brief = {k: r.get(k) for k in ("versions", "trained_share", "greedy_accuracy", "injected_prob")}
                 print(f"# {attack} verify={'on' if verify else 'off'}: {brief} caught={(r.get('caught') or {}).get('batches')}",
                       flush=True)
                 shutil.rmtree(run_root / "runs", ignore_errors=True)
@@ -274,7 +308,7 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     report = {
         "benchmark": "verification",
-        "seconds_per_run": args.seconds,
+        "versions_per_run": args.versions,
         "wall_s": round(time.monotonic() - t0, 1),
         "verdict": verdict(results),
         "runs": [{k: v for k, v in r.items() if k != "rewards"} for r in results],

@@ -280,7 +280,7 @@ class RolloutIntake:
         # The learner's checks of what a batch claims (echo_node/verify.py); None: none.
         self.verify = verify
         self.ban_versions = ban_versions
-        self.copies = Copies()
+        self.copies = Copies() if verify is not None else None
         # Why the last refused batch failed verification, for the ban's log line.
         self._evidence = ""
         # Spot checks run one at a time, in a worker thread (they own one model copy).
@@ -439,7 +439,7 @@ class RolloutIntake:
             return
         taken = 0
         for group in batch.groups:
-            first = self.copies.first_sender(group, origin)
+            first = self.copies.first_sender(group, origin) if self.copies is not None else origin
             if first != origin:
                 log.info("dropped a group of %s: %s sent the same prompt and samples first", origin, first)
                 self.buffer.reject(DropReason.COPIED, len(group.samples))

@@ -4,7 +4,6 @@ run's temperature. Batches here are sampled by the real engine from a real (tiny
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -13,45 +12,12 @@ import torch
 
 from echo_node.config import VerifyConfig
 from echo_node.learner import Learner
-from echo_node.ml.engine import TorchEngine
 from echo_node.ml.grpo import sequence_logprobs
-from echo_node.ml.model import build_model, state_to_bytes, tiny_llama_config
-from echo_node.ml.rollout import generate_groups
-from echo_node.rollout_peer import rollout_group
+from echo_node.ml.model import state_to_bytes
 from echo_node.verify import Verifier
-from protocol import DropReason, Identity, RolloutBatch, RolloutGroup, seal
-from protocol.assignment import batch_seed
-from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, assigned_prompt, offer
-
-RUN = "run-1"
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return build_model(tiny_llama_config(TOKENIZER.vocab_size))
-
-
-def perturbed(model: torch.nn.Module, scale: float) -> torch.nn.Module:
-    other = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(scale * torch.randn(p.shape, generator=gen))
-    return other
-
-
-def sample_batch(
-    model: torch.nn.Module, *, identity: Identity = ALICE, seq: int = 0, version: int = 0, groups: int = 4, temperature: float = 1.0
-) -> RolloutBatch:
-    """What an honest peer on `model` (claimed as `version`) publishes under `seq`."""
-    engine = TorchEngine(model, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
-    engine.version = version
-    prompts = [assigned_prompt(RUN, identity, version, seq, i) for i in range(groups)]
-    scored = generate_groups(
-        engine, TOKENIZER, TASK, prompts, group_size=8, temperature=temperature, max_new_tokens=4,
-        seed=batch_seed(RUN, identity.peer_id, version, seq),
-    )
-    return RolloutBatch(run_id=RUN, peer_id=identity.peer_id, seq=seq, groups=tuple(rollout_group(g, group_id=f"g{i}") for i, g in enumerate(scored)))
+from protocol import DropReason, RolloutBatch, RolloutGroup, seal
+from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, offer
+from tests.sampling import RUN, perturbed, sample_batch, sharpened, tiny_model
 
 
 def with_true_logprobs(model: torch.nn.Module, group: RolloutGroup) -> RolloutGroup:
@@ -69,14 +35,6 @@ def each_group(batch: RolloutBatch, change: Callable[[RolloutGroup], RolloutGrou
 @pytest.fixture(scope="module")
 def model() -> torch.nn.Module:
     return tiny_model()
-
-
-def sharpened(model: torch.nn.Module, factor: float = 6.0) -> torch.nn.Module:
-    """`model` made confident, as a trained policy is (a random one finds every token likely)."""
-    sharp = copy.deepcopy(model)
-    with torch.no_grad():
-        sharp.lm_head.weight.mul_(factor)
-    return sharp
 
 
 def verifier(model: torch.nn.Module, **cfg: object) -> Verifier:

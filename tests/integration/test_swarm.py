@@ -132,6 +132,10 @@ def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> Non
     # so all three peers went live on every version they sampled from.
     assert all(r["staleness_max"] == 0 for r in records)
     assert s["rollout_peers"] == 3
+    # Honest peers running for the whole run are never flagged by any check, spot checks included.
+    checks = s["verification"]["checks"]  # type: ignore[index]
+    assert all(c["fail"] == 0 for c in checks.values()) and s["verification"]["groups_spot_checked"] > 0, s["verification"]  # type: ignore[index]
+    assert s["banned"] == [] and s["penalties"] == {}
     # Weights travel peer to peer: the learner uploads about one copy per version, where a
     # star would upload three.
     snapshot = (cluster.run_dir(run_id) / "checkpoint.safetensors").stat().st_size

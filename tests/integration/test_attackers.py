@@ -1,0 +1,62 @@
+"""End to end: the six attacker peers of benchmarks/attackers.py, each its own process, join a
+real swarm next to two honest peers. Every one is caught by the check its lie fails, none of
+their groups is trained, and no honest peer is ever flagged. (What each attack does with
+verification off: tests/adversarial/test_attack_classes.py, benchmarks/verification.py.)"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from echo_node.metrics import read_metrics
+from tests.integration.conftest import Cluster
+
+pytestmark = pytest.mark.integration
+
+EXPECTED = {
+    "fake_rewards": {"bad_reward"},
+    "garbage": {"bad_logprobs", "bad_sampling"},
+    "other_model": {"bad_logprobs"},
+    "cherry_picked": {"bad_prompt"},
+    "copier": {"bad_prompt"},
+    "poison": {"bad_sampling", "bad_logprobs"},
+}
+SECONDS = 45  # of training: every attacker publishes well within it
+
+
+def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> None:
+    run_id = "it-attackers"
+    cluster.start_bootstrap()
+    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4", "--seconds", str(SECONDS))
+    honest = [cluster.start_peer(f"peer{i}", run_id) for i in range(2)]
+    attackers = {
+        attack: cluster.swarm.spawn(
+            attack,
+            [attack, "--bootstrap", cluster.bootstrap_addr, "--run-id", run_id, "--key-file", str(cluster.keys / f"{attack}.key"),
+             "--runs-dir", str(cluster.root / "runs")],
+            module="benchmarks.attackers",
+        )
+        for attack in EXPECTED
+    }
+    assert learner.proc.wait(SECONDS + 120) == 0
+    s = json.loads((cluster.run_dir(run_id) / "summary.json").read_text())
+    caught = {r["peer"]: r for r in read_metrics(cluster.run_dir(run_id) / "metrics.jsonl") if r.get("event") == "caught"}
+    ids = {name: _peer_id(cluster, name) for name in [*EXPECTED, "peer0", "peer1"]}
+    for attack, reasons in EXPECTED.items():
+        published = [line for line in attackers[attack].stdout_path.read_text().splitlines() if line.startswith("{")]
+        assert published, f"{attack} never published"
+        record = caught.get(ids[attack])
+        assert record is not None, f"{attack} was never caught: {s['verification']}"
+        assert record["reason"] in reasons and record["batches"] <= 2, (attack, record)
+        assert s["trained_groups"].get(ids[attack], 0) == 0, attack
+    for name in ("peer0", "peer1"):
+        assert ids[name] not in caught and ids[name] not in s["banned"] and not s["penalties"].get(ids[name])
+        assert s["trained_groups"].get(ids[name], 0) > 0
+    assert all(p.proc.poll() is None for p in honest)
+
+
+def _peer_id(cluster: Cluster, name: str) -> str:
+    from protocol.identity import load_or_create_key_file
+
+    return load_or_create_key_file(cluster.keys / f"{name}.key").peer_id
