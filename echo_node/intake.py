@@ -106,7 +106,7 @@ class PeerBook:
     # and walking every peer's window each time would make status O(peers).
     _effective: tuple[float, float] | None = None
     accepted: Counter[str] = field(default_factory=Counter)
-    # Signed batches opened per joined peer (what a ban is measured in: how many it took).
+    # Signed batches judged per joined peer (what a ban is measured in: how many it took).
     batches: Counter[str] = field(default_factory=Counter)
     penalties: Counter[str] = field(default_factory=Counter)
     # Banned peer -> wall-clock time the ban ends (wall clock: bans outlive the process), or
@@ -316,7 +316,6 @@ class RolloutIntake:
             log.warning("rejected a rollout message from %s: %s", origin, exc)
             return None, exc.reason, 1
         assert isinstance(batch, RolloutBatch)
-        self.peers.batches[origin] += 1
         n = batch.num_samples
         reason = judge_batch(batch, run=self.run, current_version=self.version())
         if reason is not None:
@@ -325,10 +324,12 @@ class RolloutIntake:
                 n, origin, reason, batch.run_id, batch.max_version, self.version(),
             )
             self._evidence = f"{reason} on arrival"
+            self.peers.batches[origin] += 1
             return batch, reason, n
         failure = self.verify.claims(batch) if self.verify is not None else None
         if failure is not None:
             self._evidence = failure.evidence
+            self.peers.batches[origin] += 1
             return batch, failure.reason, n
         return batch, None, n
 
@@ -406,6 +407,11 @@ class RolloutIntake:
 
     async def admit(self, batch: RolloutBatch, origin: str) -> None:
         """Spot-check what `batch`'s publisher's turn calls for, then ingest it."""
+        if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
+            self.buffer.reject(DropReason.BANNED, batch.num_samples)
+            return
+        # Batches judged per peer, in the order judged: a refused one when refused, a passed one here.
+        self.peers.batches[origin] += 1
         indices = self.verify.plan(batch) if self.verify is not None else []
         if indices:
             assert self.verify is not None

@@ -136,7 +136,7 @@ class Verifier:
         self._blobs_lock = threading.Lock()
         # Peer -> batches still checked in full.
         self._probation: OrderedDict[str, int] = OrderedDict()
-        self._rng = random.SystemRandom()  # peers must not predict which groups are checked
+        self._rng = random.SystemRandom()  # peers must not predict which batches are checked
 
     # -- every batch -------------------------------------------------------------------------
 
@@ -216,9 +216,9 @@ class Verifier:
         """Which groups of `batch` to spot-check: all while its publisher is on probation (a
         peer is, for its first batches), else all with probability `spot_rate`, else none.
 
-        Whole batches, not groups one by one: a check's forward costs mostly its fixed part on
-        small models (one group ~2.9 ms, eight ~10.4 ms on the default model), and the sampling
-        tests gain power with every token they see."""
+        Whole batches, not groups one by one: on small models a check's forward costs mostly
+        its fixed part (benchmarks/results/measurements.md), and the sampling tests gain power
+        with every token they see."""
         if self._model is None:
             return []
         peer = batch.peer_id

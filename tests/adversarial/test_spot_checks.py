@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+import trio
 
 from echo_node.config import VerifyConfig
 from echo_node.learner import Learner
@@ -129,3 +130,25 @@ def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, le
     assert learner.peers.is_banned(MALLORY.peer_id) and not learner.peers.penalties.get(ALICE.peer_id)
     assert learner.buffer.ledger.dropped == {"bad_logprobs": 32, "purged": 32}
     assert {learner.buffer.origin(g) for g in learner.buffer.take(100, 0)} == {ALICE.peer_id}
+
+
+def test_a_peer_caught_is_caught_once_though_more_of_its_batches_were_queued(learner: Learner) -> None:
+    """Batches pass the validator before the consumer spot-checks the first: once that one gets
+    its publisher banned, the ones queued behind it are dropped as `banned`, not judged again."""
+    learner.verifier = v = verifier(learner.policy.model)
+    learner.intake.verify = v
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+    other = perturbed(learner.policy.model, 0.05)
+    queued = [seal(sample_batch(other, identity=MALLORY, seq=seq), MALLORY) for seq in (1, 2, 3)]
+
+    async def go() -> None:
+        for data in queued:
+            assert learner.intake.validate(MALLORY.peer_id, MALLORY.peer_id, data)
+        for data in queued:
+            await learner.intake.deliver(data, MALLORY.peer_id)
+
+    trio.run(go)
+    assert [(r["reason"], r["batches"]) for r in caught] == [("bad_logprobs", 1)]
+    assert learner.buffer.ledger.dropped == {"bad_logprobs": 32, "banned": 64}
