@@ -138,10 +138,11 @@ class VerifyConfig:
     # `probation_batches` batches, and its next ones after any refused message, all are.
     spot_rate: float = 0.1
     probation_batches: int = 2
-    # Largest |claimed - recomputed| log-prob of a token, and largest mean over a group's
-    # checked tokens. Honest peers on CPU fp32 measured max 2.9e-5, mean 1.1e-7 over 85,536
-    # tokens (benchmarks/results/measurements.md); a bf16 engine rounds logits to ~3 digits,
-    # which these leave room for; fabricated log-probs or another model's are off by far more.
+    # Largest |claimed - recomputed| log-prob of a token, and largest mean over the tokens of a
+    # version checked in one batch. Honest peers on CPU fp32: max 2.9e-5 (benchmarks/results/
+    # measurements.md); the margin is for engines and dtypes that round otherwise (bf16 on GPU
+    # has not been measured yet: re-measure before trusting these there). Fabricated log-probs
+    # or another model's are off by ~1 and more.
     lp_tolerance_max: float = 0.5
     lp_tolerance_mean: float = 0.05
     # Chance an honest peer fails the sampling checks: per token for "improbable token", per
