@@ -199,6 +199,10 @@ class PeerBook:
             self.penalties.pop(peer_id, None)
         return False
 
+    def banned_peers(self) -> set[str]:
+        """Peers under a ban of either kind (some may have ended: `is_banned` lifts those)."""
+        return {*self.banned, *self.banned_until_version}
+
     def score(self, peer_id: str) -> float:
         """GossipSub's application score: a peer below its graylist threshold is ignored."""
         banned = peer_id in self.banned or peer_id in self.banned_until_version

@@ -435,7 +435,7 @@ class Learner:
             # The learner's checks of peers' claims: per check, batches passed and failed; what
             # the spot checks covered; their cost against training's.
             "verification": self.verification(),
-            "banned": sorted({*self.peers.banned, *self.peers.banned_until_version}),
+            "banned": sorted(self.peers.banned_peers()),
             "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
@@ -451,7 +451,7 @@ class Learner:
         st = self.verifier.stats
         return {
             "failed": dict(st.failed),
-            "banned": len(self.peers.banned) + len(self.peers.banned_until_version),
+            "banned": len(self.peers.banned_peers()),
             "spot_rate": round(st.groups_spot_checked / max(1, st.groups_seen), 4),
             "share": round((st.claims_s + st.spot_s) / max(1e-9, self.trainer.train_s), 4),
         }
