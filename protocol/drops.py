@@ -19,7 +19,8 @@ class DropReason(enum.StrEnum):
     """A counted reason for dropping a message (a `str`, so it formats as its value)."""
 
     STALE = "stale"  # older than the staleness rule admits (Echo §3: version < current - S)
-    FUTURE_VERSION = "future_version"  # claims a policy version the learner never published
+    FUTURE_VERSION = "future_version"  # claims a policy version above the learner's current one
+    UNPUBLISHED_VERSION = "unpublished_version"  # claims a version number the learner never published
     WRONG_RUN = "wrong_run"  # well-formed, but for another run id
     BAD_SIGNATURE = "bad_signature"  # signature or public key does not verify
     WRONG_SENDER = "wrong_sender"  # valid signature, but not by whom the message claims / we expect

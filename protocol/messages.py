@@ -106,11 +106,12 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 6  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+SCHEMA_VERSION: Final = 7  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
 # 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
 # message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
 # channel's hello moved to v2 with it); 6: a group's prompt is the one its slot assigns
-# (protocol/assignment.py)
+# (protocol/assignment.py); 7: run specs, status answers and version announcements name the
+# learner's epoch (a resumed learner's versions continue; peers follow a newer epoch)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
@@ -153,6 +154,8 @@ class RunSpec(WireMessage):
     group_size: int  # completions per prompt (GRPO group)
     current_version: int
     learner_peer_id: str
+    # Grows with every start of the run's learner (MAX_VERSION bounds it like a version).
+    epoch: int
 
     def __post_init__(self) -> None:
         w = "RunSpec"
@@ -168,6 +171,7 @@ class RunSpec(WireMessage):
         _set(self, "group_size", _int(f"{w}.group_size", self.group_size, MIN_GROUP_SIZE, MAX_GROUP_SIZE))
         _set(self, "current_version", _int(f"{w}.current_version", self.current_version, 0, MAX_VERSION))
         _set(self, "learner_peer_id", _peer_id(f"{w}.learner_peer_id", self.learner_peer_id))
+        _set(self, "epoch", _int(f"{w}.epoch", self.epoch, 0, MAX_VERSION))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -343,6 +347,7 @@ class StatusRequest(WireMessage):
 def _check_version_fields(obj: WireMessage, w: str, size_field: str, hash_field: str) -> None:
     _set(obj, "run_id", _run_id(f"{w}.run_id", getattr(obj, "run_id")))
     _set(obj, "version", _int(f"{w}.version", getattr(obj, "version"), 0, MAX_VERSION))
+    _set(obj, "epoch", _int(f"{w}.epoch", getattr(obj, "epoch"), 0, MAX_VERSION))
     _set(obj, size_field, _int(f"{w}.{size_field}", getattr(obj, size_field), 0, MAX_WEIGHTS_BYTES))
     _set(obj, hash_field, _sha256(f"{w}.{hash_field}", getattr(obj, hash_field)))
 
@@ -357,6 +362,8 @@ class StatusResponse(WireMessage):
     weights_sha256: bytes
     # Flow control: groups the learner wants from this peer per version (see VersionAnnounce).
     demand_groups: int
+    # The learner incarnation answering (RunSpec.epoch).
+    epoch: int
 
     def __post_init__(self) -> None:
         _check_version_fields(self, "StatusResponse", "weights_size", "weights_sha256")
@@ -377,6 +384,9 @@ class VersionAnnounce(WireMessage):
     # than the learner can train on before the version leaves the staleness window only burns
     # the volunteers' compute and the learner's intake.
     demand_groups: int
+    # The learner incarnation that made the version (RunSpec.epoch). A version number names
+    # one digest for the life of a run; a peer follows a newer epoch and ignores older ones.
+    epoch: int
 
     def __post_init__(self) -> None:
         _check_version_fields(self, "VersionAnnounce", "size", "sha256")

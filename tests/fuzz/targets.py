@@ -141,6 +141,7 @@ def _spec() -> RunSpec:
         group_size=8,
         current_version=0,
         learner_peer_id=LEARNER.peer_id,
+        epoch=1,
     )
 
 
@@ -168,8 +169,8 @@ def messages() -> tuple[tuple[Message, Identity], ...]:
         (JoinRequest(run_id=RUN_ID, peer_id=ALICE.peer_id, data_host="2001:db8::2", data_port=65535), ALICE),
         (JoinResponse(spec=spec, data_host="10.0.0.1", data_port=7000), LEARNER),
         (StatusRequest(run_id=RUN_ID), ALICE),
-        (StatusResponse(run_id=RUN_ID, version=3, weights_size=123, weights_sha256=SHA, demand_groups=8), LEARNER),
-        (VersionAnnounce(run_id=RUN_ID, version=3, size=40_000, sha256=SHA, demand_groups=16), LEARNER),
+        (StatusResponse(run_id=RUN_ID, version=3, weights_size=123, weights_sha256=SHA, demand_groups=8, epoch=1), LEARNER),
+        (VersionAnnounce(run_id=RUN_ID, version=3, size=40_000, sha256=SHA, demand_groups=16, epoch=1), LEARNER),
         (RepairRequest(run_id=RUN_ID, peer_id=ALICE.peer_id, seqs=(1, 5, 9)), ALICE),
         (RepairResponse(envelopes=(seal(batch, ALICE),), unavailable=(3,)), ALICE),
         (RepairResponse(envelopes=()), ALICE),
@@ -1238,7 +1239,7 @@ def drive(coro: Any) -> Any:
 def _rpc_targets() -> list[Target]:
     from echo_node.net import rpc
 
-    fixed = StatusResponse(run_id=RUN_ID, version=3, weights_size=123, weights_sha256=SHA, demand_groups=8)
+    fixed = StatusResponse(run_id=RUN_ID, version=3, weights_size=123, weights_sha256=SHA, demand_groups=8, epoch=1)
 
     async def handler(request: Any, remote: str) -> Any:
         if isinstance(request, JoinRequest):

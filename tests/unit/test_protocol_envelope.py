@@ -77,12 +77,12 @@ def test_sealing_is_deterministic() -> None:
 
 
 def test_other_kinds_round_trip() -> None:
-    announce = VersionAnnounce(run_id="run-1", version=5, size=10, sha256=b"\x01" * 32, demand_groups=4)
+    announce = VersionAnnounce(run_id="run-1", version=5, size=10, sha256=b"\x01" * 32, demand_groups=4, epoch=2)
     assert open_envelope(seal(announce, MALLORY))[0] == announce
     spec = RunSpec(
         run_id="run-1", model={"a": 1}, tokenizer={}, task="t",
         sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=8), sync_mode="pull",
-        staleness=0, group_size=8, current_version=0, learner_peer_id=ALICE.peer_id,
+        staleness=0, group_size=8, current_version=0, learner_peer_id=ALICE.peer_id, epoch=0,
     )
     assert open_envelope(seal(spec, ALICE), expected_sender=ALICE.peer_id)[0] == spec
 
@@ -195,7 +195,7 @@ def test_non_canonical_payload_rejected() -> None:
         open_envelope(reframe([SCHEMA_VERSION, "rollout_batch", payload, ALICE.public_key, sig]))
     # Unsorted config keys are a different encoding of the same RunSpec.
     spec_wire = [
-        "run-1", {"b": 1, "a": 2}, {}, "t", [1.0, 1.0, 8], "pull", 0, 8, 0, ALICE.peer_id,
+        "run-1", {"b": 1, "a": 2}, {}, "t", [1.0, 1.0, 8], "pull", 0, 8, 0, ALICE.peer_id, 0,
     ]
     payload = msgpack.packb(spec_wire, use_bin_type=True)
     sig = ALICE.sign(signing_input("run_spec", payload))
