@@ -3,19 +3,173 @@
 Arguments are parsed before torch or libp2p is imported, so `echo-node --help` (and a typo)
 answers at once. User errors (bad config, unreachable bootstrap, missing learner) end in one
 line on stderr and a non-zero exit, never a traceback.
+
+SIGINT and SIGTERM stop every role cleanly: the role is cancelled, its own cleanup runs (the
+learner writes its summary and checkpoint), and the process exits with 128 + the signal number
+(130, 143), without a traceback. See `run_until_signal`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
 import sys
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import trio
 
 DEFAULT_KEY_DIR = Path(os.environ.get("ECHO_NODE_HOME", Path.home() / ".local" / "share" / "echo-node")) / "keys"
 EXIT_USER_ERROR = 2
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+log = logging.getLogger("echo_node.cli")
+T = TypeVar("T")
+
+
+# -- stop signals ----------------------------------------------------------------------------
+#
+# Rules, in the order a process lives through them:
+# - Outside `run_until_signal` (parsing, imports, loading a model; the last log line): SIGINT
+#   raises KeyboardInterrupt as Python's default handler does, SIGTERM raises `Stopped`; `main`
+#   turns both into 128 + the signal number. Before it nothing was written that a summary could
+#   report; after it the role's cleanup is done.
+# - While `run_until_signal` runs the role: the first SIGINT or SIGTERM cancels the role's
+#   cancel scope and nothing else; the role's own `finally` blocks (the learner's summary and
+#   checkpoint) run under that cancellation, and the exit status is 128 + the signal number.
+# - A second SIGINT or SIGTERM while stopping exits at once (os._exit, 128 + its number),
+#   skipping whatever cleanup is left: an operator who signals twice wants the process gone, and a
+#   shutdown that hangs must not need SIGKILL.
+
+
+class Stopped(BaseException):
+    """SIGTERM outside `run_until_signal`: unwinds like KeyboardInterrupt does for SIGINT."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _exit_now(signum: int) -> None:
+    # Called from a signal handler, possibly in the middle of a write to stderr: os.write, not
+    # logging (a buffered stream re-entered from a signal handler raises).
+    os.write(2, f"echo-node: {_signal_name(signum)} while stopping: exiting at once\n".encode())
+    os._exit(128 + signum)
+
+
+@dataclass
+class _StopState:
+    signum: int | None = None  # the first stop signal received
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Python-level handler while trio runs but no receiver is open (before the watcher opens
+        it, after it closed) and once stopping: the first signal is recorded, the watcher acts on
+        it; any later one exits at once."""
+        if self.signum is None:
+            self.signum = signum
+        else:
+            _exit_now(signum)
+
+
+async def _watch_signals(
+    state: _StopState, role: trio.CancelScope, doing: str, *, task_status: trio.TaskStatus[None]
+) -> None:
+    import trio
+
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+        task_status.started()
+        if state.signum is None:  # else it arrived before the receiver was open
+            async for signum in signals:
+                state.signum = signum
+                break
+        assert state.signum is not None
+        log.info("stopping on %s%s", _signal_name(state.signum), f": {doing}" if doing else "")
+        # The role's cleanup may run synchronously for a while (the learner's summary, plots and
+        # checkpoint) and this task would not see a signal until it yields: a plain handler acts
+        # on the next one at once. The receiver restores `state.on_signal` when it closes.
+        for s in STOP_SIGNALS:
+            signal.signal(s, state.on_signal)
+        role.cancel()
+        async for signum in signals:  # one queued before the handlers were replaced
+            _exit_now(signum)
+
+
+def _leaf_errors(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaf_errors(inner)]
+    return [exc]
+
+
+def run_until_signal(fn: Callable[[], Awaitable[T]], *, doing: str = "") -> tuple[T | None, int | None]:
+    """`trio.run(fn)` until it returns or SIGINT/SIGTERM cancels it.
+
+    Returns fn's result (None if a signal cancelled it) and the stop signal's number (None if
+    none came). `doing` says, in the log line a signal brings, what the role does on its way out.
+    An error the role raises while stopping is logged, not raised: the operator asked it to stop,
+    and the exit status says it was stopped.
+    """
+    import trio
+
+    state = _StopState()
+    result: list[T] = []
+    # The role's own error, raised after trio.run as the role raised it (the nursery here would
+    # wrap it in an exception group that `trio.run(fn)` does not add).
+    error: list[Exception] = []
+
+    async def main() -> None:
+        role = trio.CancelScope()
+        async with trio.open_nursery() as nursery:
+            # Started (receiver open) before the role runs, so no signal can reach the role as
+            # KeyboardInterrupt: the role sees only a cancellation.
+            await nursery.start(partial(_watch_signals, state, role, doing))
+            try:
+                with role:
+                    result.append(await fn())
+            except Exception as exc:
+                if state.signum is None:
+                    error.append(exc)
+                    return
+                errors = "; ".join(f"{type(e).__name__}: {e}" for e in _leaf_errors(exc))
+                log.error("while stopping on %s: %s", _signal_name(state.signum), errors)
+                log.debug("while stopping", exc_info=exc)
+            finally:
+                nursery.cancel_scope.cancel()  # the watcher
+
+    # trio installs its own SIGINT handler (KeyboardInterrupt at a safe point) only when it finds
+    # Python's default one; with `state.on_signal` in place a signal outside the receiver is
+    # recorded instead and stops the role like any other.
+    previous = {s: signal.signal(s, state.on_signal) for s in STOP_SIGNALS}
+    try:
+        trio.run(main)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if error:
+        raise error[0]
+    return (result[0] if result else None), state.signum
+
+
+def _exit_status(signum: int | None) -> int:
+    return 0 if signum is None else 128 + signum
 
 
 def _common(p: argparse.ArgumentParser, *, role: str) -> None:
@@ -109,8 +263,6 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
-    import trio
-
     from bootstrap.node import run_bootstrap
 
     from echo_node.config import NetConfig, validate_net
@@ -118,8 +270,8 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
 
     net = NetConfig(listen=args.listen or NetConfig().listen, advertise_host=args.advertise_host, announce=args.announce or [])
     validate_net(net)
-    trio.run(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True))
-    return 0
+    _, signum = run_until_signal(partial(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True)))
+    return _exit_status(signum)
 
 
 def _read_peer_list(path: Path) -> list[str]:
@@ -133,32 +285,55 @@ def _read_peer_list(path: Path) -> list[str]:
 
 def _cmd_learn(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    import trio
-
     from echo_node.learner import Learner
     from echo_node.policy import learner_policy, set_threads
 
     set_threads(cfg.threads)
     identity = _identity(args, "learner")
     policy = learner_policy(cfg)
-    summary = trio.run(Learner(cfg, identity, policy).run)
-    logging.getLogger("echo_node").info(
-        "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]
-    )
-    return 0
+    summary_path = cfg.run_dir / "summary.json"
+    earlier = _mtime(summary_path)  # a summary an earlier run under this id left
+    summary, signum = run_until_signal(Learner(cfg, identity, policy).run, doing="writing the summary")
+    if summary is not None:
+        log.info(
+            "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]
+        )
+    else:
+        _log_stopped(summary_path, cfg.run_id, signum, stale=earlier)
+    return _exit_status(signum)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | None) -> None:
+    """The learner's last line when a signal stopped it: what summary.json says, if this run wrote
+    it (a file still at modification time `stale` is an earlier run's under the same id)."""
+    how = f"stopped on {_signal_name(signum)}" if signum is not None else "stopped"
+    if _mtime(path) in (None, stale):
+        log.warning("run %s %s without writing %s", run_id, how, path)
+        return
+    try:
+        s = json.loads(path.read_text())
+        totals = f"{s['versions']:d} versions, reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}"
+    except (OSError, ValueError, KeyError, TypeError):  # only the log line's numbers are lost
+        totals = "its totals unreadable"
+    log.info("run %s %s: %s; summary in %s", run_id, how, totals, path)
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     cfg = _config(args)
-    import trio
-
     from echo_node.policy import set_threads
     from echo_node.rollout_peer import RolloutPeer
 
     set_threads(cfg.threads)
     peer = RolloutPeer(cfg, _identity(args, "peer"), model_path=cfg.model.path)
-    trio.run(peer.run)
-    return 0
+    _, signum = run_until_signal(peer.run, doing="leaving the run")
+    return _exit_status(signum)
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -175,10 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     role = args.command
     if role != "demo":
         _setup_logging(args.log_level, role)
+    # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
+    # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return COMMANDS[role](args)
     except KeyboardInterrupt:
         return 130
+    except Stopped as exc:
+        return 128 + exc.signum
     except BaseException as exc:
         if _is_interrupt(exc):  # Ctrl-C inside trio arrives wrapped in exception groups
             return 130
@@ -187,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"echo-node {role}: error: {user_error}", file=sys.stderr)
         return EXIT_USER_ERROR
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)  # main() may be called in-process
 
 
 def _is_interrupt(exc: BaseException) -> bool:

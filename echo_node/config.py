@@ -156,7 +156,15 @@ class VerifyConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
+    # The learner checkpoints (model, optimizer, ledger, peer tables: echo_node/checkpoint.py)
+    # every this many versions, when its journal passes `max_journal_bytes`, and when it stops.
     every_versions: int = 20
+    # Checkpoints kept; a corrupt newest one falls back to the one before.
+    keep: int = 3
+    # Accepted rollouts reach the journal's disk at least this often (steps and publications
+    # before the version is announced, whatever this says).
+    journal_flush_s: float = 0.5
+    max_journal_bytes: int = 64 << 20
 
 
 @dataclass(kw_only=True, slots=True)
@@ -231,8 +239,11 @@ def validate(cfg: RunConfig) -> None:
         )
     if cfg.seconds is not None and cfg.seconds <= 0:
         raise ValueError(f"seconds must be > 0, got {cfg.seconds}")
-    if cfg.checkpoint.every_versions < 1:
-        raise ValueError("checkpoint.every_versions must be >= 1")
+    c = cfg.checkpoint
+    if c.every_versions < 1 or c.keep < 1 or not 0 < c.journal_flush_s <= 60 or c.max_journal_bytes < 1 << 20:
+        raise ValueError(
+            "checkpoint needs every_versions >= 1, keep >= 1, 0 < journal_flush_s <= 60 and max_journal_bytes >= 1 MiB"
+        )
     validate_net(cfg.net)
 
 

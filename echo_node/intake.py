@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import trio
 
+from echo_node.journal import Journal
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
 from echo_node.verify import Copies, Verifier
@@ -291,6 +292,10 @@ class RolloutIntake:
         self._spot_lock = trio.Lock()
         self.node: Gossip | None = None
         self.tracker = SequenceTracker()
+        # Set by the learner: its write-ahead journal (new seqs are journaled, so a restart
+        # rebuilds the tracker), and which version numbers it published.
+        self.journal: Journal | None = None
+        self.published: Callable[[int], bool] | None = None
         # The learner's version when the tracker last forgot a publisher (see the module rules).
         self._forgot_at = -1
         # Messages seen missing from a publisher's sequence and never recovered by repair. They
@@ -321,7 +326,7 @@ class RolloutIntake:
             return None, exc.reason, 1
         assert isinstance(batch, RolloutBatch)
         n = batch.num_samples
-        reason = judge_batch(batch, run=self.run, current_version=self.version())
+        reason = judge_batch(batch, run=self.run, current_version=self.version(), published=self.published)
         if reason is not None:
             log.warning(
                 "rejected %d rollouts from %s: %s (run %r, newest token version %d, learner at %d)",
@@ -447,6 +452,8 @@ class RolloutIntake:
             reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
             self.buffer.reject(reason, batch.num_samples)
             return
+        if self.journal is not None:
+            self.journal.append(["seen", origin, batch.seq])
         taken = 0
         for group in batch.groups:
             first = self.copies.first_sender(group, origin) if self.copies is not None else origin

@@ -6,8 +6,14 @@ GRPO update per `groups_per_step` groups) -> weight publisher (the new version o
 channel) and a signed announcement on the versions topic.
 
 Invariant (see replay.py): each received rollout is trained or dropped with a reason, exactly
-once; the final ledger is written to `summary.json`. Bad input from a peer is a log line, a
-dropped-rollout count and a penalty against that peer, never a crash.
+once, across restarts too; the ledger is written to `summary.json` at every stop. Bad input from
+a peer is a log line, a dropped-rollout count and a penalty against that peer, never a crash.
+
+Durability (echo_node/recovery.py): every start is a new epoch; a run folder that holds a run is
+resumed from its newest checkpoint and write-ahead journal, and the version numbering goes on,
+never back. The journal is flushed before a version is announced (and at least every
+`checkpoint.journal_flush_s`), a checkpoint is written every `checkpoint.every_versions`
+versions and at a stop.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shutil
 import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any, TextIO
 
 import trio
@@ -31,6 +39,7 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
 from echo_node.policy import Policy
+from echo_node.recovery import Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
@@ -54,6 +63,7 @@ from protocol.messages import (
     StatusResponse,
     VersionAnnounce,
 )
+from protocol.weights.manifest import WeightManifest, payload_digest
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +91,17 @@ class Learner:
     `RunReport` (metrics, summary, plots); and keeps the joins, status answers, dial-back probes
     and announcements."""
 
-    def __init__(self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout) -> None:
+    def __init__(
+        self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout, fresh: bool = False
+    ) -> None:
         self.cfg = cfg
+        # `fresh`: start the run over even if its folder holds one (the old state is moved aside;
+        # version numbers still go on from the newest one published, so that no old rollout can
+        # pass for a new version's).
+        self.fresh = fresh
+        # This start of the run (RunSpec.epoch); set when the run starts.
+        self.epoch = 0
+        self.resumed: Resumed | None = None
         self.identity = identity
         self.policy = policy
         self.stdout = stdout
@@ -121,6 +140,11 @@ class Learner:
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
         self.trainer = Trainer(cfg, policy, self.buffer)
+        # Checkpoints, the journal and the history of published versions.
+        self.state = RunState(self)
+        self.buffer.journal = self.trainer.journal = self.intake.journal = self.state.journal
+        self.intake.published = self.state.history_published
+        self._journal_lock = trio.Lock()
         self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
@@ -133,15 +157,18 @@ class Learner:
     # -- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> dict[str, Any]:
-        """Serve and train until the configured time or version budget is spent."""
+        """Resume (or start) the run, then serve and train until the configured time or version
+        budget is spent or the task is cancelled; the summary and a checkpoint are written either way."""
         self._started = time.monotonic()
-        self.report.open()
-        self._offer(0, state_to_bytes(self.policy.model))
+        blob = self._start()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 await nursery.start(self.node.run)
                 await nursery.start(self.data.run)
+                nursery.start_soon(self._flush_loop)
+                # The version this start goes on from, before anyone can join or ask.
+                await self._publish_version(blob)
                 if self.cfg.net.bootstrap:
                     await connect_bootstrap(
                         self.node,
@@ -153,7 +180,8 @@ class Learner:
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
                 await self.node.subscribe(self.rollouts_topic, self.intake.validate, on_overflow=self.intake.overflowed)
                 await self.node.provide(provider_key(self.cfg.run_id))
-                self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": 0})
+                self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
+                           "epoch": self.epoch})
                 nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
                 nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
                 nursery.start_soon(self._provide_loop)
@@ -162,6 +190,74 @@ class Learner:
         finally:
             summary = self._finish()
         return summary
+
+    def _start(self) -> bytes:
+        """A new epoch, the run resumed from its folder (or started over), the start journaled:
+        returns the weights of the version this start goes on from."""
+        run_dir = self.cfg.run_dir
+        floor = 0
+        if self.fresh:
+            floor = self.state.last_published() + 1
+            self._archive(run_dir)
+        self.epoch = self.state.store.next_epoch()
+        self.report.open()
+        try:
+            self.resumed = None if self.fresh else self.state.resume()
+        except ResumeRefused as exc:
+            raise ValueError(str(exc)) from None
+        if self.resumed is None:
+            self.trainer.version = floor
+            self.state.history.last = floor - 1
+        blob = state_to_bytes(self.policy.model)
+        # First in this start's journal: where it goes on from (a later restart replaying this
+        # journal checks that it got to the same weights).
+        self.state.journal.append(["resume", self.version, self.epoch, payload_digest(blob)])
+        self.buffer.evict_stale(self.version)
+        self.state.journal.flush()
+        if self.resumed is not None:
+            for version, old in sorted(self.resumed.blobs.items()):
+                if version < self.version:  # still admissible: served, and spot-checkable
+                    self._offer(version, old)
+            r = self.resumed
+            log.info(
+                "resumed run %s at version %d (epoch %d): checkpoint %s, %d journal records, %d steps redone in %.1fs%s",
+                self.cfg.run_id, self.version, self.epoch, r.checkpoint, r.records, r.redone, r.seconds,
+                f"; redo stopped early: {r.diverged}" if r.diverged else "",
+            )
+        self._write({"event": "start", "epoch": self.epoch, "version": self.version, "fresh": self.fresh,
+                     "resumed": self.resumed.to_dict() if self.resumed is not None else None,
+                     "buffered": self.buffer.buffered_rollouts})
+        return blob
+
+    def _archive(self, run_dir: Path) -> None:
+        """--fresh: move the previous run's state aside (kept, not deleted); the epoch stays."""
+        names = ("checkpoints", "journal", "bans.json", "summary.json", "metrics.jsonl")
+        present = [n for n in names if (run_dir / n).exists()]
+        if not present:
+            return
+        dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in present:
+            shutil.move(str(run_dir / name), str(dest / name))
+        self.state.journal.index = 0
+        log.info("started run %s over: its previous state is in %s", self.cfg.run_id, dest)
+
+    async def _flush_journal(self) -> None:
+        """Make every journaled record durable (one writer at a time, in order)."""
+        async with self._journal_lock:
+            data = self.state.journal.take_pending()
+            await trio.to_thread.run_sync(self.state.journal.write, data)
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await trio.sleep(self.cfg.checkpoint.journal_flush_s)
+            if self.state.journal.pending:
+                await self._flush_journal()
+
+    async def _checkpoint(self) -> None:
+        async with self._journal_lock:
+            version, writers = self.state.prepare()
+            await trio.to_thread.run_sync(self.state.write, version, writers)
 
     def _say(self, record: dict[str, Any]) -> None:
         self.stdout.write(json.dumps(record) + "\n")
@@ -194,6 +290,7 @@ class Learner:
             group_size=self.cfg.rl.group_size,
             current_version=self.weights.published,
             learner_peer_id=self.node.peer_id,
+            epoch=self.epoch,
         )
 
     async def _on_join(self, request: Any, remote: str, *, observed: str | None = None) -> JoinResponse:
@@ -208,6 +305,7 @@ class Learner:
             self.peers.join(remote, trio.current_time())
         except JoinRefused as exc:
             raise rpc.RequestRefused(exc.code, str(exc)) from None
+        self.state.journal.append(["join", remote])
         log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
         self._schedule_probe(remote, self._probe_candidates(request, observed))
         return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
@@ -284,6 +382,7 @@ class Learner:
             weights_size=manifest.weights_size,
             weights_sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
+            epoch=self.epoch,
         )
 
     def demand_groups(self) -> int:
@@ -350,8 +449,8 @@ class Learner:
                     # Anything that just fell out of the staleness window is counted now, not at exit.
                     self.buffer.evict_stale(self.version)
                     self._record_step(groups, stats, wait_s=t1 - t0, train_s=t3 - t1)
-                if self.version % self.cfg.checkpoint.every_versions == 0:
-                    await trio.to_thread.run_sync(trainer.checkpoint)
+                if self.version % self.cfg.checkpoint.every_versions == 0 or self.state.journal.segment_bytes > self.state.journal.max_segment_bytes:
+                    await self._checkpoint()
 
     def _offer(self, version: int, blob: bytes) -> None:
         self.weights.offer(version, blob)
@@ -359,16 +458,27 @@ class Learner:
             self.verifier.remember(version, blob)
 
     async def _publish_version(self, blob: bytes) -> None:
+        """Make the current version fetchable and announce it: journaled and durable first, so
+        a version number anyone saw names these weights for the life of the run."""
+        version = self.version
+        manifest: WeightManifest = await trio.to_thread.run_sync(self.weights.build, version, blob)
+        history = self.state.history
+        if history.versions.get(version) != (manifest.weights_sha256, manifest.weights_size):
+            history.add(version, manifest.weights_sha256, manifest.weights_size)
+            self.state.journal.append(["publish", version, manifest.weights_sha256, manifest.weights_size, self.epoch])
+        await self._flush_journal()
         if self.verifier is not None:  # before a peer can learn of the version
-            self.verifier.remember(self.version, blob)
-        manifest = await self.weights.publish(self.version, blob)
+            self.verifier.remember(version, blob)
+        await self.weights.publish(version, blob, manifest)
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
-            version=self.version,
+            version=version,
             size=manifest.weights_size,
             sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
+            epoch=self.epoch,
         )
+        self._write({"event": "published", "version": version, "sha256": manifest.weights_sha256.hex(), "epoch": self.epoch})
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
@@ -403,9 +513,11 @@ class Learner:
         )
 
     def _finish(self) -> dict[str, Any]:
-        self.buffer.close()
         self.buffer.check()
-        self.trainer.checkpoint()
+        try:  # what is still buffered stays in the journal: the next start takes it back
+            self.state.checkpoint_now()
+        except OSError as exc:
+            log.error("could not write the final checkpoint (%s): a restart resumes from the previous one and the journal", exc)
         first, last = first_last_mean(self.trainer.trained_rewards)
         ledger = self.buffer.ledger
         summary = {
@@ -416,6 +528,12 @@ class Learner:
             "rollouts_received": ledger.received,
             "rollouts_accepted": ledger.trained,
             "rollouts_dropped": dict(sorted(ledger.dropped.items())),
+            # Accepted and not trained yet: kept for the next start (under the staleness rule).
+            "rollouts_buffered": self.buffer.buffered_rollouts,
+            "epoch": self.epoch,
+            "resumed": self.resumed.to_dict() if self.resumed is not None else None,
+            "checkpoints": {"written": self.state.checkpoints_written, "seconds": round(self.state.checkpoint_s, 3),
+                            "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},
             "reward_first": first,
             "reward_last": last,
             "rollout_peers": len(self.peers.joined),

@@ -15,6 +15,11 @@ Bounds (peers are untrusted, so the buffer is what a flood fills first): at most
 oldest group *of the origin holding the most* goes, as "overload": a peer that floods evicts its
 own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
+
+Durability: with a `journal` (echo_node/journal.py) every change to the ledger is appended to it
+as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
+The `replay_*` methods rebuild the buffer from those records after a restart (no checks: they
+replay what was decided then).
 """
 
 from __future__ import annotations
@@ -24,8 +29,14 @@ from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from typing import Any, Protocol
+
 from protocol.messages import RolloutGroup
 from protocol.staleness import DropReason, admissible
+
+
+class Journal(Protocol):
+    def append(self, record: list[Any]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -70,6 +81,9 @@ class ReplayBuffer:
         self.bytes = 0
         # Groups trained per origin, over the run (one count per peer that ever had one trained).
         self.trained_groups: Counter[str] = Counter()
+        self.journal: Journal | None = None
+        self._gid: dict[int, int] = {}
+        self.next_gid = 0
 
     def __len__(self) -> int:
         return len(self._groups)
@@ -81,26 +95,46 @@ class ReplayBuffer:
     def origin(self, group: RolloutGroup) -> str:
         return self._origin.get(id(group), "")
 
+    def gid(self, group: RolloutGroup) -> int:
+        """The serial number the journal knows a buffered (or taken) group by."""
+        return self._gid[id(group)]
+
     def reject(self, reason: DropReason | str, rollouts: int = 1) -> None:
         """Count rollouts that arrived but never entered the buffer."""
         self.ledger.received += rollouts
         self._drop(reason, rollouts)
+        self._record(["reject", _key(reason), rollouts])
+
+    def _record(self, record: list[Any]) -> None:
+        if self.journal is not None:
+            self.journal.append(record)
+
+    def _dropped(self, reason: DropReason | str, groups: list[RolloutGroup]) -> None:
+        """Journal buffered (or taken) groups leaving with a reason; before they are released."""
+        if groups and self.journal is not None:
+            self.journal.append(["drop", _key(reason), [self._gid[id(g)] for g in groups]])
 
     def offer(self, group: RolloutGroup, current_version: int, origin: str = "") -> DropReason | None:
         """Admit a verified group from `origin`, or count it dropped and return the reason."""
         n = len(group.samples)
-        self.ledger.received += n
         reason = admissible(group.min_version, current_version, self.staleness, self.mode)
         if reason is not None:
-            self._drop(reason, n)
+            self.reject(reason, n)
             return reason
-        self._groups.append(group)
-        self._origin[id(group)] = origin
-        self._size[id(group)] = size = group_bytes(group)
-        self.bytes += size
+        self.ledger.received += n
+        self._add(group, origin, self.next_gid)
+        self._record(["admit", self._gid[id(group)], origin, group.to_wire()])
         while len(self._groups) > self.capacity_groups or self.bytes > self.capacity_bytes:
             self._evict_one()
         return None
+
+    def _add(self, group: RolloutGroup, origin: str, gid: int) -> None:
+        self._groups.append(group)
+        self._origin[id(group)] = origin
+        self._gid[id(group)] = gid
+        self.next_gid = max(self.next_gid, gid + 1)
+        self._size[id(group)] = size = group_bytes(group)
+        self.bytes += size
 
     def _evict_one(self) -> None:
         """Drop the oldest group of the origin holding the most bytes (the oldest is the
@@ -111,12 +145,14 @@ class ReplayBuffer:
         heaviest = load.most_common(1)[0][0]
         victim = next(g for g in self._groups if self._origin[id(g)] == heaviest)
         self._groups.remove(victim)
+        self._dropped(DropReason.OVERLOAD, [victim])
         self._forget(victim)
         self._drop(DropReason.OVERLOAD, len(victim.samples))
 
     def _release(self, group: RolloutGroup) -> int:
         """Stop tracking a group's origin and size (it left the ledger's care); its size."""
         self._origin.pop(id(group), None)
+        self._gid.pop(id(group), None)
         return self._size.pop(id(group), 0)
 
     def _forget(self, group: RolloutGroup) -> None:
@@ -167,6 +203,7 @@ class ReplayBuffer:
             if reason is None:
                 kept.append(g)
             else:
+                self._dropped(reason, [g])
                 self._forget(g)
                 self._drop(reason, len(g.samples))
                 evicted += 1
@@ -177,6 +214,7 @@ class ReplayBuffer:
         """Drop every buffered group from `origin` (its publisher was caught cheating), counted
         as "purged"; returns the rollouts dropped."""
         victims = [g for g in self._groups if self._origin.get(id(g)) == origin]
+        self._dropped(DropReason.PURGED, victims)
         for g in victims:
             self._groups.remove(g)
             self._forget(g)
@@ -200,8 +238,50 @@ class ReplayBuffer:
     def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:
         """Count taken groups whose training step failed as dropped (they are not put back: a
         batch that broke a step once would break it again)."""
+        groups = list(groups)
+        self._dropped(reason, groups)
         for g in groups:
             self._release(g)
+            self._drop(reason, len(g.samples))
+
+    def live(self) -> list[tuple[int, str, RolloutGroup]]:
+        """(gid, origin, group) of every buffered group, oldest first."""
+        return [(self._gid[id(g)], self._origin[id(g)], g) for g in self._groups]
+
+    # -- replaying the journal (echo_node/recovery.py) -------------------------------------------
+
+    def replay_admit(self, gid: int, group: RolloutGroup, origin: str, *, received: bool = True) -> None:
+        """A group the journal says entered the buffer (`received`: counted then; a carried
+        group was counted in the checkpoint's ledger)."""
+        if any(self._gid.get(id(g)) == gid for g in self._groups):
+            return
+        if received:
+            self.ledger.received += len(group.samples)
+        self._add(group, origin, gid)
+
+    def replay_reject(self, reason: str, rollouts: int) -> None:
+        self.ledger.received += rollouts
+        self._drop(reason, rollouts)
+
+    def take_gids(self, gids: list[int]) -> list[RolloutGroup] | None:
+        """Take exactly these buffered groups, in this order (a journaled step), or None if
+        one is not here (the journal lost it)."""
+        by_gid = {self._gid[id(g)]: g for g in self._groups}
+        if any(gid not in by_gid for gid in gids):
+            return None
+        batch = [by_gid[gid] for gid in gids]
+        chosen = {id(g) for g in batch}
+        self._groups = deque(g for g in self._groups if id(g) not in chosen)
+        for g in batch:
+            self.bytes -= self._size[id(g)]
+        return batch
+
+    def replay_drop(self, reason: str, gids: list[int]) -> None:
+        wanted = set(gids)
+        victims = [g for g in self._groups if self._gid.get(id(g)) in wanted]
+        for g in victims:
+            self._groups.remove(g)
+            self._forget(g)
             self._drop(reason, len(g.samples))
 
     def close(self) -> None:
@@ -216,5 +296,8 @@ class ReplayBuffer:
         assert total == self.ledger.received, f"ledger broken: {self.ledger} buffered={len(self)}"
 
     def _drop(self, reason: DropReason | str, rollouts: int) -> None:
-        key = reason.value if isinstance(reason, DropReason) else reason
-        self.ledger.dropped[key] += rollouts
+        self.ledger.dropped[_key(reason)] += rollouts
+
+
+def _key(reason: DropReason | str) -> str:
+    return reason.value if isinstance(reason, DropReason) else reason

@@ -8,6 +8,9 @@ Rules:
 - A step that raises drops its batch as `train_error` and training goes on. Admission should
   make that unreachable, so the first is logged with its traceback (a bug here or a check
   missing there), later ones as a count.
+- With a journal, each update appends ["step", version, gids] as it happens: a restart redoes
+  the journaled steps since its checkpoint on the same groups in the same order (`redo`), and
+  the optimizer has no randomness, so it lands on the same weights.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ from typing import Any
 import trio
 
 from echo_node.config import RunConfig
+from echo_node.journal import Journal
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
-from echo_node.ml.model import save_checkpoint
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
@@ -46,6 +49,7 @@ class Trainer:
             is_cap=cfg.rl.is_cap,
             minibatches=cfg.rl.minibatches,
         )
+        self.journal: Journal | None = None
         self.trained_rewards: list[float] = []
         self.train_errors = 0
         self.idle_s = 0.0
@@ -68,11 +72,23 @@ class Trainer:
         except BaseException:
             self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
             raise
+        self._trained(groups)
+        self.train_s += time.monotonic() - t0
+        return stats
+
+    def redo(self, groups: list[RolloutGroup]) -> dict[str, float]:
+        """A journaled step again, after a restart (synchronously; errors propagate)."""
+        stats = self.optimizer.step([_train_group(g, self.version) for g in groups])
+        self._trained(groups, journal=False)
+        return stats
+
+    def _trained(self, groups: list[RolloutGroup], *, journal: bool = True) -> None:
+        gids = [self.buffer.gid(g) for g in groups] if journal and self.journal is not None else None
         self.buffer.mark_trained(groups)
         self.trained_rewards += [s.reward for g in groups for s in g.samples]
         self.version += 1
-        self.train_s += time.monotonic() - t0
-        return stats
+        if gids is not None and self.journal is not None:
+            self.journal.append(["step", self.version, gids])
 
     def _failed(self, groups: list[RolloutGroup]) -> None:
         self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
@@ -82,9 +98,6 @@ class Trainer:
             log.exception("a training step failed; dropped its %d groups (from %s) as train_error", len(groups), ", ".join(origins))
         else:
             log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
-
-    def checkpoint(self) -> None:
-        save_checkpoint(self.policy.model, self.cfg.run_dir / "checkpoint.safetensors", self.version)
 
 
 def _train_group(g: RolloutGroup, version: int) -> TrainGroup:

@@ -25,6 +25,7 @@ the batch. Staleness is not judged here: it is per group and changes while a gro
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from protocol.drops import DropReason
@@ -58,8 +59,13 @@ class RunBounds:
             raise ValueError(f"reward range must be finite and ordered, got [{self.reward_low}, {self.reward_high}]")
 
 
-def judge_batch(batch: RolloutBatch, *, run: RunBounds, current_version: int) -> DropReason | None:
-    """None to admit a decoded, verified batch now, else the one reason it is refused."""
+def judge_batch(
+    batch: RolloutBatch, *, run: RunBounds, current_version: int, published: Callable[[int], bool] | None = None
+) -> DropReason | None:
+    """None to admit a decoded, verified batch now, else the one reason it is refused.
+    `published(v)` says whether the learner published version v: tokens can only have been
+    sampled from versions it did (with publication every k-th version, or after a restart that
+    skipped numbers, the others never existed for a peer)."""
     if batch.run_id != run.run_id:
         return DropReason.WRONG_RUN
     if any(len(g.samples) != run.group_size for g in batch.groups):
@@ -77,4 +83,8 @@ def judge_batch(batch: RolloutBatch, *, run: RunBounds, current_version: int) ->
             return DropReason.BAD_REWARD
     if batch.max_version > current_version:
         return DropReason.FUTURE_VERSION
+    if published is not None:
+        versions = {v for g in batch.groups for s in g.samples for v in s.token_versions}
+        if not all(published(v) for v in versions):
+            return DropReason.UNPUBLISHED_VERSION
     return None

@@ -144,6 +144,30 @@ class SequenceTracker:
         """Drop all state for `peer_id` (e.g. it was banned)."""
         self._publishers.pop(peer_id, None)
 
+    def snapshot(self) -> list[list[object]]:
+        """Every tracked publisher's state, least recently observed first, as JSON-able rows
+        [peer_id, floor, highest, seen, given_up] (bitmaps as hex strings)."""
+        return [[p, s.floor, s.highest, f"{s.seen:x}", f"{s.given_up:x}"] for p, s in self._publishers.items()]
+
+    def restore(self, rows: Iterable[object]) -> None:
+        """Take the state `snapshot` gave (e.g. from a checkpoint); ValueError if a row is not one
+        this tracker could have produced. Replaces what was tracked."""
+        restored: OrderedDict[str, _Publisher] = OrderedDict()
+        for row in rows:
+            if not isinstance(row, (list, tuple)) or len(row) != 5:
+                raise ValueError(f"not a tracker row: {row!r:.80}")
+            peer_id, floor, highest, seen, given_up = row
+            if not (isinstance(peer_id, str) and isinstance(floor, int) and isinstance(highest, int)
+                    and isinstance(seen, str) and isinstance(given_up, str)):
+                raise ValueError(f"not a tracker row: {row!r:.80}")
+            if not 0 <= floor <= highest <= MAX_SEQ:
+                raise ValueError(f"tracker row for {peer_id}: floor {floor}, highest {highest}")
+            restored[peer_id] = _Publisher(floor, highest, int(seen, 16) & self._mask, int(given_up, 16) & self._mask)
+            restored.move_to_end(peer_id)
+            while len(restored) > self._max_publishers:
+                restored.popitem(last=False)
+        self._publishers = restored
+
     def _admit(self, peer_id: str, seq: int) -> None:
         if len(self._publishers) >= self._max_publishers:
             self._publishers.popitem(last=False)  # least recently observed

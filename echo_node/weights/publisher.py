@@ -76,9 +76,14 @@ class WeightPublisher:
         self._delta_retry = DELTA_RETRY_VERSIONS
         data.resolve = self.delta_on_demand
 
-    def offer(self, version: int, blob: bytes) -> Source:
-        """Make `version` fetchable in full: a signed manifest and a broadcast source."""
-        manifest = build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)))
+    def build(self, version: int, blob: bytes) -> WeightManifest:
+        """The full snapshot's manifest of `version` (hashes every piece: a worker thread's job)."""
+        return build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)))
+
+    def offer(self, version: int, blob: bytes, manifest: WeightManifest | None = None) -> Source:
+        """Make `version` fetchable in full: a signed manifest (`build`'s, if not given) and a
+        broadcast source."""
+        manifest = manifest or self.build(version, blob)
         source = self._offer(manifest, blob)
         self.served.add(version)
         self._blobs[version] = blob
@@ -89,11 +94,11 @@ class WeightPublisher:
         self._no_delta = {k for k in self._no_delta if k[0] in self.served}
         return source
 
-    async def publish(self, version: int, blob: bytes) -> WeightManifest:
+    async def publish(self, version: int, blob: bytes, manifest: WeightManifest | None = None) -> WeightManifest:
         """Offer `version` (`blob` is its weights) in full and, up front when it pays, as a
         delta against the previously published one. Returns the full snapshot's manifest."""
         previous = self.published
-        manifest = self.offer(version, blob).store.manifest
+        manifest = self.offer(version, blob, manifest).store.manifest
         self.published = version
         if version >= self._next_delta_try:
             if await self._offer_delta(version, previous) is None:

@@ -1,0 +1,415 @@
+"""A run outlives its learner process: what a checkpoint holds, and how a restart resumes.
+
+A checkpoint (echo_node/checkpoint.py) holds the model, the optimizer's state, the RNG state and
+`state.json`: the version, the ledger, the peer tables, the sequence tracker, the recent history
+of published versions (number -> digest) and the journal segment that began with it. A restart
+loads the newest checkpoint that verifies, then replays the journal (echo_node/journal.py) from
+that segment on:
+
+- accepted, rejected and dropped groups rebuild the buffer and the ledger as they were;
+- each journaled step is redone on the same groups in the same order (the update has no
+  randomness), so the weights come back to where they were when the learner died, and each
+  journaled publication is checked against the redone weights' digest;
+- what cannot be redone (a group the journal lost, a digest that differs because, say, the
+  thread count changed) ends the redo: the groups of later steps stay buffered and are trained
+  again, counted once.
+
+Versions never go back: the resumed learner continues at the redone version when that is the
+newest version any incarnation published (or an unpublished one above it); otherwise its weights
+get a new number, one above the newest published. A version number names one digest for the life
+of the run, so a rollout's version tags mean what they meant, and rollouts of a previous
+incarnation are admissible under the staleness rule, never retagged.
+
+Resuming with a config that trains differently (model, task, sampling, rl) is refused with the
+difference named; net, time budgets, threads, verification and checkpointing may change.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file as st_save_file
+
+from echo_node.checkpoint import Checkpoint, CheckpointStore
+from echo_node.config import to_dict
+from echo_node.intake import JoinRefused
+from echo_node.journal import Journal, replay_records
+from echo_node.ml.model import canonical_state, load_state_tensors, state_to_bytes
+from protocol.errors import RemoteProtocolError
+from protocol.messages import RolloutGroup
+from protocol.weights.manifest import payload_digest
+
+if TYPE_CHECKING:
+    from echo_node.learner import Learner
+
+log = logging.getLogger(__name__)
+
+# Config sections (or keys) a resumed run must share with the run it resumes.
+TRAINING_KEYS = ("run_id", "task", "seed", "model", "sampling", "rl")
+# Published versions remembered (number -> digest): far more than any staleness window.
+HISTORY_KEEP = 1024
+
+
+class ResumeRefused(Exception):
+    """The run folder holds a run this config cannot continue (not a corrupt checkpoint: those
+    fall back to the previous one)."""
+
+
+@dataclass(slots=True)
+class History:
+    """Published versions, number -> (digest, size), the newest `HISTORY_KEEP`; and the newest
+    number any incarnation published."""
+
+    versions: OrderedDict[int, tuple[bytes, int]] = field(default_factory=OrderedDict)
+    last: int = -1
+
+    def add(self, version: int, sha256: bytes, size: int) -> None:
+        self.versions[version] = (sha256, size)
+        self.versions.move_to_end(version)
+        while len(self.versions) > HISTORY_KEEP:
+            self.versions.popitem(last=False)
+        self.last = max(self.last, version)
+
+    def published(self, version: int) -> bool:
+        """Whether a rollout may name `version`: it was published, or it is older than what is
+        remembered (then the staleness rule refuses it anyway). Before the first publication
+        there is nothing to check against (and no peer can hold any version)."""
+        if not self.versions:
+            return True
+        return version in self.versions or version < next(iter(self.versions))
+
+    def to_json(self) -> list[list[Any]]:
+        return [[v, sha.hex(), size] for v, (sha, size) in self.versions.items()]
+
+    @classmethod
+    def from_json(cls, rows: list[list[Any]], last: int) -> History:
+        history = cls()
+        for v, sha, size in rows:
+            history.add(int(v), bytes.fromhex(sha), int(size))
+        history.last = max(history.last, last)
+        return history
+
+
+@dataclass(slots=True)
+class Resumed:
+    """What a restart found and did."""
+
+    checkpoint: int | None  # the checkpoint's version (None: none was usable)
+    version: int  # the version the learner goes on from
+    records: int = 0  # journal records replayed
+    redone: int = 0  # steps redone
+    diverged: str | None = None  # why the redo stopped early
+    # Weights of redone versions whose digest matched what was published (still served).
+    blobs: dict[int, bytes] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": self.checkpoint, "version": self.version, "records": self.records, "redone": self.redone,
+                "diverged": self.diverged, "seconds": round(self.seconds, 3)}
+
+
+def config_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """The training-relevant keys whose values differ, as 'key: saved -> current'."""
+    out: list[str] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for key in sorted(a.keys() | b.keys()):
+                walk(a.get(key), b.get(key), f"{prefix}.{key}" if prefix else key)
+        elif a != b:
+            out.append(f"{prefix}: {a!r} -> {b!r}")
+
+    for key in TRAINING_KEYS:
+        walk(saved.get(key), current.get(key), key)
+    return out
+
+
+class RunState:
+    """Writes a learner's checkpoints and resumes it from them."""
+
+    def __init__(self, learner: Learner) -> None:
+        self.learner = learner
+        cfg = learner.cfg
+        self.store = CheckpointStore(cfg.run_dir, keep=cfg.checkpoint.keep)
+        self.journal = Journal(cfg.run_dir / "journal", max_segment_bytes=cfg.checkpoint.max_journal_bytes)
+        self.history = History()
+        self.checkpoints_written = 0
+        self.checkpoint_s = 0.0
+
+    def history_published(self, version: int) -> bool:
+        """`History.published` of the current history (a resume replaces the object)."""
+        return self.history.published(version)
+
+    # -- writing ---------------------------------------------------------------------------------
+
+    def prepare(self) -> tuple[int, dict[str, Callable[[Path], None]]]:
+        """Snapshot the state and rotate the journal, at one instant (synchronously, with no
+        journal write in flight): returns the version and the file writers for
+        `CheckpointStore.write`, which may then run in a worker thread while the learner serves.
+        The train loop must not step until they ran (they read the live model and optimizer)."""
+        ln = self.learner
+        buffer = ln.buffer
+        segment = self.journal.rotate([["carry", gid, origin, g.to_wire()] for gid, origin, g in buffer.live()])
+        peers = ln.peers
+        state = {
+            "version": ln.trainer.version,
+            "epoch": ln.epoch,
+            "journal_segment": segment,
+            "next_gid": buffer.next_gid,
+            "ledger": buffer.ledger.as_dict(),
+            "trained_groups": dict(buffer.trained_groups),
+            "history": self.history.to_json(),
+            "last_published": self.history.last,
+            "peers": {
+                "joined": list(peers.joined),
+                "accepted": dict(peers.accepted),
+                "batches": dict(peers.batches),
+                "penalties": dict(peers.penalties),
+                "banned": dict(peers.banned),
+                "banned_until_version": dict(peers.banned_until_version),
+            },
+            "tracker": ln.intake.tracker.snapshot(),
+            "lost_messages": ln.intake.lost_messages,
+            "trainer": {"train_errors": ln.trainer.train_errors, "train_s": ln.trainer.train_s, "idle_s": ln.trainer.idle_s},
+            "config": to_dict(ln.cfg),
+            "wall": time.time(),
+        }
+        model, trainer = ln.policy.model, ln.trainer
+
+        def write_model(path: Path) -> None:
+            st_save_file({k: v.contiguous() for k, v in canonical_state(model).items()}, str(path))
+
+        def write_optimizer(path: Path) -> None:
+            torch.save({
+                "optimizer": trainer.optimizer.opt.state_dict(),
+                "steps": trainer.optimizer.steps,
+                "torch_rng": torch.get_rng_state(),
+                "rewards": torch.tensor(trainer.trained_rewards, dtype=torch.float64),
+            }, path)
+
+        def write_state(path: Path) -> None:
+            path.write_text(json.dumps(state, sort_keys=True))
+
+        return trainer.version, {"model.safetensors": write_model, "optimizer.pt": write_optimizer, "state.json": write_state}
+
+    def write(self, version: int, writers: dict[str, Callable[[Path], None]]) -> None:
+        """Write a prepared checkpoint, apply the retention rule (old journal segments go with
+        the checkpoints that needed them)."""
+        t0 = time.monotonic()
+        self.store.write(version, self.learner.epoch, writers)
+        kept = self.store.retain()
+        if kept:
+            try:
+                self.journal.delete_before(min(int(c.state()["journal_segment"]) for c in kept))
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("kept every journal segment: a retained checkpoint's state is unreadable (%s)", exc)
+        self.checkpoints_written += 1
+        self.checkpoint_s += time.monotonic() - t0
+
+    def checkpoint_now(self) -> None:
+        """Flush, snapshot and write synchronously (at exit)."""
+        self.journal.flush()
+        version, writers = self.prepare()
+        self.write(version, writers)
+
+    # -- resuming --------------------------------------------------------------------------------
+
+    def last_published(self) -> int:
+        """The newest version number any incarnation published (-1: none), from the checkpoints
+        and the whole journal, without loading anything (`--fresh` continues above it)."""
+        last = -1
+        for c in self.store.list_valid(quiet=True):
+            try:
+                last = max(last, int(c.state().get("last_published", -1)))
+            except (OSError, ValueError, TypeError):
+                continue
+        for record in replay_records(self.journal.directory, 0):
+            if record[0] == "publish":
+                last = max(last, int(record[1]))
+        return last
+
+    def resume(self) -> Resumed | None:
+        """Load the newest usable checkpoint and replay the journal; None if the folder holds no
+        run yet. ResumeRefused if its config trains differently."""
+        t0 = time.monotonic()
+        self.store.clean_partial()
+        segments = self.journal.segments()
+        newest = self.store.list_valid(quiet=True)
+        if newest:  # refuse an incompatible config before touching anything
+            try:
+                saved = newest[0].state()["config"]
+            except (OSError, ValueError, KeyError) as exc:
+                log.warning("checkpoint %s: unreadable state (%s)", newest[0].path.name, exc)
+            else:
+                diff = config_difference(saved, to_dict(self.learner.cfg))
+                if diff:
+                    raise ResumeRefused(
+                        f"run {self.learner.cfg.run_id!r} in {self.learner.cfg.run_dir} was trained with another config ("
+                        + "; ".join(diff[:5]) + "): use the run's config to resume it, or --fresh to start over"
+                    )
+        found = self.store.newest(self._parse)
+        if found is None and not segments:
+            return None
+        first_segment = 0
+        if found is None:
+            log.warning("no usable checkpoint in %s: replaying the journal from the run's start", self.store.directory)
+            resumed = Resumed(checkpoint=None, version=0)
+        else:
+            checkpoint, parsed = found
+            first_segment = self._apply(parsed)
+            resumed = Resumed(checkpoint=checkpoint.version, version=checkpoint.version)
+        self._replay(resumed, first_segment)
+        self._continue(resumed)
+        resumed.seconds = time.monotonic() - t0
+        return resumed
+
+    def _parse(self, checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+        """Read everything a checkpoint holds, changing nothing (a bad file falls back whole)."""
+        tensors = st_load_file(str(checkpoint.file("model.safetensors")))
+        extra = torch.load(checkpoint.file("optimizer.pt"), weights_only=True)
+        state = checkpoint.state()
+        for key in ("version", "journal_segment", "next_gid", "ledger", "history", "peers", "tracker"):
+            if key not in state:
+                raise ValueError(f"state.json has no {key!r}")
+        return tensors, extra, state
+
+    def _apply(self, parsed: tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]) -> int:
+        tensors, extra, state = parsed
+        ln = self.learner
+        load_state_tensors(ln.policy.model, tensors)  # strict: a checkpoint of another model fails here
+        ln.trainer.optimizer.opt.load_state_dict(extra["optimizer"])
+        ln.trainer.optimizer.steps = int(extra["steps"])
+        torch.set_rng_state(extra["torch_rng"])
+        ln.trainer.trained_rewards = [float(r) for r in extra["rewards"].tolist()]
+        ln.trainer.version = int(state["version"])
+        t = state.get("trainer", {})
+        ln.trainer.train_errors = int(t.get("train_errors", 0))
+        ln.trainer.train_s = float(t.get("train_s", 0.0))
+        ln.trainer.idle_s = float(t.get("idle_s", 0.0))
+        buffer = ln.buffer
+        buffer.next_gid = int(state["next_gid"])
+        ledger = state["ledger"]
+        buffer.ledger.received = int(ledger["received"])
+        buffer.ledger.trained = int(ledger["trained"])
+        buffer.ledger.dropped.update({str(k): int(v) for k, v in ledger["dropped"].items()})
+        buffer.trained_groups.update({str(k): int(v) for k, v in state.get("trained_groups", {}).items()})
+        self.history = History.from_json(state["history"], int(state.get("last_published", -1)))
+        peers, p = ln.peers, state["peers"]
+        peers.accepted.update(p.get("accepted", {}))
+        peers.batches.update(p.get("batches", {}))
+        peers.penalties.update(p.get("penalties", {}))
+        peers.banned.update({k: float(v) for k, v in p.get("banned", {}).items() if float(v) > time.time()})
+        peers.banned_until_version.update({k: int(v) for k, v in p.get("banned_until_version", {}).items()})
+        for peer in p.get("joined", []):
+            self._rejoin(peer)
+        ln.intake.tracker.restore(state["tracker"])
+        ln.intake.lost_messages = int(state.get("lost_messages", 0))
+        return int(state["journal_segment"])
+
+    def _rejoin(self, peer: str) -> None:
+        """A peer that had joined before the restart is a member again (its rollouts in flight
+        are not dropped as not_joined); it re-joins when it sees the new epoch anyway."""
+        try:
+            self.learner.peers.join(peer, 0.0)
+        except JoinRefused:
+            pass
+
+    def _replay(self, resumed: Resumed, first_segment: int) -> None:
+        buffer = self.learner.buffer
+        journal, buffer.journal = buffer.journal, None  # replaying is not news to journal
+        try:
+            self._replay_records(resumed, first_segment)
+        finally:
+            buffer.journal = journal
+
+    def _replay_records(self, resumed: Resumed, first_segment: int) -> None:
+        ln = self.learner
+        buffer, tracker = ln.buffer, ln.intake.tracker
+        for record in replay_records(self.journal.directory, first_segment):
+            resumed.records += 1
+            try:
+                kind = record[0]
+                if kind in ("admit", "carry"):
+                    group = RolloutGroup.from_wire(record[3])
+                    buffer.replay_admit(int(record[1]), group, str(record[2]), received=kind == "admit")
+                elif kind == "reject":
+                    buffer.replay_reject(str(record[1]), int(record[2]))
+                elif kind == "drop":
+                    buffer.replay_drop(str(record[1]), [int(g) for g in record[2]])
+                elif kind == "seen":
+                    tracker.observe(str(record[1]), int(record[2]))
+                elif kind == "join":
+                    self._rejoin(str(record[1]))
+                elif kind == "step":
+                    self._redo(resumed, int(record[1]), [int(g) for g in record[2]])
+                elif kind == "publish":
+                    self._republish(resumed, int(record[1]), bytes(record[2]), int(record[3]))
+                elif kind == "resume":
+                    self._resumed_at(resumed, int(record[1]), bytes(record[3]))
+                else:
+                    raise ValueError(f"unknown record kind {kind!r}")
+            except (ValueError, TypeError, IndexError, KeyError, RemoteProtocolError) as exc:
+                # Not redone past here (a later restart's record may bring the redo back in step).
+                log.warning("journal: record %d (%r) unusable (%s)", resumed.records, record[:1], exc)
+                resumed.diverged = resumed.diverged or f"journal record {resumed.records} unusable"
+
+    def _redo(self, resumed: Resumed, version: int, gids: list[int]) -> None:
+        trainer = self.learner.trainer
+        if resumed.diverged is not None:
+            return  # the groups stay buffered: trained again, counted once
+        if version != trainer.version + 1:
+            resumed.diverged = f"the journal's step to version {version} follows version {trainer.version}"
+            return
+        groups = self.learner.buffer.take_gids(gids)
+        if groups is None:
+            resumed.diverged = f"the step to version {version} names groups the journal lost"
+            return
+        try:
+            trainer.redo(groups)
+        except Exception as exc:  # the same batch failed the same way then: train_error
+            self.learner.buffer.mark_failed(groups, "train_error")
+            resumed.diverged = f"redoing the step to version {version} failed: {exc}"
+            return
+        resumed.redone += 1
+        resumed.version = trainer.version
+
+    def _republish(self, resumed: Resumed, version: int, sha256: bytes, size: int) -> None:
+        self.history.add(version, sha256, size)
+        if resumed.diverged is not None or version != self.learner.trainer.version:
+            return
+        blob = state_to_bytes(self.learner.policy.model)
+        if payload_digest(blob) != sha256:
+            resumed.diverged = f"version {version} redone to another digest than was published"
+            return
+        resumed.blobs[version] = blob
+
+    def _resumed_at(self, resumed: Resumed, version: int, sha256: bytes) -> None:
+        """An earlier restart went on from `version` with weights of digest `sha256`. Replaying
+        the same prefix got it to the same weights (then its own steps are redone from here,
+        even past a redo that stopped early then and now), or not (then none of them are)."""
+        if payload_digest(state_to_bytes(self.learner.policy.model)) != sha256:
+            resumed.diverged = resumed.diverged or f"the restart at version {version} held other weights"
+            return
+        if resumed.diverged is not None:
+            log.info("journal: the restart at version %d went on from here (%s)", version, resumed.diverged)
+        resumed.diverged = None
+        self.learner.trainer.version = resumed.version = version
+
+    def _continue(self, resumed: Resumed) -> None:
+        """Choose the version the learner goes on from: never a number published with another
+        digest than the weights it holds now."""
+        trainer = self.learner.trainer
+        v = trainer.version
+        if v <= self.history.last and v not in resumed.blobs:
+            trainer.version = self.history.last + 1
+        resumed.version = trainer.version
+        resumed.blobs = {k: b for k, b in resumed.blobs.items() if k >= trainer.version - self.learner.cfg.rl.staleness}
