@@ -44,6 +44,10 @@ class NetConfig:
     learner: str | None = None
     # A joining peer retries the bootstrap list with exponential backoff until this deadline.
     join_deadline_s: float = 60.0
+    # A rollout peer whose learner stops answering keeps its weights and its rollouts not yet
+    # delivered, and looks the learner up again (DHT, same peer id; its address may change) with
+    # backoff for this long before it gives up.
+    learner_outage_s: float = 1800.0
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 4.0
     # The learner is announced on the DHT under the run id; re-announce before records expire.
@@ -265,6 +269,8 @@ def validate_net(net: NetConfig) -> None:
         raise ValueError(f"net.allow_peers: {bad[0]!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
     if net.learner is not None and not is_valid_peer_id(net.learner):
         raise ValueError(f"net.learner {net.learner!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
+    if not net.learner_outage_s > 0:
+        raise ValueError(f"net.learner_outage_s must be > 0, got {net.learner_outage_s}")
     if net.max_peers < 1 or net.ban_after < 1 or not net.ban_s >= 0:
         raise ValueError(f"net.max_peers and net.ban_after must be >= 1, net.ban_s >= 0 (got {net.max_peers}, {net.ban_after}, {net.ban_s})")
 

@@ -2,7 +2,9 @@
 
 Services, each in the peer's nursery:
 - `join_run` returns the `Session`: what joining gave the peer (the learner, the run spec, the
-  learner's data address, the policy and engine built from the spec). Immutable.
+  learner's data address, the policy and engine built from the spec). `rejoin` joins the same
+  learner again after it restarted or stopped answering: its address, data port and epoch may
+  change, nothing else may (another config is an error, not something to follow).
 - `WeightFollower` (echo_node/weights/follower.py): weights from the learner to the engine,
   in pull or async mode.
 - `Generator`: samples what the learner asks for per version (flow control), on the prompts and
@@ -19,15 +21,18 @@ corrects every token by its own behaviour log-prob.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import trio
 
+from echo_node.checkpoint import replace_durable
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import TorchEngine
@@ -65,9 +70,10 @@ log = logging.getLogger(__name__)
 DEMAND_WAIT_S = 3.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Session:
-    """What joining a run gave this peer; fixed for its life."""
+    """What joining a run gave this peer. `rejoin` updates the learner's address, data address
+    and the spec's epoch and current version; the learner's identity and the run's config stay."""
 
     learner: PeerAddr
     spec: RunSpec
@@ -132,6 +138,32 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: 
         spec.sync_mode, spec.staleness, learner.peer_id, "pinned" if pin else "not pinned", len(candidates),
     )
     return Session(learner, spec, join.data_host, join.data_port, policy, engine)
+
+
+# What a restarted learner's spec may differ in from the one a peer joined.
+SPEC_MAY_CHANGE = frozenset({"current_version", "epoch"})
+
+
+async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Session) -> None:
+    """Find the session's learner again (the DHT, pinned to its peer id) and join it; the
+    session takes its new addresses. JoinError while it cannot be found or refuses; ValueError
+    if it now runs another config (this peer cannot follow that)."""
+    net = cfg.net
+    found = await find_providers(
+        node, provider_key(cfg.run_id), what=f"learner {session.learner.peer_id}", deadline_s=min(30.0, net.join_deadline_s),
+        backoff=Backoff(net.backoff_initial_s, net.backoff_max_s), pin=session.learner.peer_id,
+    )
+    try:
+        join = await _join_learner(cfg, node, data, found[0])
+    except (rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
+        raise JoinError(f"the learner refused to take this peer again: {exc}") from None
+    old, new = session.spec.to_wire(), join.spec.to_wire()
+    names = [f.name for f in dataclasses.fields(RunSpec)]
+    changed = [n for n, a, b in zip(names, old, new) if a != b and n not in SPEC_MAY_CHANGE]
+    if changed:
+        raise ValueError(f"the run's learner restarted with another config ({', '.join(changed)} changed): restart this peer to follow it")
+    session.learner, session.spec = found[0], join.spec
+    session.data_host, session.data_port = join.data_host, join.data_port
 
 
 async def _join_learner(cfg: RunConfig, node: P2PNode, data: DataServer, learner: PeerAddr) -> JoinResponse:
@@ -249,6 +281,39 @@ class Generator:
         )
 
 
+# Sequence numbers reserved on disk at a time (one small durable write per this many batches).
+SEQ_BLOCK = 1 << 16
+
+
+class SeqReservation:
+    """A publisher's sequence numbers are never reused, across its restarts too: a restarted
+    peer keeps its key (and peer id), and the learner would take reused numbers for duplicates
+    of messages it has seen. Numbers are reserved in blocks in a file next to the peer's metrics,
+    and the first one after a start is the larger of the wall clock in ms and the reservation's
+    end (the clock alone fails when it steps back)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            reserved = int(path.read_text().strip())
+        except (OSError, ValueError):
+            reserved = 0
+        self.first = max(time.time_ns() // 1_000_000, reserved)
+        self.until = self.first
+        self.reserve(self.first)
+
+    def reserve(self, seq: int) -> None:
+        """Make sure `seq` is reserved before it is used."""
+        if seq < self.until:
+            return
+        self.until = seq + SEQ_BLOCK
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            replace_durable(self.path, str(self.until).encode())
+        except OSError as exc:  # the clock still makes reuse unlikely: worth a warning, not a stop
+            log.warning("could not reserve sequence numbers in %s: %s", self.path, exc)
+
+
 class RolloutPublisher:
     """Signs and gossips rollout batches, one seq each, and answers gap repair from its history."""
 
@@ -256,9 +321,9 @@ class RolloutPublisher:
         self.cfg = cfg
         self.identity = identity
         self.node = node
-        # Start from the wall clock in ms, not 0: a restarted peer keeps its key (and peer id), and
-        # the learner would take a fresh count from 0 for duplicates of messages it has seen.
-        self.seq = time.time_ns() // 1_000_000
+        self.reservation = SeqReservation(cfg.run_dir / "peers" / f"{identity.peer_id}.seq")
+        self.seq = self.reservation.first
+        self.metrics: MetricsWriter | None = None
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
         self.unsendable_groups = 0  # too big for a gossip frame even alone: dropped, logged
@@ -289,8 +354,12 @@ class RolloutPublisher:
         while len(self.history) > self.cfg.net.repair_history:
             self.history.popitem(last=False)
         self.seq += 1
+        self.reservation.reserve(self.seq)
         await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
         self.published_groups += len(groups)
+        if self.metrics is not None:
+            self.metrics.write({"event": "published", "seq": seq, "groups": len(groups),
+                                "rollouts": sum(len(g.samples) for g in groups), "wall": time.time()})
         if self.first_publish_s is None and self.published_groups:
             self.first_publish_s = time.monotonic() - self._t0
             log.info("first rollouts published %.2fs after start", self.first_publish_s)
@@ -344,7 +413,10 @@ class RolloutPeer:
                 metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
                                "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
                 self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
-                self.follower = WeightFollower(self.cfg, self.node, self.data, session, metrics=metrics)
+                self.publisher.metrics = metrics
+                self.follower = WeightFollower(
+                    self.cfg, self.node, self.data, session, metrics=metrics, rejoin=partial(rejoin, self.cfg, self.node, self.data, session)
+                )
                 await nursery.start(self.follower.run)  # the initial weights, before the first token
                 task_status.started()
                 await self.generator_class(self.cfg, session, self.follower, self.publisher).run()

@@ -14,6 +14,13 @@ and the whole payload against the announced digest; a delta is asked for when th
 base the learner still keeps, and after the learner said it has none, only full snapshots for
 `DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
 until it is `keep_versions` old.
+
+Learner restarts: every announcement and status answer names the learner's epoch. An older
+epoch's is ignored; a newer epoch is followed at once (the peer re-joins it, and fetches its
+newest version even if the number is not above the peer's newest); within an epoch a version
+number announced with another digest than before is refused. A learner that stops answering is
+looked for again (`reconnect`: the DHT, the same peer id, a new address maybe) with backoff for
+`net.learner_outage_s`; the peer keeps its weights and keeps generating meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Protocol
@@ -30,7 +39,7 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.net import rpc
-from echo_node.net.discovery import JoinError, PeerAddr
+from echo_node.net.discovery import Backoff, JoinError, PeerAddr
 from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
 from protocol.envelope import open_envelope
@@ -50,6 +59,10 @@ REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProt
 DELTA_BACKOFF_VERSIONS = 20
 # Status checks double as a liveness probe of the learner in async mode.
 STATUS_INTERVAL_S = 5.0
+# Version digests remembered per epoch (to refuse a number announced with another digest).
+DIGESTS_KEPT = 256
+# A failure this soon after the learner last answered is not taken for an outage.
+CONTACT_FRESH_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +71,7 @@ class Target:
     size: int
     sha256: bytes
     demand_groups: int
+    epoch: int
 
 
 class Engine(Protocol):
@@ -87,7 +101,8 @@ class Joined(Protocol):
 
 class WeightFollower:
     def __init__(
-        self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None
+        self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None,
+        rejoin: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.cfg = cfg
         self.node = node
@@ -101,6 +116,19 @@ class WeightFollower:
         # bytes: the base a delta applies to.
         self._blob: bytes | memoryview | None = None
         self._blob_version = -1
+        self._blob_sha: bytes | None = None
+        self._blob_epoch = -1
+        # The learner's epoch this peer follows, and the digests its versions were announced with.
+        self.epoch = session.spec.epoch
+        self._digests: OrderedDict[int, bytes] = OrderedDict()
+        # Joins the learner again (its address and data port may have changed); None: cannot.
+        self._rejoin = rejoin
+        self._reconnecting = trio.Lock()
+        self.reconnects = 0
+        self.rejoin_wanted = trio.Event()
+        self._joined_epoch = self.epoch
+        # Set when a newer epoch's version has a number not above the engine's: swap it anyway.
+        self._epoch_reset = False
         # Verified weights waiting for the engine; taken by the generation thread between two
         # decoding steps (async) or before a batch, hence the lock.
         self._pending: tuple[bytes | memoryview, int] | None = None
@@ -126,6 +154,7 @@ class WeightFollower:
             await self.refresh()
             task_status.started()
             nursery.start_soon(self._follow_announcements)
+            nursery.start_soon(self._rejoin_on_new_epoch)
             if self.session.spec.sync_mode == "async":
                 nursery.start_soon(self._poll_status)
                 nursery.start_soon(self._fetch_newest)
@@ -136,7 +165,7 @@ class WeightFollower:
                 self.node, self.session.learner.peer_id, rpc.STATUS, StatusRequest(run_id=self.cfg.run_id), StatusResponse
             )
         self._last_contact = trio.current_time()
-        target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups)
+        target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups, status.epoch)
         self.offer(target)
         return target
 
@@ -144,9 +173,16 @@ class WeightFollower:
         """Bring the engine to `target` (default: the learner's newest version) before the next
         batch: pull mode's on-policy refresh, and the initial weights."""
         target = target or await self.status()
-        if target.version > self._blob_version:
+        if self.needs(target):
             await self._fetch(target)
         await trio.to_thread.run_sync(self.load_pending)
+
+    def needs(self, target: Target) -> bool:
+        """Whether `target` is weights this peer does not hold and should: a newer version, or a
+        newer epoch's version whatever its number."""
+        if target.sha256 == self._blob_sha:
+            return False
+        return target.version > self._blob_version or target.epoch > self._blob_epoch
 
     async def _fetch(self, target: Target) -> None:
         """Fetch and verify `target`, then leave it for the engine to take (`take_pending`)."""
@@ -157,9 +193,11 @@ class WeightFollower:
             if blob is None:
                 blob = await self._nursery_start(target, FULL)
         self._hand_over(blob, target.version)
+        self._blob_sha, self._blob_epoch = target.sha256, target.epoch
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
-                                "fetch_s": round(time.monotonic() - t0, 4), "delta": delta})
+                                "fetch_s": round(time.monotonic() - t0, 4), "delta": delta, "sha256": target.sha256.hex(),
+                                "epoch": target.epoch})
 
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
         """Verified weights become the delta base and wait for the engine (`take_pending`)."""
@@ -172,7 +210,8 @@ class WeightFollower:
         """The engine's swap hook (runs in the generation thread): newer verified weights, once."""
         with self._pending_lock:
             pending, self._pending = self._pending, None
-        if pending is None or pending[1] <= self.engine.version:
+            reset, self._epoch_reset = self._epoch_reset, False
+        if pending is None or (pending[1] <= self.engine.version and not reset):
             return None
         return pending
 
@@ -188,8 +227,10 @@ class WeightFollower:
         """The new weights via a delta against the newest ones we hold, if the learner offers one."""
         base = self._blob_version
         behind = target.version - base
-        # The learner keeps (and cuts deltas against) its last keep_versions versions.
-        if self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from:
+        # The learner keeps (and cuts deltas against) its last keep_versions versions; a new
+        # epoch's learner holds only what it redid, so the first version of an epoch comes full.
+        if (self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from
+                or target.epoch != self._blob_epoch):
             return None
         try:
             delta = await self._nursery_start(target, base)
@@ -263,36 +304,99 @@ class WeightFollower:
             return False
         return msg.run_id == self.cfg.run_id
 
-    def offer(self, target: Target) -> None:
+    def offer(self, target: Target) -> bool:
+        """Take note of a version the learner told of (announcement or status answer); False if
+        it is refused (an older epoch's, or a number seen with another digest)."""
+        if target.epoch < self.epoch:
+            return False  # a previous incarnation's, replayed or late
+        if target.epoch > self.epoch:
+            log.info("the learner restarted (epoch %d -> %d, at version %d): following it", self.epoch, target.epoch, target.version)
+            self.epoch = target.epoch
+            self._digests.clear()
+            if self.newest is not None and target.version <= self.newest.version:
+                # The new epoch did not go on from the old numbers (its history was lost):
+                # its versions are the ones to follow now, whatever their numbers.
+                self.newest = None
+                with self._pending_lock:
+                    self._epoch_reset = True
+            self.rejoin_wanted.set()
+        known = self._digests.get(target.version)
+        if known is not None and known != target.sha256:
+            log.warning("refused version %d of epoch %d: announced before with another digest", target.version, target.epoch)
+            return False
+        self._digests[target.version] = target.sha256
+        while len(self._digests) > DIGESTS_KEPT:
+            self._digests.popitem(last=False)
         if self.newest is None or target.version >= self.newest.version:
             self.demand = target.demand_groups
         if self.newest is None or target.version > self.newest.version:
             self.newest = target
             self.new_version.set()
             self.new_version = trio.Event()
+        return True
 
     async def _follow_announcements(self) -> None:
         async for item in self.node.messages(versions_topic(self.cfg.run_id)):
             msg, _ = open_envelope(item.data, expected_kind=VersionAnnounce)
-            self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups))
+            self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups, msg.epoch))
 
     async def _poll_status(self) -> None:
         while True:
             await trio.sleep(STATUS_INTERVAL_S)
             try:
-                self.offer(await self.status())
+                await self.status()
             except Exception as exc:
                 log.warning("status check with the learner failed: %s", exc)
+                await self.reconnect()
+
+    async def _rejoin_on_new_epoch(self) -> None:
+        """A restarted learner may serve its data channel elsewhere and forgot who joined:
+        join it again when a newer epoch shows up."""
+        while True:
+            await self.rejoin_wanted.wait()
+            self.rejoin_wanted = trio.Event()
+            if self._joined_epoch < self.epoch:
+                await self.reconnect(force=True)
+
+    async def reconnect(self, *, force: bool = False) -> None:
+        """The learner did not answer (or restarted): join it again, looking it up on the DHT
+        with backoff, for `net.learner_outage_s`; then JoinError. Meanwhile the peer keeps its
+        weights and goes on generating."""
+        async with self._reconnecting:
+            if not force and trio.current_time() - self._last_contact < CONTACT_FRESH_S:
+                return  # it answered just now (another task reconnected meanwhile)
+            if self._rejoin is None:
                 self.check_learner_alive()
+                return
+            outage = self.cfg.net.learner_outage_s
+            deadline = self._last_contact + outage
+            delays = Backoff(self.cfg.net.backoff_initial_s, max(self.cfg.net.backoff_max_s, 10.0)).delays()
+            while True:
+                try:
+                    with trio.fail_after(60):
+                        await self._rejoin()
+                        await self.status()
+                    self.reconnects += 1
+                    self._joined_epoch = self.epoch
+                    if self.metrics is not None:
+                        self.metrics.write({"event": "rejoined", "epoch": self.epoch, "wall": time.time()})
+                    log.info("rejoined the learner (epoch %d)", self.epoch)
+                    return
+                except (*REFRESH_ERRORS, JoinError) as exc:
+                    if trio.current_time() > deadline:
+                        raise JoinError(f"lost the learner: no answer for {outage:g}s ({exc})") from None
+                    delay = next(delays)
+                    log.info("the learner is not reachable (%s); looking for it again in %.1fs", exc, delay)
+                    await trio.sleep(delay)
 
     def check_learner_alive(self) -> None:
-        if trio.current_time() - self._last_contact > self.cfg.net.join_deadline_s:
-            raise JoinError(f"lost the learner: no answer for {self.cfg.net.join_deadline_s:g}s")
+        if trio.current_time() - self._last_contact > self.cfg.net.learner_outage_s:
+            raise JoinError(f"lost the learner: no answer for {self.cfg.net.learner_outage_s:g}s")
 
     async def _fetch_newest(self) -> None:
         """async mode: fetch every newer version as it is announced, while generation goes on."""
         while True:
-            if self.newest is None or self.newest.version <= self._blob_version:
+            if self.newest is None or not self.needs(self.newest):
                 await self.new_version.wait()
                 continue
             try:
@@ -302,5 +406,5 @@ class WeightFollower:
 
     async def refresh_failed(self, exc: BaseException) -> None:
         log.warning("weight refresh failed: %s; retrying", exc)
-        self.check_learner_alive()
+        await self.reconnect()
         await trio.sleep(1.0)

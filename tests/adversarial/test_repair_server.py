@@ -3,7 +3,9 @@ repair response can be ~1000x its request, so anyone else asking would make it a
 
 from __future__ import annotations
 
+import tempfile
 from functools import partial
+from pathlib import Path
 
 import trio
 import trio.testing
@@ -15,11 +17,13 @@ from protocol import RepairRequest, RepairResponse, seal
 from tests.factories import ALICE, MALLORY, make_batch
 from tests.node.test_gap_repair import MemoryPeerStream
 
+# Where the publisher reserves its sequence numbers.
+SCRATCH = Path(tempfile.mkdtemp(prefix="echo-node-repair-"))
 LEARNER_ID = "12D3KooWLearnerLearnerLearnerLearnerLearnerLearner1"
 
 
 def ask(asker: str, publisher: str) -> object:
-    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, node=None)
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=SCRATCH), ALICE, node=None)
     peer.history[7] = seal(make_batch(identity=ALICE, seq=7), ALICE)
 
     class Opener:

@@ -55,7 +55,7 @@ class Link:
 
 
 def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> None:
-    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, node=None)
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=learner.cfg.runs_dir), ALICE, node=None)
     # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
     sealed = {s: seal(make_batch(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
     peer.history.update({s: sealed[s] for s in (11, 13)})

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import random
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
@@ -42,9 +43,9 @@ def scored(tokens: int, seed: int) -> ScoredGroup:
     return ScoredGroup("p", [1, 2, 3], gens, ["x"] * 8, [float(i % 2) for i in range(8)])
 
 
-def test_batches_get_consecutive_seqs_and_an_oversize_batch_is_dropped(caplog: pytest.LogCaptureFixture) -> None:
+def test_batches_get_consecutive_seqs_and_an_oversize_batch_is_dropped(caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     node = Recorder()
-    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, node)
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=tmp_path), ALICE, node)
     first_seq = peer.seq
     small, oversize, last = [scored(4, 0), scored(4, 1)], [scored(4, 2), scored(4096, 3)], [scored(4, 4)]
     with caplog.at_level(logging.WARNING, logger="echo_node.rollout_peer"):
@@ -62,8 +63,8 @@ def test_batches_get_consecutive_seqs_and_an_oversize_batch_is_dropped(caplog: p
     assert "do not fit one gossip message" in caplog.records[-1].getMessage()
 
 
-def test_a_batch_sampled_for_another_seq_is_refused() -> None:
+def test_a_batch_sampled_for_another_seq_is_refused(tmp_path: Path) -> None:
     """Its prompts were assigned for that seq: published under another, the learner would ban."""
-    peer = RolloutPublisher(RunConfig(run_id="run-1"), ALICE, Recorder())
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=tmp_path), ALICE, Recorder())
     with pytest.raises(LocalProtocolError, match="sampled for seq"):
         trio.run(partial(peer.publish, [scored(4, 0)], seq=peer.seq + 1))

@@ -45,16 +45,17 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             await nursery.start(learner.run)
             await nursery.start(peer_data.run)
             session = SimpleNamespace(
-                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=7)
+                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=7),
+                spec=SimpleNamespace(epoch=0),
             )
             peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
             peers.append(peer)
             peer._nursery = nursery
-            peer._blob, peer._blob_version = v7, 7
+            peer._blob, peer._blob_version, peer._blob_epoch = v7, 7, 0
             with trio.fail_after(10):
-                results.append(await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4)))
+                results.append(await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4, 0)))
                 peer._blob, peer._blob_version = v8_b, 8
-                results.append(await peer._fetch_delta(Target(9, len(v9), full9.weights_sha256, 4)))
+                results.append(await peer._fetch_delta(Target(9, len(v9), full9.weights_sha256, 4, 0)))
             nursery.cancel_scope.cancel()
 
     trio.run(main)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,11 +19,11 @@ from tests.factories import ALICE
 
 def peer_on_version(version: int, demand: int, mode: str = "async") -> Generator:
     """A generator whose demand for `version` is met, with its real weight follower."""
-    cfg = RunConfig(run_id="run-1")
-    session = SimpleNamespace(engine=SimpleNamespace(version=version), spec=SimpleNamespace(sync_mode=mode))
+    cfg = RunConfig(run_id="run-1", runs_dir=Path(tempfile.mkdtemp(prefix="echo-node-flow-")))
+    session = SimpleNamespace(engine=SimpleNamespace(version=version), spec=SimpleNamespace(sync_mode=mode, epoch=0))
     follower = WeightFollower(cfg, None, DataServer(ALICE, "run-1"), session)  # type: ignore[arg-type]
     peer = Generator(cfg, session, follower, RolloutPublisher(cfg, ALICE, None))  # type: ignore[arg-type]
-    follower.offer(Target(version, 10, b"\0" * 32, demand))
+    follower.offer(Target(version, 10, b"\0" * 32, demand, 0))
     peer.produced, peer.produced_version = demand, version
     return peer
 
@@ -36,7 +38,7 @@ def test_an_announcement_ends_the_wait_at_once(mode: str) -> None:
         async with trio.open_nursery() as nursery:
             async def announce() -> None:
                 await trio.sleep(1.25)
-                peer.follower.offer(Target(4, 10, b"\1" * 32, 5))
+                peer.follower.offer(Target(4, 10, b"\1" * 32, 5, 0))
 
             nursery.start_soon(announce)
             start = trio.current_time()
@@ -72,5 +74,5 @@ def test_no_new_version_releases_one_more_batch_after_the_wait() -> None:
 
 def test_an_older_announcement_does_not_change_the_target() -> None:
     peer = peer_on_version(7, demand=6)
-    peer.follower.offer(Target(5, 10, b"\2" * 32, 99))
+    peer.follower.offer(Target(5, 10, b"\2" * 32, 99, 0))
     assert peer.follower.newest is not None and peer.follower.newest.version == 7 and peer.follower.demand == 6
