@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo_node.checkpoint import CheckpointStore
 from echo_node.config import RunConfig
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
 from echo_node.metrics import read_metrics
@@ -178,7 +179,7 @@ def evaluate(run_dir: Path) -> dict[str, Any]:
 
     cfg = RunConfig(run_id=RUN_ID)
     policy = learner_policy(cfg)
-    blob, version = load_checkpoint(run_dir / "checkpoint.safetensors")
+    blob, version = load_checkpoint(CheckpointStore(run_dir).newest_model())
     load_state_bytes(policy.model, blob)
     tok, task = policy.tokenizer, policy.task
     engine = TorchEngine(policy.model, eos_id=tok.eos_id, pad_id=tok.pad_id)

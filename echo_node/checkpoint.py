@@ -191,6 +191,13 @@ class CheckpointStore:
                     log.warning("checkpoint %s", exc)
         return out
 
+    def newest_model(self) -> Path:
+        """The model file of the newest checkpoint that verifies (`ml.model.load_checkpoint`
+        reads it with its version); FileNotFoundError if there is none."""
+        for checkpoint in self.list_valid(quiet=True):
+            return checkpoint.file("model.safetensors")
+        raise FileNotFoundError(f"no checkpoint in {self.directory}")
+
     def newest(self, load: Callable[[Checkpoint], Any]) -> tuple[Checkpoint, Any] | None:
         """The newest checkpoint that verifies and that `load` accepts (its result alongside);
         each one that does not is reported in one line and the previous one is tried."""

@@ -437,6 +437,18 @@ class RolloutIntake:
         self.ingest(batch, origin)
 
     def ingest(self, batch: RolloutBatch, origin: str) -> None:
+        # The seq and the fate of the batch's groups are journaled as one: a restart that knows
+        # the seq arrived knows what became of it (else gap repair asks for it again).
+        if self.journal is None:
+            self._ingest(batch, origin)
+            return
+        self.journal.begin()
+        try:
+            self._ingest(batch, origin)
+        finally:
+            self.journal.commit()
+
+    def _ingest(self, batch: RolloutBatch, origin: str) -> None:
         current = self.version()
         known = origin in self.tracker
         if not known and batch.max_version <= self._forgot_at:

@@ -28,6 +28,8 @@ Records (msgpack arrays; `gid` is the journal's serial number of a buffered grou
     ["step", version, [gid, ...]]          one update trained these groups and made `version`
     ["publish", version, sha256, size, epoch]   a version peers may fetch
     ["join", peer_id]                      a peer joined
+    ["resume", version, epoch, sha256]     a start went on from `version` with these weights
+    ["tx", [record, ...]]                  records durable together (`begin`/`commit`)
 """
 
 from __future__ import annotations
@@ -108,6 +110,7 @@ class Journal:
         existing = self.segments()
         self.index = segment_index(existing[-1]) + 1 if existing else 0
         self._pending: list[bytes] = []
+        self._tx: list[list[Any]] | None = None
         self.segment_bytes = 0
         self.flushes = 0
         self.bytes_written = 0
@@ -120,7 +123,20 @@ class Journal:
         return self.directory / segment_name(self.index)
 
     def append(self, record: list[Any]) -> None:
-        self._pending.append(frame(record))
+        if self._tx is not None:
+            self._tx.append(record)
+        else:
+            self._pending.append(frame(record))
+
+    def begin(self) -> None:
+        """Records appended until `commit` become one ["tx", [records]] frame: durable together
+        or not at all (e.g. a batch's admitted groups and the seq that says it arrived)."""
+        self._tx = []
+
+    def commit(self) -> None:
+        records, self._tx = self._tx, None
+        if records:
+            self._pending.append(frame(["tx", records]))
 
     @property
     def pending(self) -> int:
@@ -136,6 +152,8 @@ class Journal:
         """Append `data` (from `take_pending`) to the current segment and fsync it. The file is
         opened per write (a flush is an fsync anyway), so no handle outlives a call."""
         new = not self.path.exists()
+        if new:
+            self.directory.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as fh:
             if data:
                 fh.write(data)

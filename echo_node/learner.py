@@ -425,32 +425,39 @@ class Learner:
         return self.trainer.version
 
     async def _train_loop(self) -> None:
-        trainer = self.trainer
         with trio.move_on_at(self._deadline()):
             while self.cfg.max_versions is None or self.version < self.cfg.max_versions:
                 t0 = time.monotonic()
                 await self._wait_for_batch()
-                t1 = time.monotonic()
-                trainer.idle_s += t1 - t0
-                groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
-                with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
-                    stats = await trainer.step(groups)
-                    if stats is None:
-                        self._write({"event": "train_error", "version": self.version, "groups": len(groups),
-                                     "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
-                        continue
-                    due = self.version % self.cfg.rl.publish_every == 0
-                    t2 = time.monotonic()
-                    blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
-                    t3 = time.monotonic()
-                    trainer.train_s += t3 - t2  # the snapshot is the learner's work too
-                    if blob is not None:
-                        await self._publish_version(blob)
-                    # Anything that just fell out of the staleness window is counted now, not at exit.
-                    self.buffer.evict_stale(self.version)
-                    self._record_step(groups, stats, wait_s=t1 - t0, train_s=t3 - t1)
-                if self.version % self.cfg.checkpoint.every_versions == 0 or self.state.journal.segment_bytes > self.state.journal.max_segment_bytes:
-                    await self._checkpoint()
+                wait_s = time.monotonic() - t0
+                self.trainer.idle_s += wait_s
+                await self.update(wait_s=wait_s)
+
+    async def update(self, *, wait_s: float = 0.0) -> None:
+        """One update on the freshest admissible groups: train, publish the version when due,
+        count what fell out of the staleness window, checkpoint when due."""
+        trainer = self.trainer
+        t1 = time.monotonic()
+        groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
+        with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
+            stats = await trainer.step(groups)
+            if stats is None:
+                self._write({"event": "train_error", "version": self.version, "groups": len(groups),
+                             "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
+                return
+            due = self.version % self.cfg.rl.publish_every == 0
+            t2 = time.monotonic()
+            blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
+            t3 = time.monotonic()
+            trainer.train_s += t3 - t2  # the snapshot is the learner's work too
+            if blob is not None:
+                await self._publish_version(blob)
+            # Anything that just fell out of the staleness window is counted now, not at exit.
+            self.buffer.evict_stale(self.version)
+            self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
+        journal = self.state.journal
+        if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
+            await self._checkpoint()
 
     def _offer(self, version: int, blob: bytes) -> None:
         self.weights.offer(version, blob)

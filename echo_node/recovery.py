@@ -37,13 +37,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file as st_load_file
-from safetensors.torch import save_file as st_save_file
 
 from echo_node.checkpoint import Checkpoint, CheckpointStore
 from echo_node.config import to_dict
 from echo_node.intake import JoinRefused
 from echo_node.journal import Journal, replay_records
-from echo_node.ml.model import canonical_state, load_state_tensors, state_to_bytes
+from echo_node.ml.model import load_state_tensors, save_checkpoint, state_to_bytes
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RolloutGroup
 from protocol.weights.manifest import payload_digest
@@ -186,7 +185,7 @@ class RunState:
         model, trainer = ln.policy.model, ln.trainer
 
         def write_model(path: Path) -> None:
-            st_save_file({k: v.contiguous() for k, v in canonical_state(model).items()}, str(path))
+            save_checkpoint(model, path, trainer.version)
 
         def write_optimizer(path: Path) -> None:
             torch.save({
@@ -332,35 +331,40 @@ class RunState:
             buffer.journal = journal
 
     def _replay_records(self, resumed: Resumed, first_segment: int) -> None:
-        ln = self.learner
-        buffer, tracker = ln.buffer, ln.intake.tracker
-        for record in replay_records(self.journal.directory, first_segment):
-            resumed.records += 1
-            try:
-                kind = record[0]
-                if kind in ("admit", "carry"):
-                    group = RolloutGroup.from_wire(record[3])
-                    buffer.replay_admit(int(record[1]), group, str(record[2]), received=kind == "admit")
-                elif kind == "reject":
-                    buffer.replay_reject(str(record[1]), int(record[2]))
-                elif kind == "drop":
-                    buffer.replay_drop(str(record[1]), [int(g) for g in record[2]])
-                elif kind == "seen":
-                    tracker.observe(str(record[1]), int(record[2]))
-                elif kind == "join":
-                    self._rejoin(str(record[1]))
-                elif kind == "step":
-                    self._redo(resumed, int(record[1]), [int(g) for g in record[2]])
-                elif kind == "publish":
-                    self._republish(resumed, int(record[1]), bytes(record[2]), int(record[3]))
-                elif kind == "resume":
-                    self._resumed_at(resumed, int(record[1]), bytes(record[3]))
-                else:
-                    raise ValueError(f"unknown record kind {kind!r}")
-            except (ValueError, TypeError, IndexError, KeyError, RemoteProtocolError) as exc:
-                # Not redone past here (a later restart's record may bring the redo back in step).
-                log.warning("journal: record %d (%r) unusable (%s)", resumed.records, record[:1], exc)
-                resumed.diverged = resumed.diverged or f"journal record {resumed.records} unusable"
+        for outer in replay_records(self.journal.directory, first_segment):
+            # A transaction's records are durable together (one frame) or not at all.
+            inner = outer[1] if outer[0] == "tx" and len(outer) == 2 and isinstance(outer[1], list) else [outer]
+            for record in inner:
+                resumed.records += 1
+                try:
+                    self._replay_one(resumed, record)
+                except (ValueError, TypeError, IndexError, KeyError, RemoteProtocolError) as exc:
+                    # Not redone past here (a later restart's record may bring the redo back in step).
+                    log.warning("journal: record %d (%r) unusable (%s)", resumed.records, record[:1], exc)
+                    resumed.diverged = resumed.diverged or f"journal record {resumed.records} unusable"
+
+    def _replay_one(self, resumed: Resumed, record: list[Any]) -> None:
+        buffer, tracker = self.learner.buffer, self.learner.intake.tracker
+        kind = record[0]
+        if kind in ("admit", "carry"):
+            group = RolloutGroup.from_wire(record[3])
+            buffer.replay_admit(int(record[1]), group, str(record[2]), received=kind == "admit")
+        elif kind == "reject":
+            buffer.replay_reject(str(record[1]), int(record[2]))
+        elif kind == "drop":
+            buffer.replay_drop(str(record[1]), [int(g) for g in record[2]])
+        elif kind == "seen":
+            tracker.observe(str(record[1]), int(record[2]))
+        elif kind == "join":
+            self._rejoin(str(record[1]))
+        elif kind == "step":
+            self._redo(resumed, int(record[1]), [int(g) for g in record[2]])
+        elif kind == "publish":
+            self._republish(resumed, int(record[1]), bytes(record[2]), int(record[3]))
+        elif kind == "resume":
+            self._resumed_at(resumed, int(record[1]), bytes(record[3]))
+        else:
+            raise ValueError(f"unknown record kind {kind!r}")
 
     def _redo(self, resumed: Resumed, version: int, gids: list[int]) -> None:
         trainer = self.learner.trainer
@@ -409,7 +413,11 @@ class RunState:
         digest than the weights it holds now."""
         trainer = self.learner.trainer
         v = trainer.version
-        if v <= self.history.last and v not in resumed.blobs:
+        if v in self.history.versions and v not in resumed.blobs:  # e.g. the checkpoint's own version
+            blob = state_to_bytes(self.learner.policy.model)
+            if payload_digest(blob) == self.history.versions[v][0]:
+                resumed.blobs[v] = blob
+        if v < self.history.last or (v == self.history.last and v not in resumed.blobs):
             trainer.version = self.history.last + 1
         resumed.version = trainer.version
         resumed.blobs = {k: b for k, b in resumed.blobs.items() if k >= trainer.version - self.learner.cfg.rl.staleness}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from echo_node.checkpoint import CheckpointStore
 from echo_node.metrics import read_metrics
 from echo_node.net import rpc
 from echo_node.net.discovery import connect_bootstrap, find_provider
@@ -112,7 +113,7 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     assert s["train_errors"] == 0
     log = (cluster.swarm.run_dir / "logs" / "learner.log").read_text()
     assert f"rejected a rollout message from {attacker.peer_id}" in log
-    assert (cluster.run_dir(run_id) / "checkpoint.safetensors").stat().st_size > 0
+    assert CheckpointStore(cluster.run_dir(run_id)).newest_model().stat().st_size > 0
     assert (cluster.run_dir(run_id) / "reward.png").stat().st_size > 0
 
 
@@ -138,7 +139,7 @@ def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> Non
     assert s["banned"] == [] and s["penalties"] == {}
     # Weights travel peer to peer: the learner uploads about one copy per version, where a
     # star would upload three.
-    snapshot = (cluster.run_dir(run_id) / "checkpoint.safetensors").stat().st_size
+    snapshot = CheckpointStore(cluster.run_dir(run_id)).newest_model().stat().st_size
     assert int(s["learner_bytes_up"]) < 1.5 * (int(s["versions"]) + 1) * snapshot
 
 
