@@ -1,0 +1,125 @@
+"""A rollout peer across learner restarts: epochs followed, versions never taken twice with two
+digests, a learner that stops answering looked for again (virtual clock)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from echo_node.config import NetConfig, RunConfig
+from echo_node.net.discovery import JoinError
+from echo_node.rollout_peer import SeqReservation
+from echo_node.weights.broadcast import DataServer
+from echo_node.weights.follower import Target, WeightFollower
+from tests.factories import ALICE
+
+
+def follower(epoch: int = 1, **net: object) -> WeightFollower:
+    cfg = RunConfig(run_id="run-1", runs_dir=Path(tempfile.mkdtemp(prefix="echo-node-epochs-")), net=NetConfig(**net))  # type: ignore[arg-type]
+    session = SimpleNamespace(engine=SimpleNamespace(version=-1), spec=SimpleNamespace(sync_mode="async", epoch=epoch))
+    return WeightFollower(cfg, None, DataServer(ALICE, "run-1"), session)  # type: ignore[arg-type]
+
+
+def digest(n: int) -> bytes:
+    return bytes([n]) * 32
+
+
+def test_a_version_number_is_taken_with_one_digest_per_epoch() -> None:
+    f = follower()
+    assert f.offer(Target(5, 10, digest(5), 4, 1))
+    assert not f.offer(Target(5, 10, digest(6), 4, 1)), "the same number with another digest"
+    assert f.newest is not None and f.newest.sha256 == digest(5)
+    assert f.offer(Target(5, 10, digest(5), 4, 1)), "the same announcement again is fine"
+
+
+def test_an_older_epoch_is_ignored_and_a_newer_one_followed() -> None:
+    f = follower(epoch=2)
+    assert f.offer(Target(7, 10, digest(7), 4, 2))
+    # A previous incarnation's announcement, replayed or late, even of a higher number.
+    assert not f.offer(Target(9, 10, digest(9), 4, 1))
+    assert f.newest is not None and f.newest.version == 7
+    # A resumed learner goes on above the old numbers: followed, and re-joined.
+    assert f.offer(Target(8, 10, digest(8), 4, 3))
+    assert f.epoch == 3 and f.newest.version == 8 and f.rejoin_wanted.is_set()
+
+
+def test_a_new_epoch_below_the_peers_newest_is_followed_anyway() -> None:
+    """A learner that lost its run folder starts low again: the peer follows it at once rather
+    than wait for a number above its newest, and swaps the weights in."""
+    f = follower(epoch=1)
+    f.engine.version = 40
+    f._hand_over(b"weights of 40", 40)
+    f._blob_sha, f._blob_epoch = digest(40), 1
+    assert f.take_pending() is None  # the engine runs 40 already
+    assert f.offer(Target(40, 10, digest(40), 4, 1))
+    assert f.offer(Target(3, 10, digest(3), 4, 2))
+    assert f.newest is not None and f.newest.version == 3 and f.needs(f.newest)
+    f._hand_over(b"weights of 3", 3)
+    assert f.take_pending() == (b"weights of 3", 3), "a new epoch's weights swap in whatever their number"
+    # The old epoch's number 40 with its digest is forgotten: the new epoch may use it.
+    assert f.offer(Target(40, 10, digest(41), 4, 2))
+
+
+def test_a_lost_learner_is_looked_for_with_backoff_then_given_up() -> None:
+    f = follower(learner_outage_s=100.0, backoff_initial_s=1.0, backoff_max_s=8.0)
+    tries: list[float] = []
+
+    async def rejoin() -> None:
+        tries.append(trio.current_time())
+        raise JoinError("no provider record yet")
+
+    f._rejoin = rejoin
+
+    async def main() -> None:
+        f._last_contact = trio.current_time()
+        await trio.sleep(5)
+        with pytest.raises(JoinError, match="lost the learner: no answer for 100s"):
+            await f.reconnect()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps[:4] == [1.0, 2.0, 4.0, 8.0] and max(gaps) == 10.0
+    assert 100 <= tries[-1] - tries[0] + 5 <= 115
+
+
+def test_a_learner_back_within_the_outage_is_rejoined() -> None:
+    f = follower(learner_outage_s=100.0, backoff_initial_s=1.0)
+    calls = []
+
+    async def rejoin() -> None:
+        calls.append(trio.current_time())
+        if len(calls) < 3:
+            raise JoinError("not found")
+
+    async def status() -> Target:
+        f._last_contact = trio.current_time()
+        target = Target(12, 10, digest(12), 4, 2)
+        f.offer(target)
+        return target
+
+    f._rejoin = rejoin
+    f.status = status  # type: ignore[method-assign]
+
+    async def main() -> None:
+        f._last_contact = trio.current_time() - 30
+        await f.reconnect()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(calls) == 3 and f.reconnects == 1 and f.epoch == 2 and f._joined_epoch == 2
+
+
+def test_sequence_numbers_are_never_reused_across_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "peer.seq"
+    first = SeqReservation(path)
+    first.reserve(first.first + 10)
+    # The clock steps back an hour before the restart: the reservation still wins.
+    import echo_node.rollout_peer as rp
+
+    monkeypatch.setattr(rp.time, "time_ns", lambda: (first.first - 3_600_000) * 1_000_000)
+    second = SeqReservation(path)
+    assert second.first >= first.first + 10
