@@ -140,6 +140,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "rollouts_received": summary["rollouts_received"],
         "rollouts_accepted": summary["rollouts_accepted"],
         "rollouts_dropped": summary["rollouts_dropped"],
+        "rollouts_buffered": summary["rollouts_buffered"],
         "reward_first": round(summary["reward_first"], 4),
         "reward_last": round(summary["reward_last"], 4),
         "learner_idle_ratio": round(summary["learner_idle_ratio"], 4),

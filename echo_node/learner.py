@@ -497,6 +497,7 @@ class Learner:
                 # Wall-clock time, so a benchmark can line a publication up with peers' installs.
                 "wall": round(time.time(), 4),
                 "version": self.version,
+                "epoch": self.epoch,
                 "published": self.weights.published,
                 "reward_mean": stats.get("reward_mean", 0.0),
                 "loss": stats.get("loss", 0.0),

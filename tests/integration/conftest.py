@@ -23,9 +23,9 @@ class Cluster:
         self.bootstrap_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
         return self.bootstrap_addr
 
-    def start_learner(self, run_id: str, *extra: str) -> tuple[Child, dict[str, object]]:
+    def start_learner(self, run_id: str, *extra: str, name: str = "learner") -> tuple[Child, dict[str, object]]:
         learner = self.swarm.spawn(
-            "learner",
+            name,
             ["learn", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--runs-dir", str(self.root / "runs"),
              "--key-file", str(self.keys / "learner.key"), *extra],
         )
