@@ -107,26 +107,34 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: 
     backoff = Backoff(net.backoff_initial_s, net.backoff_max_s)
     deadline = trio.current_time() + net.join_deadline_s
     await connect_bootstrap(node, net.bootstrap, deadline_s=net.join_deadline_s, backoff=backoff)
-    remaining = max(0.0, deadline - trio.current_time())
     pin = net.learner
-    candidates = await find_providers(
-        node, provider_key(cfg.run_id), what=f"learner for run {cfg.run_id!r}", deadline_s=remaining,
-        backoff=backoff, pin=pin,
-    )
-    # Anyone can announce a run id: without a pin, every record is tried, and a learner is
-    # taken only if its join response (on a stream authenticated to its peer id) is for
-    # this run and names itself as the run's learner.
-    failures: list[str] = []
-    for learner in candidates:
-        try:
-            join = await _join_learner(cfg, node, data, learner)
-        except (JoinError, rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
-            log.info("learner candidate %s refused: %s", learner.peer_id, exc)
-            failures.append(f"{learner.peer_id}: {exc}")
+    delays = backoff.delays()
+    while True:
+        candidates = await find_providers(
+            node, provider_key(cfg.run_id), what=f"learner for run {cfg.run_id!r}",
+            deadline_s=max(0.0, deadline - trio.current_time()), backoff=backoff, pin=pin,
+        )
+        # Anyone can announce a run id: without a pin, every record is tried, and a learner is
+        # taken only if its join response (on a stream authenticated to its peer id) is for
+        # this run and names itself as the run's learner.
+        failures: list[str] = []
+        for learner in candidates:
+            try:
+                join = await _join_learner(cfg, node, data, learner)
+            except (JoinError, rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
+                log.info("learner candidate %s refused: %s", learner.peer_id, exc)
+                failures.append(f"{learner.peer_id}: {exc}")
+                continue
+            break
+        else:
+            # A record may name a learner that restarted elsewhere since: its new record comes
+            # with its start. Looked up again until the deadline.
+            delay = next(delays)
+            if trio.current_time() + delay >= deadline:
+                raise JoinError(f"no learner of run {cfg.run_id!r} took this peer: " + "; ".join(failures))
+            await trio.sleep(delay)
             continue
         break
-    else:
-        raise JoinError(f"no learner of run {cfg.run_id!r} took this peer: " + "; ".join(failures))
     policy = await trio.to_thread.run_sync(
         peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, model_path
     )
@@ -155,8 +163,10 @@ async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Sessi
     )
     try:
         join = await _join_learner(cfg, node, data, found[0])
-    except (rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
-        raise JoinError(f"the learner refused to take this peer again: {exc}") from None
+    except JoinError:
+        raise
+    except Exception as exc:  # whatever the way there failed (py-libp2p's own errors too): not now
+        raise JoinError(f"the learner did not take this peer again: {type(exc).__name__}: {exc}") from None
     old, new = session.spec.to_wire(), join.spec.to_wire()
     names = [f.name for f in dataclasses.fields(RunSpec)]
     changed = [n for n, a, b in zip(names, old, new) if a != b and n not in SPEC_MAY_CHANGE]

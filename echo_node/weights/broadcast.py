@@ -664,10 +664,14 @@ async def receive_version(
     *,
     learner_id: str,
     connect: Connector = tcp_connect,
+    on_start: Callable[[Receiver], None] | None = None,
 ) -> tuple[memoryview, Receiver]:
-    """After `open_version`: register a receiver for the manifest and download the payload."""
+    """After `open_version`: register a receiver for the manifest and download the payload
+    (`on_start` is handed the receiver first, e.g. to watch its progress)."""
     receiver = Receiver(server, manifest, source_id=learner_id)
     receiver.connect = connect
+    if on_start is not None:
+        on_start(receiver)
     server.register(manifest.version, receiver, base=base_of(manifest))
     return await receiver.run(nursery, source_stream), receiver
 

@@ -41,7 +41,7 @@ from echo_node.metrics import MetricsWriter
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr
 from echo_node.topics import versions_topic
-from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served, Unavailable, open_version, receive_version
+from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version, receive_version
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RunSpec, StatusRequest, StatusResponse, VersionAnnounce
@@ -50,11 +50,19 @@ from protocol.weights.manifest import payload_digest
 
 log = logging.getLogger(__name__)
 
-# A version that does not arrive (and verify) within this is abandoned and asked for again.
+# A version that does not arrive (and verify) within this is abandoned and asked for again; one
+# that gains no piece for STALL_ABANDON_S (its sources died or stopped sending) sooner.
 FETCH_TIMEOUT_S = 60.0
+STALL_ABANDON_S = 10.0
+
+
+class TransferAbandoned(Exception):
+    """A weight download stopped making progress, or a newer epoch made it moot."""
+
+
 # What a failed weight fetch looks like; the peer retries after a pause (by then a newer version
 # may be the target: "unavailable" means the learner already stopped serving this one).
-REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable)
+REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable, TransferAbandoned)
 # After the learner said it has no delta for a version, ask only for full snapshots this long.
 DELTA_BACKOFF_VERSIONS = 20
 # Status checks double as a liveness probe of the learner in async mode.
@@ -129,6 +137,11 @@ class WeightFollower:
         self._joined_epoch = self.epoch
         # Set when a newer epoch's version has a number not above the engine's: swap it anyway.
         self._epoch_reset = False
+        # The download in flight (its target and cancel scope) and its receiver's progress:
+        # (receiver, pieces missing, when that last changed).
+        self._fetching: tuple[Target, trio.CancelScope] | None = None
+        self._progress: tuple[Receiver, int, float] | None = None
+        self._abandoned = ""
         # Verified weights waiting for the engine; taken by the generation thread between two
         # decoding steps (async) or before a batch, hence the lock.
         self._pending: tuple[bytes | memoryview, int] | None = None
@@ -155,6 +168,7 @@ class WeightFollower:
             task_status.started()
             nursery.start_soon(self._follow_announcements)
             nursery.start_soon(self._rejoin_on_new_epoch)
+            nursery.start_soon(self._watch_transfers)
             if self.session.spec.sync_mode == "async":
                 nursery.start_soon(self._poll_status)
                 nursery.start_soon(self._fetch_newest)
@@ -185,13 +199,23 @@ class WeightFollower:
         return target.version > self._blob_version or target.epoch > self._blob_epoch
 
     async def _fetch(self, target: Target) -> None:
-        """Fetch and verify `target`, then leave it for the engine to take (`take_pending`)."""
+        """Fetch and verify `target`, then leave it for the engine to take (`take_pending`).
+        Nothing is handed over unless the whole version verified: an abandoned download leaves
+        the engine on the weights it has."""
         t0 = time.monotonic()
-        with trio.fail_after(FETCH_TIMEOUT_S):
-            blob: bytes | memoryview | None = await self._fetch_delta(target)
-            delta = blob is not None
-            if blob is None:
-                blob = await self._nursery_start(target, FULL)
+        blob: bytes | memoryview | None = None
+        delta = False
+        with trio.fail_after(FETCH_TIMEOUT_S), trio.CancelScope() as scope:
+            self._fetching, self._progress = (target, scope), None
+            try:
+                blob = await self._fetch_delta(target)
+                delta = blob is not None
+                if blob is None:
+                    blob = await self._nursery_start(target, FULL)
+            finally:
+                self._fetching = self._progress = None
+        if blob is None:
+            raise TransferAbandoned(f"version {target.version}: {self._abandoned}")
         self._hand_over(blob, target.version)
         self._blob_sha, self._blob_epoch = target.sha256, target.epoch
         if self.metrics is not None:
@@ -270,7 +294,9 @@ class WeightFollower:
         try:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as links:
-                    payload, receiver = await receive_version(self.data, links, manifest, stream, learner_id=self.session.learner.peer_id)
+                    payload, receiver = await receive_version(
+                        self.data, links, manifest, stream, learner_id=self.session.learner.peer_id, on_start=self._watch,
+                    )
                     self._note_reachability(receiver.reachable)
                     self.served.add(target.version, scope)
                     served = True
@@ -279,6 +305,29 @@ class WeightFollower:
         finally:
             if not served:  # abandoned before it verified: stop routing peers to it
                 self.data.unregister(target.version)
+
+    def _watch(self, receiver: Receiver) -> None:
+        self._progress = (receiver, receiver.swarm.missing, trio.current_time())
+
+    def _abandon(self, why: str) -> None:
+        if self._fetching is not None:
+            self._abandoned = why
+            self._fetching[1].cancel()
+
+    async def _watch_transfers(self) -> None:
+        """Abandon a download that gained no piece for STALL_ABANDON_S (it is asked for again,
+        from whoever serves it then)."""
+        while True:
+            await trio.sleep(1.0)
+            if self._progress is None:
+                continue
+            receiver, missing, since = self._progress
+            now = trio.current_time()
+            if receiver.swarm.missing != missing:
+                self._progress = (receiver, receiver.swarm.missing, now)
+            elif now - since > STALL_ABANDON_S:
+                log.warning("abandoned the download of version %d: no piece for %.0fs", receiver.manifest.version, now - since)
+                self._abandon(f"no piece for {now - since:.0f}s")
 
     def _note_reachability(self, reachable: bool) -> None:
         """Tell the volunteer, once per change, whether other peers can fetch weights from it."""
@@ -313,6 +362,8 @@ class WeightFollower:
             log.info("the learner restarted (epoch %d -> %d, at version %d): following it", self.epoch, target.epoch, target.version)
             self.epoch = target.epoch
             self._digests.clear()
+            if self._fetching is not None and self._fetching[0].epoch < target.epoch:
+                self._abandon(f"the learner restarted (epoch {target.epoch})")
             if self.newest is not None and target.version <= self.newest.version:
                 # The new epoch did not go on from the old numbers (its history was lost):
                 # its versions are the ones to follow now, whatever their numbers.
@@ -365,6 +416,8 @@ class WeightFollower:
         async with self._reconnecting:
             if not force and trio.current_time() - self._last_contact < CONTACT_FRESH_S:
                 return  # it answered just now (another task reconnected meanwhile)
+            if force and self._joined_epoch >= self.epoch:
+                return  # joined this epoch meanwhile
             if self._rejoin is None:
                 self.check_learner_alive()
                 return
@@ -382,7 +435,9 @@ class WeightFollower:
                         self.metrics.write({"event": "rejoined", "epoch": self.epoch, "wall": time.time()})
                     log.info("rejoined the learner (epoch %d)", self.epoch)
                     return
-                except (*REFRESH_ERRORS, JoinError) as exc:
+                except ValueError:
+                    raise  # the run changed (rollout_peer.rejoin): not something to wait out
+                except Exception as exc:  # py-libp2p raises its own errors for a peer that is gone
                     if trio.current_time() > deadline:
                         raise JoinError(f"lost the learner: no answer for {outage:g}s ({exc})") from None
                     delay = next(delays)

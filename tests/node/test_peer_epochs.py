@@ -15,7 +15,7 @@ from echo_node.config import NetConfig, RunConfig
 from echo_node.net.discovery import JoinError
 from echo_node.rollout_peer import SeqReservation
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import Target, WeightFollower
+from echo_node.weights.follower import STALL_ABANDON_S, Target, TransferAbandoned, WeightFollower
 from tests.factories import ALICE
 
 
@@ -123,3 +123,72 @@ def test_sequence_numbers_are_never_reused_across_restarts(tmp_path: Path, monke
     monkeypatch.setattr(rp.time, "time_ns", lambda: (first.first - 3_600_000) * 1_000_000)
     second = SeqReservation(path)
     assert second.first >= first.first + 10
+
+
+def fetch_that_stalls(f: WeightFollower, *, pieces_every_s: float | None) -> None:
+    """The follower's download: a receiver that gains a piece every `pieces_every_s` (None:
+    never), for a version of 1000 pieces."""
+    receiver = SimpleNamespace(swarm=SimpleNamespace(missing=1000), manifest=SimpleNamespace(version=9))
+
+    async def no_delta(target: Target) -> None:
+        return None
+
+    async def download(target: Target, base: int) -> bytes:
+        f._watch(receiver)  # type: ignore[arg-type]
+        while receiver.swarm.missing:
+            await trio.sleep(pieces_every_s if pieces_every_s is not None else 3600)
+            receiver.swarm.missing -= 1
+        return b"weights of 9"
+
+    f._fetch_delta = no_delta  # type: ignore[method-assign,assignment]
+    f._nursery_start = download  # type: ignore[method-assign,assignment]
+
+
+def test_a_download_that_stops_making_progress_is_abandoned() -> None:
+    f = follower()
+    fetch_that_stalls(f, pieces_every_s=None)
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f._watch_transfers)
+            start = trio.current_time()
+            with pytest.raises(TransferAbandoned, match="version 9: no piece for 1[01]s"):
+                await f._fetch(Target(9, 10, digest(9), 4, 1))
+            nursery.cancel_scope.cancel()
+            return trio.current_time() - start
+
+    took = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert STALL_ABANDON_S < took <= STALL_ABANDON_S + 2
+    assert f.take_pending() is None, "nothing of an abandoned download reaches the engine"
+
+
+def test_a_slow_download_that_progresses_is_not_abandoned() -> None:
+    f = follower()
+    fetch_that_stalls(f, pieces_every_s=0.05)  # 50 s for 1000 pieces: slow, never stalled
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(f._watch_transfers)
+            await f._fetch(Target(9, 10, digest(9), 4, 1))
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    f.engine.version = 8
+    assert f.take_pending() == (b"weights of 9", 9)
+
+
+def test_a_newer_epoch_abandons_the_download_of_an_older_ones_version() -> None:
+    f = follower(epoch=1)
+    fetch_that_stalls(f, pieces_every_s=0.5)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            async def restart() -> None:
+                await trio.sleep(2)
+                f.offer(Target(12, 10, digest(12), 4, 2))
+
+            nursery.start_soon(restart)
+            with pytest.raises(TransferAbandoned, match="the learner restarted"):
+                await f._fetch(Target(9, 10, digest(9), 4, 1))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
