@@ -307,6 +307,10 @@ def _memoize_addrs(host: IHost, ttl_s: float) -> None:
     setattr(host, "get_addrs", get_addrs)
 
 
+class StreamUnavailable(ConnectionError):
+    """A stream to a peer could not be opened (it is gone, unreachable, or refused the protocol)."""
+
+
 class P2PNode:
     """A running libp2p host with DHT and GossipSub; start it with `nursery.start(node.run)`."""
 
@@ -496,7 +500,12 @@ class P2PNode:
         self._host.set_stream_handler(TProtocol(protocol_id), on_stream)
 
     async def open_stream(self, peer_id: str, protocol_id: str) -> PeerStream:
-        stream = await self._host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol_id)])
+        """A stream to a connected (or dialable) peer; `StreamUnavailable` (an OSError, like any
+        other link failure) when there is none: py-libp2p's own error types stop here."""
+        try:
+            stream = await self._host.new_stream(ID.from_base58(peer_id), [TProtocol(protocol_id)])
+        except Exception as exc:
+            raise StreamUnavailable(f"no {protocol_id} stream to {peer_id}: {type(exc).__name__}: {exc}") from exc
         return PeerStream(stream)
 
     # -- gossip ------------------------------------------------------------------------------

@@ -164,11 +164,16 @@ class WeightFollower:
             self._nursery = nursery
             await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
             self._last_contact = trio.current_time()
-            await self.refresh()
+            nursery.start_soon(self._watch_transfers)
+            while True:  # the learner may be restarting right now: its weights, once it is back
+                try:
+                    await self.refresh()
+                    break
+                except REFRESH_ERRORS as exc:
+                    await self.refresh_failed(exc)
             task_status.started()
             nursery.start_soon(self._follow_announcements)
             nursery.start_soon(self._rejoin_on_new_epoch)
-            nursery.start_soon(self._watch_transfers)
             if self.session.spec.sync_mode == "async":
                 nursery.start_soon(self._poll_status)
                 nursery.start_soon(self._fetch_newest)
