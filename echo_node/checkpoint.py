@@ -181,6 +181,17 @@ class CheckpointStore:
                     raise CheckpointError(f"{path.name}: {name} does not match its digest")
         return Checkpoint(path, version, manifest)
 
+    def states(self) -> list[dict[str, Any]]:
+        """The state.json of every checkpoint that has a readable one, newest first, without
+        verifying the checkpoints' files (cheap: no hashing of model-sized files)."""
+        out = []
+        for path in self._dirs():
+            try:
+                out.append(self._open(path).state())
+            except (CheckpointError, OSError, ValueError):
+                continue
+        return out
+
     def list_valid(self, *, quiet: bool = False) -> list[Checkpoint]:
         out = []
         for path in self._dirs():

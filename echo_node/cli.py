@@ -17,8 +17,9 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from types import FrameType
@@ -41,13 +42,21 @@ T = TypeVar("T")
 # - Outside `run_until_signal` (parsing, imports, loading a model; the last log line): SIGINT
 #   raises KeyboardInterrupt as Python's default handler does, SIGTERM raises `Stopped`; `main`
 #   turns both into 128 + the signal number. Before it nothing was written that a summary could
-#   report; after it the role's cleanup is done.
+#   report; after it the role's cleanup is done. `import torch` runs with both held until it ends
+#   (`_signals_deferred`): its C extension swallows exceptions raised inside it.
 # - While `run_until_signal` runs the role: the first SIGINT or SIGTERM cancels the role's
 #   cancel scope and nothing else; the role's own `finally` blocks (the learner's summary and
 #   checkpoint) run under that cancellation, and the exit status is 128 + the signal number.
 # - A second SIGINT or SIGTERM while stopping exits at once (os._exit, 128 + its number),
 #   skipping whatever cleanup is left: an operator who signals twice wants the process gone, and a
 #   shutdown that hangs must not need SIGKILL.
+# - A signal the process was started with ignored (SIG_IGN: `cmd &` in a script ignores SIGINT)
+#   stays ignored, as Python itself leaves it.
+
+
+def _stop_signals() -> tuple[int, ...]:
+    """The stop signals this process acts on: those it was not told to ignore."""
+    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
 
 
 class Stopped(BaseException):
@@ -76,8 +85,26 @@ def _exit_now(signum: int) -> None:
     os._exit(128 + signum)
 
 
+@contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Holds SIGINT/SIGTERM until the block ends, then re-raises the first one to the handler it
+    would have met. For `import torch`: its C extension imports numpy and swallows whatever that
+    import raises, so a KeyboardInterrupt (or `Stopped`) raised then would be lost and the process
+    would carry on."""
+    pending: list[int] = []
+    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in _stop_signals()}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if pending:
+        signal.raise_signal(pending[0])
+
+
 @dataclass
 class _StopState:
+    watched: tuple[int, ...] = field(default_factory=_stop_signals)
     signum: int | None = None  # the first stop signal received
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -95,7 +122,7 @@ async def _watch_signals(
 ) -> None:
     import trio
 
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals:
+    with trio.open_signal_receiver(*state.watched) as signals:
         task_status.started()
         if state.signum is None:  # else it arrived before the receiver was open
             async for signum in signals:
@@ -106,7 +133,7 @@ async def _watch_signals(
         # The role's cleanup may run synchronously for a while (the learner's summary, plots and
         # checkpoint) and this task would not see a signal until it yields: a plain handler acts
         # on the next one at once. The receiver restores `state.on_signal` when it closes.
-        for s in STOP_SIGNALS:
+        for s in state.watched:
             signal.signal(s, state.on_signal)
         role.cancel()
         async for signum in signals:  # one queued before the handlers were replaced
@@ -130,6 +157,8 @@ def run_until_signal(fn: Callable[[], Awaitable[T]], *, doing: str = "") -> tupl
     import trio
 
     state = _StopState()
+    if not state.watched:  # both ignored: nothing to stop on
+        return trio.run(fn), None
     result: list[T] = []
     # The role's own error, raised after trio.run as the role raised it (the nursery here would
     # wrap it in an exception group that `trio.run(fn)` does not add).
@@ -157,7 +186,7 @@ def run_until_signal(fn: Callable[[], Awaitable[T]], *, doing: str = "") -> tupl
     # trio installs its own SIGINT handler (KeyboardInterrupt at a safe point) only when it finds
     # Python's default one; with `state.on_signal` in place a signal outside the receiver is
     # recorded instead and stops the role like any other.
-    previous = {s: signal.signal(s, state.on_signal) for s in STOP_SIGNALS}
+    previous = {s: signal.signal(s, state.on_signal) for s in state.watched}
     try:
         trio.run(main)
     finally:
@@ -207,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--publish-every", type=int, default=None, metavar="K", help="async: publish every K-th version (K <= S)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
     p.add_argument("--max-versions", type=int, default=None)
+    p.add_argument("--fresh", action="store_true",
+                   help="start the run over even if --runs-dir holds it (default: resume it; the old state is moved aside)")
     p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
                    help="a private swarm: only these peer ids may join (one per line, # comments)")
 
@@ -285,6 +316,8 @@ def _read_peer_list(path: Path) -> list[str]:
 
 def _cmd_learn(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    with _signals_deferred():
+        import torch  # noqa: F401
     from echo_node.learner import Learner
     from echo_node.policy import learner_policy, set_threads
 
@@ -293,7 +326,7 @@ def _cmd_learn(args: argparse.Namespace) -> int:
     policy = learner_policy(cfg)
     summary_path = cfg.run_dir / "summary.json"
     earlier = _mtime(summary_path)  # a summary an earlier run under this id left
-    summary, signum = run_until_signal(Learner(cfg, identity, policy).run, doing="writing the summary")
+    summary, signum = run_until_signal(Learner(cfg, identity, policy, fresh=args.fresh).run, doing="writing the summary")
     if summary is not None:
         log.info(
             "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]
@@ -327,6 +360,8 @@ def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    with _signals_deferred():
+        import torch  # noqa: F401
     from echo_node.policy import set_threads
     from echo_node.rollout_peer import RolloutPeer
 
@@ -352,7 +387,9 @@ def main(argv: list[str] | None = None) -> int:
         _setup_logging(args.log_level, role)
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_stopped)
+    previous_sigterm = signal.getsignal(signal.SIGTERM)
+    if previous_sigterm is not signal.SIG_IGN:
+        signal.signal(signal.SIGTERM, _raise_stopped)
     try:
         return COMMANDS[role](args)
     except KeyboardInterrupt:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from echo_node.cli import Stopped
 from echo_node.metrics import read_metrics
 
 READY_TIMEOUT_S = 240.0
@@ -125,6 +126,10 @@ def run_demo(args: argparse.Namespace) -> int:
         progress.close()
         print("interrupted; all demo processes stopped", file=sys.stderr)
         return 130
+    except Stopped as exc:  # SIGTERM (echo_node/cli.py)
+        progress.close()
+        print("stopped; all demo processes stopped", file=sys.stderr)
+        return 128 + exc.signum
     except RuntimeError as exc:
         progress.close()
         print(f"echo-node demo: error: {exc}", file=sys.stderr)

@@ -226,10 +226,10 @@ class RunState:
         """The newest version number any incarnation published (-1: none), from the checkpoints
         and the whole journal, without loading anything (`--fresh` continues above it)."""
         last = -1
-        for c in self.store.list_valid(quiet=True):
+        for state in self.store.states():
             try:
-                last = max(last, int(c.state().get("last_published", -1)))
-            except (OSError, ValueError, TypeError):
+                last = max(last, int(state.get("last_published", -1)))
+            except (ValueError, TypeError):
                 continue
         for record in replay_records(self.journal.directory, 0):
             if record[0] == "publish":
@@ -242,19 +242,15 @@ class RunState:
         t0 = time.monotonic()
         self.store.clean_partial()
         segments = self.journal.segments()
-        newest = self.store.list_valid(quiet=True)
-        if newest:  # refuse an incompatible config before touching anything
-            try:
-                saved = newest[0].state()["config"]
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning("checkpoint %s: unreadable state (%s)", newest[0].path.name, exc)
-            else:
-                diff = config_difference(saved, to_dict(self.learner.cfg))
-                if diff:
-                    raise ResumeRefused(
-                        f"run {self.learner.cfg.run_id!r} in {self.learner.cfg.run_dir} was trained with another config ("
-                        + "; ".join(diff[:5]) + "): use the run's config to resume it, or --fresh to start over"
-                    )
+        states = self.store.states()
+        # An incompatible config is refused before anything is loaded.
+        if states and isinstance(states[0].get("config"), dict):
+            diff = config_difference(states[0]["config"], to_dict(self.learner.cfg))
+            if diff:
+                raise ResumeRefused(
+                    f"run {self.learner.cfg.run_id!r} in {self.learner.cfg.run_dir} was trained with another config ("
+                    + "; ".join(diff[:5]) + "): use the run's config to resume it, or --fresh to start over"
+                )
         found = self.store.newest(self._parse)
         if found is None and not segments:
             return None
