@@ -6,6 +6,7 @@ import random
 
 from benchmarks.soak import (
     checks,
+    dropped_delta,
     first_update_after,
     growth,
     install_check,
@@ -151,3 +152,11 @@ def test_checks() -> None:
     c = checks(report)
     assert c == {"lost": True, "reused_versions": True, "peer_installed_mismatch": None, "restart_to_first_update": False,
                  "max_peer_lag": True, "rss_growth": True, "fds_growth": False}
+
+
+def test_dropped_delta_around_a_restart() -> None:
+    train = [{"event": "train", "wall": w, "dropped": d} for w, d in
+             [(1.0, {"stale": 3}), (2.0, {"stale": 4, "duplicate": 5}), (10.0, {"duplicate": 50}), (30.0, {"duplicate": 70})]]
+    assert dropped_delta(train, "duplicate", t0=5.0, t1=20.0) == 45
+    assert dropped_delta(train, "duplicate", t0=0.5, t1=20.0) == 50
+    assert dropped_delta(train, "duplicate", t0=5.0, t1=0.5) is None
