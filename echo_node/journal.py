@@ -22,7 +22,11 @@ Rules:
 Records (msgpack arrays; `gid` is the journal's serial number of a buffered group):
     ["admit", gid, origin, group]          a group entered the buffer (group: RolloutGroup wire)
     ["carry", gid, origin, group]          a group still buffered when this segment began
-    ["reject", reason, rollouts]           rollouts received and dropped before the buffer
+    ["reject", reason, rollouts]           rollouts received and dropped before the buffer (a
+                                           batch's fate, inside its transaction)
+    ["rejects", {reason: rollouts}]        the same, summed since the last flush: refusals outside
+                                           a transaction (bad signatures, strangers, bans...), so
+                                           a flood of junk costs one record per flush, not one each
     ["seen", origin, seq]                  the sequence tracker took (origin, seq) as new
     ["drop", reason, [gid, ...]]           buffered groups dropped with a reason
     ["step", version, [gid, ...]]          one update trained these groups and made `version`
@@ -111,6 +115,7 @@ class Journal:
         self.index = segment_index(existing[-1]) + 1 if existing else 0
         self._pending: list[bytes] = []
         self._tx: list[list[Any]] | None = None
+        self._tally: dict[str, int] = {}
         self.segment_bytes = 0
         self.flushes = 0
         self.bytes_written = 0
@@ -128,6 +133,13 @@ class Journal:
         else:
             self._pending.append(frame(record))
 
+    def tally(self, reason: str, rollouts: int) -> None:
+        """Count rollouts rejected outside a transaction (one "rejects" record per flush)."""
+        if self._tx is not None:
+            self._tx.append(["reject", reason, rollouts])
+        else:
+            self._tally[reason] = self._tally.get(reason, 0) + rollouts
+
     def begin(self) -> None:
         """Records appended until `commit` become one ["tx", [records]] frame: durable together
         or not at all (e.g. a batch's admitted groups and the seq that says it arrived)."""
@@ -140,11 +152,14 @@ class Journal:
 
     @property
     def pending(self) -> int:
-        return len(self._pending)
+        return len(self._pending) + bool(self._tally)
 
     def take_pending(self) -> bytes:
         """The pending records as bytes, in order, and forget them: the caller writes them with
         `write` (in a worker thread) while new records keep arriving."""
+        if self._tally:
+            self._pending.append(frame(["rejects", self._tally]))
+            self._tally = {}
         data, self._pending = b"".join(self._pending), []
         return data
 

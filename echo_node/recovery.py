@@ -347,6 +347,9 @@ class RunState:
             buffer.replay_admit(int(record[1]), group, str(record[2]), received=kind == "admit")
         elif kind == "reject":
             buffer.replay_reject(str(record[1]), int(record[2]))
+        elif kind == "rejects":
+            for reason, rollouts in dict(record[1]).items():
+                buffer.replay_reject(str(reason), int(rollouts))
         elif kind == "drop":
             buffer.replay_drop(str(record[1]), [int(g) for g in record[2]])
         elif kind == "seen":

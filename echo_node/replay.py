@@ -38,6 +38,8 @@ from protocol.staleness import DropReason, admissible
 class Journal(Protocol):
     def append(self, record: list[Any]) -> None: ...
 
+    def tally(self, reason: str, rollouts: int) -> None: ...
+
 
 @dataclass(slots=True)
 class Ledger:
@@ -103,7 +105,8 @@ class ReplayBuffer:
         """Count rollouts that arrived but never entered the buffer."""
         self.ledger.received += rollouts
         self._drop(reason, rollouts)
-        self._record(["reject", _key(reason), rollouts])
+        if self.journal is not None:
+            self.journal.tally(_key(reason), rollouts)
 
     def _record(self, record: list[Any]) -> None:
         if self.journal is not None:

@@ -152,6 +152,12 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: 
 SPEC_MAY_CHANGE = frozenset({"current_version", "epoch"})
 
 
+def spec_changes(old: RunSpec, new: RunSpec) -> list[str]:
+    """The fields a restarted learner's spec changed that a joined peer cannot follow."""
+    names = [f.name for f in dataclasses.fields(RunSpec)]
+    return [n for n, a, b in zip(names, old.to_wire(), new.to_wire()) if a != b and n not in SPEC_MAY_CHANGE]
+
+
 async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Session) -> None:
     """Find the session's learner again (the DHT, pinned to its peer id) and join it; the
     session takes its new addresses. JoinError while it cannot be found or refuses; ValueError
@@ -167,9 +173,7 @@ async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Sessi
         raise
     except Exception as exc:  # whatever the way there failed (py-libp2p's own errors too): not now
         raise JoinError(f"the learner did not take this peer again: {type(exc).__name__}: {exc}") from None
-    old, new = session.spec.to_wire(), join.spec.to_wire()
-    names = [f.name for f in dataclasses.fields(RunSpec)]
-    changed = [n for n, a, b in zip(names, old, new) if a != b and n not in SPEC_MAY_CHANGE]
+    changed = spec_changes(session.spec, join.spec)
     if changed:
         raise ValueError(f"the run's learner restarted with another config ({', '.join(changed)} changed): restart this peer to follow it")
     session.learner, session.spec = found[0], join.spec

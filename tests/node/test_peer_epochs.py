@@ -192,3 +192,22 @@ def test_a_newer_epoch_abandons_the_download_of_an_older_ones_version() -> None:
                 await f._fetch(Target(9, 10, digest(9), 4, 1))
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_learner_back_with_another_config_is_not_followed() -> None:
+    """A restart may move the learner and bump its epoch and version; a spec that samples,
+    scores or trains otherwise (or names another learner) is refused, field by field."""
+    from dataclasses import replace
+
+    from echo_node.rollout_peer import spec_changes
+    from protocol import RunSpec, SamplingParams
+
+    spec = RunSpec(
+        run_id="run-1", model={"hidden_size": 128}, tokenizer={"kind": "char"}, task="addition",
+        sampling=SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=4), sync_mode="async", staleness=4,
+        group_size=8, current_version=40, learner_peer_id=ALICE.peer_id, epoch=1,
+    )
+    assert spec_changes(spec, replace(spec, current_version=97, epoch=2)) == []
+    hotter = replace(spec, sampling=SamplingParams(temperature=1.5, top_p=1.0, max_new_tokens=4), epoch=2)
+    assert spec_changes(spec, hotter) == ["sampling"]
+    assert spec_changes(spec, replace(spec, staleness=8, sync_mode="pull", model={"hidden_size": 256})) == ["model", "sync_mode", "staleness"]
