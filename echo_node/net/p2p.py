@@ -351,6 +351,13 @@ class P2PNode:
             eclipse_protection_enabled=False,
         )
         self._pubsub = Pubsub(self._host, self._gossipsub)
+        # Message ids are (author, seqno), and py-libp2p starts the seqno at the Unix time in
+        # seconds, +1 per message: a node publishing more than one message a second and restarted
+        # (a learner resumed after a crash, a peer started again) reuses seqnos its subscribers
+        # saw within their seen-cache TTL, and they drop its new messages as duplicates: after a
+        # learner restart its version announcements stopped reaching its peers. Nanoseconds, as
+        # go-libp2p does: a restart starts above anything the previous process could count to.
+        self._pubsub.counter = time.time_ns()
         # Messages of our validated topics that py-libp2p dropped before our validator saw them,
         # by reason (see `_push_msg`); and how many reached the validator.
         self.gossip_drops: dict[str, dict[str, int]] = {}
