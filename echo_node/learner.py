@@ -230,8 +230,9 @@ class Learner:
         return blob
 
     def _archive(self, run_dir: Path) -> None:
-        """--fresh: move the previous run's state aside (kept, not deleted); the epoch stays."""
-        names = ("checkpoints", "journal", "bans.json", "summary.json", "metrics.jsonl")
+        """--fresh: move the previous run's state aside (kept, not deleted). The epoch stays, and
+        so do the bans: they are about peers, not about what was trained."""
+        names = ("checkpoints", "journal", "summary.json", "metrics.jsonl")
         present = [n for n in names if (run_dir / n).exists()]
         if not present:
             return
