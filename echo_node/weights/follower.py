@@ -65,8 +65,13 @@ class TransferAbandoned(Exception):
 REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable, TransferAbandoned)
 # After the learner said it has no delta for a version, ask only for full snapshots this long.
 DELTA_BACKOFF_VERSIONS = 20
-# Status checks double as a liveness probe of the learner in async mode.
+# Status checks double as a liveness probe of the learner in async mode. Announcements are
+# best effort and least reliable right after a (re)join (py-libp2p is still settling its gossip
+# streams: a restarted peer's first ~30 s of announcements were seen to go missing in the soak),
+# so for JOINED_FAST_S after one the status is asked every STATUS_FAST_S.
 STATUS_INTERVAL_S = 5.0
+STATUS_FAST_S = 1.0
+JOINED_FAST_S = 30.0
 # Version digests remembered per epoch (to refuse a number announced with another digest).
 DIGESTS_KEPT = 256
 # A failure this soon after the learner last answered is not taken for an outage.
@@ -135,6 +140,7 @@ class WeightFollower:
         self.reconnects = 0
         self.rejoin_wanted = trio.Event()
         self._joined_epoch = self.epoch
+        self._joined_at = 0.0
         # Set when a newer epoch's version has a number not above the engine's: swap it anyway.
         self._epoch_reset = False
         # The download in flight (its target and cancel scope) and its receiver's progress:
@@ -163,7 +169,7 @@ class WeightFollower:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await self.node.subscribe(versions_topic(self.cfg.run_id), self._validate_announce)
-            self._last_contact = trio.current_time()
+            self._last_contact = self._joined_at = trio.current_time()
             nursery.start_soon(self._watch_transfers)
             while True:  # the learner may be restarting right now: its weights, once it is back
                 try:
@@ -398,12 +404,16 @@ class WeightFollower:
 
     async def _poll_status(self) -> None:
         while True:
-            await trio.sleep(STATUS_INTERVAL_S)
+            await trio.sleep(self.status_interval())
             try:
                 await self.status()
             except Exception as exc:
                 log.warning("status check with the learner failed: %s", exc)
                 await self.reconnect()
+
+    def status_interval(self) -> float:
+        fresh = trio.current_time() - self._joined_at < JOINED_FAST_S
+        return STATUS_FAST_S if fresh else STATUS_INTERVAL_S
 
     async def _rejoin_on_new_epoch(self) -> None:
         """A restarted learner may serve its data channel elsewhere and forgot who joined:
@@ -436,6 +446,7 @@ class WeightFollower:
                         await self.status()
                     self.reconnects += 1
                     self._joined_epoch = self.epoch
+                    self._joined_at = trio.current_time()
                     if self.metrics is not None:
                         self.metrics.write({"event": "rejoined", "epoch": self.epoch, "wall": time.time()})
                     log.info("rejoined the learner (epoch %d)", self.epoch)

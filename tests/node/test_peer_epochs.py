@@ -211,3 +211,29 @@ def test_a_learner_back_with_another_config_is_not_followed() -> None:
     hotter = replace(spec, sampling=SamplingParams(temperature=1.5, top_p=1.0, max_new_tokens=4), epoch=2)
     assert spec_changes(spec, hotter) == ["sampling"]
     assert spec_changes(spec, replace(spec, staleness=8, sync_mode="pull", model={"hidden_size": 256})) == ["model", "sync_mode", "staleness"]
+
+
+def test_status_is_asked_often_right_after_a_join_then_every_5_s() -> None:
+    """Announcements are least reliable right after a (re)join: the status is the authority."""
+    from echo_node.weights.follower import JOINED_FAST_S, STATUS_FAST_S, STATUS_INTERVAL_S
+
+    f = follower()
+    asked: list[float] = []
+
+    async def status() -> Target:
+        asked.append(trio.current_time())
+        f._last_contact = trio.current_time()
+        return Target(1, 10, digest(1), 4, 1)
+
+    f.status = status  # type: ignore[method-assign]
+
+    async def main() -> None:
+        f._joined_at = trio.current_time()
+        with trio.move_on_after(JOINED_FAST_S + 20):
+            await f._poll_status()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    early = [g for t, g in zip(asked, gaps) if t < JOINED_FAST_S - STATUS_FAST_S]
+    assert early and all(g == STATUS_FAST_S for g in early)
+    assert gaps[-1] == STATUS_INTERVAL_S
