@@ -436,6 +436,13 @@ class WeightFollower:
             if self._rejoin is None:
                 self.check_learner_alive()
                 return
+            if not force:
+                try:  # a failed fetch or one lost answer is not an outage: is it still there?
+                    with trio.fail_after(10):
+                        await self.status()
+                    return
+                except Exception:
+                    pass
             outage = self.cfg.net.learner_outage_s
             deadline = self._last_contact + outage
             delays = Backoff(self.cfg.net.backoff_initial_s, max(self.cfg.net.backoff_max_s, 10.0)).delays()

@@ -97,6 +97,8 @@ def test_a_learner_back_within_the_outage_is_rejoined() -> None:
             raise JoinError("not found")
 
     async def status() -> Target:
+        if len(calls) < 3:  # the old process is gone; the new one answers once rejoined
+            raise ConnectionRefusedError("connection refused")
         f._last_contact = trio.current_time()
         target = Target(12, 10, digest(12), 4, 2)
         f.offer(target)
@@ -111,6 +113,30 @@ def test_a_learner_back_within_the_outage_is_rejoined() -> None:
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert len(calls) == 3 and f.reconnects == 1 and f.epoch == 2 and f._joined_epoch == 2
+
+
+def test_a_learner_that_still_answers_is_not_rejoined() -> None:
+    """A failed fetch (the version moved on, a relay died) is not an outage: one status check
+    says so, and no rejoin (DHT lookup, join, dial-back) is spent."""
+    f = follower()
+    rejoins = []
+
+    async def rejoin() -> None:
+        rejoins.append(1)
+
+    async def status() -> Target:
+        f._last_contact = trio.current_time()
+        return Target(12, 10, digest(12), 4, 1)
+
+    f._rejoin = rejoin
+    f.status = status  # type: ignore[method-assign]
+
+    async def main() -> None:
+        f._last_contact = trio.current_time() - 30
+        await f.refresh_failed(TransferAbandoned("no piece for 10s"))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert rejoins == [] and f.reconnects == 0
 
 
 def test_sequence_numbers_are_never_reused_across_restarts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
