@@ -6,6 +6,8 @@ verification off: tests/adversarial/test_attack_classes.py, benchmarks/verificat
 from __future__ import annotations
 
 import json
+import signal
+import time
 
 import pytest
 
@@ -22,13 +24,17 @@ EXPECTED = {
     "copier": {"bad_prompt"},
     "poison": {"bad_sampling", "bad_logprobs"},
 }
-SECONDS = 45  # of training: every attacker publishes well within it
+# Ten processes start at once on two cores: joining can take a minute. The learner runs until
+# every attacker was caught (or this bound passed), then is stopped with SIGINT.
+CAUGHT_WITHIN_S = 240
+# After the last catch, honest rollouts keep being trained this long (none may be flagged).
+AFTER_S = 10
 
 
 def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> None:
     run_id = "it-attackers"
     cluster.start_bootstrap()
-    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4", "--seconds", str(SECONDS))
+    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4")
     honest = [cluster.start_peer(f"peer{i}", run_id) for i in range(2)]
     attackers = {
         attack: cluster.swarm.spawn(
@@ -39,10 +45,19 @@ def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> Non
         )
         for attack in EXPECTED
     }
-    assert learner.proc.wait(SECONDS + 120) == 0
-    s = json.loads((cluster.run_dir(run_id) / "summary.json").read_text())
-    caught = {r["peer"]: r for r in read_metrics(cluster.run_dir(run_id) / "metrics.jsonl") if r.get("event") == "caught"}
     ids = {name: _peer_id(cluster, name) for name in [*EXPECTED, "peer0", "peer1"]}
+    metrics = cluster.run_dir(run_id) / "metrics.jsonl"
+    deadline = time.monotonic() + CAUGHT_WITHIN_S
+    while time.monotonic() < deadline and not {ids[a] for a in EXPECTED} <= {
+        r["peer"] for r in read_metrics(metrics) if r.get("event") == "caught"
+    }:
+        assert learner.proc.poll() is None, "the learner exited"
+        time.sleep(0.5)
+    time.sleep(AFTER_S)
+    learner.proc.send_signal(signal.SIGINT)
+    assert learner.proc.wait(60) == 130
+    s = json.loads((cluster.run_dir(run_id) / "summary.json").read_text())
+    caught = {r["peer"]: r for r in read_metrics(metrics) if r.get("event") == "caught"}
     for attack, reasons in EXPECTED.items():
         published = [line for line in attackers[attack].stdout_path.read_text().splitlines() if line.startswith("{")]
         assert published, f"{attack} never published"
