@@ -208,10 +208,15 @@ class Learner:
         if self.resumed is None:
             self.trainer.version = floor
             self.state.history.last = floor - 1
-        blob = state_to_bytes(self.policy.model)
+        blob = self.resumed.blobs.get(self.version) if self.resumed is not None else None
+        if blob is not None:  # snapshotted and checked against its published digest by the resume
+            digest = self.state.history.versions[self.version][0]
+        else:
+            blob = state_to_bytes(self.policy.model)
+            digest = payload_digest(blob)
         # First in this start's journal: where it goes on from (a later restart replaying this
         # journal checks that it got to the same weights).
-        self.state.journal.append(["resume", self.version, self.epoch, payload_digest(blob)])
+        self.state.journal.append(["resume", self.version, self.epoch, digest])
         self.buffer.evict_stale(self.version)
         self.state.journal.flush()
         if self.resumed is not None:

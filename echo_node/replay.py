@@ -114,8 +114,8 @@ class ReplayBuffer:
 
     def _dropped(self, reason: DropReason | str, groups: list[RolloutGroup]) -> None:
         """Journal buffered (or taken) groups leaving with a reason; before they are released."""
-        if groups and self.journal is not None:
-            self.journal.append(["drop", _key(reason), [self._gid[id(g)] for g in groups]])
+        if groups:
+            self._record(["drop", _key(reason), [self._gid[id(g)] for g in groups]])
 
     def offer(self, group: RolloutGroup, current_version: int, origin: str = "") -> DropReason | None:
         """Admit a verified group from `origin`, or count it dropped and return the reason."""
