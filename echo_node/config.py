@@ -24,6 +24,9 @@ from protocol.limits import MAX_STALENESS, MAX_TEMPERATURE, MAX_TOKENS_PER_SEQUE
 
 SyncMode = Literal["pull", "async"]
 Correction = Literal["tis", "decoupled", "none"]
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+EngineKind = Literal["torch", "vllm"]
+_DEVICE = re.compile(r"^(auto|cpu|cuda|cuda:[0-9]{1,3})$")
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -74,6 +77,31 @@ class ModelConfig:
     # A local Hugging Face model directory; None selects the embedded tiny Llama.
     path: str | None = None
     seed: int = 0
+    # The rollout dtype: what engines run in and what the learner publishes (a bf16 publication
+    # is half the bytes of fp32). auto: bfloat16 on CUDA, float32 on CPU. The learner keeps fp32
+    # master weights and optimizer state whatever this says.
+    dtype: DType = "auto"
+    # Where this node computes: auto (CUDA when there is one), cpu, cuda, cuda:N.
+    device: str = "auto"
+
+
+@dataclass(kw_only=True, slots=True)
+class TaskConfig:
+    # A built-in task (addition, math) or, with `dataset`, the name of a task read from a file.
+    name: str = "addition"
+    # A JSONL, Parquet or CSV file with one prompt per row (read with `datasets`).
+    dataset: str | None = None
+    # The prompt is this column, or `prompt_template` formatted with the row's columns.
+    prompt_column: str = "prompt"
+    prompt_template: str | None = None
+    # Reward functions as "module:function" with TRL's signature
+    # (prompts, completions, **columns) -> list[float]; a sample's reward is their weighted sum.
+    rewards: list[str] = field(default_factory=list)
+    reward_weights: list[float] = field(default_factory=list)
+    # Bounds of the summed reward; the learner refuses a claimed reward outside them.
+    reward_range: list[float] = field(default_factory=lambda: [0.0, 1.0])
+    # Wrap each prompt in the tokenizer's chat template (a user turn + the generation prompt).
+    chat: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -122,6 +150,9 @@ class WarmupConfig:
 
 @dataclass(kw_only=True, slots=True)
 class RolloutConfig:
+    # The generation engine: torch (CPU or CUDA, any HF causal LM) or vllm (CUDA; the extra
+    # `echo-node[vllm]`).
+    engine: EngineKind = "torch"
     # Groups generated per engine call; a pull-mode peer refreshes weights between calls. One
     # call makes one update's worth (rl.groups_per_step) and one gossip message: the learner pays
     # py-libp2p's per-message cost on its own core, so fewer, larger messages make faster updates.
@@ -169,12 +200,15 @@ class CheckpointConfig:
     # before the version is announced, whatever this says).
     journal_flush_s: float = 0.5
     max_journal_bytes: int = 64 << 20
+    # With every checkpoint, also write runs/<id>/model/: the policy as a save_pretrained
+    # directory (rollout dtype, with its tokenizer) that transformers and vLLM load as is.
+    export: bool = True
 
 
 @dataclass(kw_only=True, slots=True)
 class RunConfig:
     run_id: str = "default"
-    task: str = "addition"
+    task: TaskConfig = field(default_factory=TaskConfig)
     runs_dir: Path = Path("runs")
     # Torch intra-op threads for this process. Oversubscribing the cores is the largest slowdown
     # on this platform (docs/platform.md), so every process sets it explicitly.
@@ -248,6 +282,16 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(
             "checkpoint needs every_versions >= 1, keep >= 1, 0 < journal_flush_s <= 60 and max_journal_bytes >= 1 MiB"
         )
+    m = cfg.model
+    if not _DEVICE.fullmatch(m.device):
+        raise ValueError(f"model.device must be auto, cpu, cuda or cuda:N, got {m.device!r}")
+    t = cfg.task
+    if t.reward_weights and len(t.reward_weights) != len(t.rewards):
+        raise ValueError(f"task.reward_weights has {len(t.reward_weights)} entries for {len(t.rewards)} task.rewards")
+    if len(t.reward_range) != 2 or not t.reward_range[0] < t.reward_range[1]:
+        raise ValueError(f"task.reward_range must be [low, high] with low < high, got {t.reward_range}")
+    if t.dataset is None and (t.rewards or t.prompt_template):
+        raise ValueError("task.rewards and task.prompt_template need task.dataset (a built-in task has its own)")
     validate_net(cfg.net)
 
 
@@ -297,6 +341,9 @@ def load_config(path: Path | None = None, **overrides: Any) -> RunConfig:
         for p in parents:
             node = node.setdefault(p, {})
         node[leaf] = value
+    # `task = "addition"` (and `--task addition`) name a built-in task: the table's name.
+    if isinstance(data.get("task"), str):
+        data["task"] = {"name": data["task"]}
     # A run address RUN_ID@PEER_ID pins the learner; an explicit net.learner must agree.
     run = data.get("run_id")
     if isinstance(run, str) and "@" in run:

@@ -1,0 +1,1 @@
+"""Data files that ship with the package (see pyproject's package-data), and their generators."""
