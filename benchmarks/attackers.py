@@ -221,7 +221,7 @@ def main(argv: list[str]) -> int:
         generator_class = attack
 
     try:
-        trio.run(Peer(cfg, _identity(args, "peer"), model_path=cfg.model.path).run)
+        trio.run(Peer(cfg, _identity(args, "peer")).run)
     except KeyboardInterrupt:
         return 130
     return 0

@@ -1,6 +1,8 @@
-"""TorchEngine against transformers' `generate`: tokens/s at batch 64 on the embedded default.
+"""TorchEngine against transformers' `generate`: tokens/s at batch 64, embedded or a local model.
 
-The embedded tiny Llama (fresh seeded weights; nothing is downloaded), the char tokenizer and the
+The embedded tiny Llama (fresh seeded weights; nothing is downloaded) and its char tokenizer, or
+with `--model DIR` a local Hugging Face model (e.g. `echo-node tiny-model DIR`: a Qwen2 runs
+the engine's HF-forward path, a Llama its lean path) in `--dtype` on `--device`; the
 default task's prompts, sampled with the run config's defaults (temperature, top_p,
 max_new_tokens). Two batch shapes: the rollout peer's (each prompt repeated `group_size` times in
 a row, as `generate_groups` batches a GRPO group; the headline keys) and all-distinct prompts
@@ -12,6 +14,7 @@ Prints one JSON object as its last line.
 
     .venv/bin/python -m benchmarks.engine
     .venv/bin/python -m benchmarks.engine --batch 8 --repeats 21
+    .venv/bin/python -m benchmarks.engine --model DIR --dtype bfloat16 --max-new-tokens 16
 """
 
 from __future__ import annotations
@@ -43,6 +46,10 @@ def parse_args() -> argparse.Namespace:
         help="rows per prompt in the headline shape (default: the run config's GRPO group size)",
     )
     parser.add_argument("--core", type=int, default=None, help="CPU to pin to (default: the last allowed)")
+    parser.add_argument("--model", default=None, metavar="DIR", help="a local Hugging Face model (default: the embedded one)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="default: the run config's")
     return parser.parse_args()
 
 
@@ -57,8 +64,9 @@ class Shape:
         self.prompts, self.engine, self.sampling = prompts, engine, sampling
         self.eos, self.pad = eos, pad
         self.width = max(map(len, prompts))
-        self.ids = torch.tensor([[pad] * (self.width - len(p)) + p for p in prompts])
-        self.mask = torch.tensor([[0] * (self.width - len(p)) + [1] * len(p) for p in prompts])
+        device = engine.device
+        self.ids = torch.tensor([[pad] * (self.width - len(p)) + p for p in prompts], device=device)
+        self.mask = torch.tensor([[0] * (self.width - len(p)) + [1] * len(p) for p in prompts], device=device)
 
     def engine_rows(self, temperature: float) -> list[list[int]]:
         gens = self.engine.generate(
@@ -119,19 +127,27 @@ def main() -> None:
 
     import torch
 
-    from echo_node.config import RunConfig
+    from echo_node.config import RunConfig, SamplingConfig
+    from echo_node.ml.device import DTYPES
     from echo_node.ml.engine import TorchEngine, _LlamaStepper
-    from echo_node.ml.model import build_model, tiny_llama_config
+    from echo_node.ml.model import build_model, load_pretrained, tiny_llama_config
     from echo_node.ml.tasks import get_task
-    from echo_node.ml.tokenizer import CharTokenizer
+    from echo_node.ml.tokenizer import CharTokenizer, Tokenizer
     from echo_node.policy import set_threads
 
     set_threads(1)
     cfg = RunConfig()
-    tokenizer = CharTokenizer()
-    model = build_model(tiny_llama_config(tokenizer.vocab_size), seed=cfg.model.seed)
+    if args.max_new_tokens is not None:
+        cfg.sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, max_new_tokens=args.max_new_tokens)
+    dtype = DTYPES[args.dtype]
+    tokenizer: Tokenizer
+    if args.model is None:
+        tokenizer = CharTokenizer()
+        model = build_model(tiny_llama_config(tokenizer.vocab_size), seed=cfg.model.seed).to(args.device, dtype)
+    else:
+        model, tokenizer = load_pretrained(args.model, dtype=dtype, device=args.device)
     engine = TorchEngine(model, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
-    task = get_task(cfg.task)
+    task = get_task(cfg.task.name)
     group = args.group_size if args.group_size is not None else cfg.rl.group_size
     texts = task.sample_prompts(args.batch, random.Random(cfg.seed))
 
@@ -170,6 +186,10 @@ def main() -> None:
         "top_p": cfg.sampling.top_p,
         "prompt_len": shapes[""].width,
         "fast_path": isinstance(engine._stepper, _LlamaStepper),
+        "model": args.model or "embedded",
+        "architecture": type(model).__name__,
+        "dtype": args.dtype,
+        "device": str(engine.device),
         "core": core,
         "torch": torch.__version__,
     }

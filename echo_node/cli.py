@@ -215,6 +215,10 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--learner", default=None, metavar="PEER_ID", help="join only the learner with this peer id (it prints it when ready)")
     p.add_argument("--config", type=Path, default=None, help="run.toml with the config tree")
     p.add_argument("--model", default=None, metavar="PATH", help="local Hugging Face model directory")
+    p.add_argument("--task", default=None, metavar="NAME", help="built-in task: addition (default) or math; a dataset task is a [task] table in --config")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"],
+                   help="rollout dtype: what engines run in and the learner publishes (auto: bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--device", default=None, metavar="DEVICE", help="auto (default), cpu, cuda or cuda:N")
     p.add_argument("--threads", type=int, default=None, help="torch threads for this process (default 1)")
     p.add_argument("--join-deadline", type=float, default=None, help="seconds to keep trying to join")
     p.add_argument("--data-port", type=int, default=None, help="TCP port of the weight data channel (default: any free port)")
@@ -244,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("join", help="contribute rollouts to a run as a volunteer peer")
     _common(p, role="peer")
     _run_options(p)
+    p.add_argument("--engine", default=None, choices=["torch", "vllm"], help="rollout engine (vllm: CUDA, pip install 'echo-node[vllm]')")
 
     p = sub.add_parser("demo", help="bootstrap + learner + rollout peers on loopback, with live progress")
     p.add_argument("--mode", choices=["pull", "async"], default="async")
@@ -253,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", default=None)
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
+    p.add_argument("--model", default=None, metavar="DIR", help="train this local Hugging Face model instead of the embedded one (e.g. one `echo-node tiny-model` built)")
+
+    p = sub.add_parser("tiny-model", help="build a tiny Qwen2/Llama model and tokenizer locally (tests, demos; no download)")
+    p.add_argument("out_dir", type=Path, metavar="DIR")
+    p.add_argument("--family", choices=["qwen2", "llama"], default="qwen2")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up on addition, so RL has a signal to start from")
     return parser
 
 
@@ -287,6 +299,10 @@ def _config(args: argparse.Namespace) -> Any:
         net__learner=getattr(args, "learner", None),
         net__allow_peers=_read_peer_list(args.allow_peers) if getattr(args, "allow_peers", None) else None,
         model__path=args.model,
+        model__dtype=getattr(args, "dtype", None),
+        model__device=getattr(args, "device", None),
+        task=getattr(args, "task", None),
+        rollout__engine=getattr(args, "engine", None),
         rl__mode=getattr(args, "mode", None),
         rl__staleness=getattr(args, "staleness", None),
         rl__publish_every=getattr(args, "publish_every", None),
@@ -366,7 +382,14 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from echo_node.rollout_peer import RolloutPeer
 
     set_threads(cfg.threads)
-    peer = RolloutPeer(cfg, _identity(args, "peer"), model_path=cfg.model.path)
+    if cfg.rollout.engine == "vllm":
+        from echo_node.ml.vllm_engine import check_vllm_available
+
+        try:
+            check_vllm_available()
+        except RuntimeError as exc:
+            raise ValueError(str(exc)) from None
+    peer = RolloutPeer(cfg, _identity(args, "peer"))
     _, signum = run_until_signal(peer.run, doing="leaving the run")
     return _exit_status(signum)
 
@@ -377,13 +400,22 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
-COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo}
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from echo_node.ml import tiny_hf
+
+    argv = [str(args.out_dir), "--family", args.family, "--seed", str(args.seed)]
+    if args.warmup_steps is not None:
+        argv += ["--warmup-steps", str(args.warmup_steps)]
+    return tiny_hf.main(argv)
+
+
+COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo, "tiny-model": _cmd_tiny_model}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command
-    if role != "demo":
+    if role not in ("demo", "tiny-model"):
         _setup_logging(args.log_level, role)
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.

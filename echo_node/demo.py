@@ -109,6 +109,8 @@ def run_demo(args: argparse.Namespace) -> int:
             boot_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
             progress.note(f"bootstrap at {boot_addr}")
             common = ["--bootstrap", boot_addr, "--run-id", run_id, "--runs-dir", str(args.runs_dir)]
+            if args.model is not None:  # every process loads the same local model directory
+                common += ["--model", str(args.model)]
             learner = swarm.spawn(
                 "learner",
                 ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", args.mode,
@@ -141,6 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "mode": args.mode,
         "staleness": args.staleness,
         "rollout_peers": args.peers,
+        "model": summary.get("model", "embedded"),
         "versions": summary["versions"],
         "rollouts_received": summary["rollouts_received"],
         "rollouts_accepted": summary["rollouts_accepted"],

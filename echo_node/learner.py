@@ -33,7 +33,6 @@ import trio
 from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.metrics import first_last_mean
-from echo_node.ml.model import state_to_bytes
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
@@ -119,6 +118,7 @@ class Learner:
         self.verifier = Verifier(
             cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
+            rollout_dtype=policy.rollout_dtype,
         ) if cfg.verify.enabled else None
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
@@ -212,7 +212,7 @@ class Learner:
         if blob is not None:  # snapshotted and checked against its published digest by the resume
             digest = self.state.history.versions[self.version][0]
         else:
-            blob = state_to_bytes(self.policy.model)
+            blob = self.policy.publication()
             digest = payload_digest(blob)
         # First in this start's journal: where it goes on from (a later restart replaying this
         # journal checks that it got to the same weights).
@@ -289,7 +289,7 @@ class Learner:
             run_id=self.cfg.run_id,
             model=self.policy.model_spec,
             tokenizer=self.policy.tokenizer_spec,
-            task=self.cfg.task,
+            task=self.policy.task.task_id,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
             sync_mode=self.cfg.rl.mode,
             staleness=self.cfg.rl.staleness,
@@ -453,7 +453,7 @@ class Learner:
                 return
             due = self.version % self.cfg.rl.publish_every == 0
             t2 = time.monotonic()
-            blob = await trio.to_thread.run_sync(state_to_bytes, self.policy.model) if due else None
+            blob = await trio.to_thread.run_sync(self.policy.publication) if due else None
             t3 = time.monotonic()
             trainer.train_s += t3 - t2  # the snapshot is the learner's work too
             if blob is not None:
@@ -546,6 +546,12 @@ class Learner:
             "rollouts_buffered": self.buffer.buffered_rollouts,
             "epoch": self.epoch,
             "resumed": self.resumed.to_dict() if self.resumed is not None else None,
+            # What was trained and where; `export` is the save_pretrained directory (if written).
+            "model": self.policy.model_spec.get("architecture", "embedded"),
+            "task": self.policy.task.task_id,
+            "dtype": str(self.policy.rollout_dtype).removeprefix("torch."),
+            "device": str(self.policy.device),
+            "export": str(self.cfg.run_dir / "model") if self.cfg.checkpoint.export else None,
             "checkpoints": {"written": self.state.checkpoints_written, "seconds": round(self.state.checkpoint_s, 3),
                             "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},
             "reward_first": first,

@@ -39,10 +39,11 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 from echo_node.checkpoint import Checkpoint, CheckpointStore
-from echo_node.config import to_dict
+from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused
 from echo_node.journal import Journal, replay_records
-from echo_node.ml.model import load_state_tensors, save_checkpoint, state_to_bytes
+from echo_node.ml.export import export_pretrained
+from echo_node.ml.model import load_state_tensors, save_checkpoint
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RolloutGroup
 from protocol.weights.manifest import payload_digest
@@ -117,8 +118,13 @@ class Resumed:
 
 
 def config_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """The training-relevant keys whose values differ, as 'key: saved -> current'."""
+    """The training-relevant keys whose values differ, as 'key: saved -> current'. A key the
+    saved config lacks (written before the option existed) counts as its default; `task` as a
+    bare name is the table of that built-in task; where the model computes may change."""
     out: list[str] = []
+    if isinstance(saved.get("task"), str):
+        saved = {**saved, "task": {"name": saved["task"]}}
+    saved = _with_defaults(to_dict(RunConfig()), saved)
 
     def walk(a: Any, b: Any, prefix: str) -> None:
         if isinstance(a, dict) and isinstance(b, dict):
@@ -129,6 +135,17 @@ def config_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 
     for key in TRAINING_KEYS:
         walk(saved.get(key), current.get(key), key)
+    return [line for line in out if line.split(":", 1)[0] not in MAY_CHANGE]
+
+
+# Training keys a resume may change: they decide where the arithmetic runs, not what it is.
+MAY_CHANGE = frozenset({"model.device"})
+
+
+def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:
+    out = dict(defaults)
+    for key, value in saved.items():
+        out[key] = _with_defaults(defaults[key], value) if isinstance(value, dict) and isinstance(defaults.get(key), dict) else value
     return out
 
 
@@ -205,6 +222,8 @@ class RunState:
         the checkpoints that needed them)."""
         t0 = time.monotonic()
         self.store.write(version, self.learner.epoch, writers)
+        if self.learner.cfg.checkpoint.export:
+            self.export(version)
         kept = self.store.retain()
         if kept:
             try:
@@ -213,6 +232,16 @@ class RunState:
                 log.warning("kept every journal segment: a retained checkpoint's state is unreadable (%s)", exc)
         self.checkpoints_written += 1
         self.checkpoint_s += time.monotonic() - t0
+
+    def export(self, version: int) -> None:
+        """The policy as a save_pretrained directory, runs/<id>/model/ (ml/export.py). Reads the
+        live model, like the checkpoint's writers."""
+        ln = self.learner
+        meta = {"run_id": ln.cfg.run_id, "version": version, "epoch": ln.epoch, "task": ln.policy.task.task_id}
+        try:
+            export_pretrained(ln.policy.model, ln.policy.tokenizer, ln.cfg.run_dir / "model", dtype=ln.policy.rollout_dtype, meta=meta)
+        except (OSError, ValueError) as exc:  # the checkpoint itself is written: say so, go on training
+            log.warning("could not export the model to %s: %s", ln.cfg.run_dir / "model", exc)
 
     def checkpoint_now(self) -> None:
         """Flush, snapshot and write synchronously (at exit)."""
@@ -389,7 +418,7 @@ class RunState:
         self.history.add(version, sha256, size)
         if resumed.diverged is not None or version != self.learner.trainer.version:
             return
-        blob = state_to_bytes(self.learner.policy.model)
+        blob = self.learner.policy.publication()
         if payload_digest(blob) != sha256:
             resumed.diverged = f"version {version} redone to another digest than was published"
             return
@@ -399,7 +428,7 @@ class RunState:
         """An earlier restart went on from `version` with weights of digest `sha256`. Replaying
         the same prefix got it to the same weights (then its own steps are redone from here,
         even past a redo that stopped early then and now), or not (then none of them are)."""
-        if payload_digest(state_to_bytes(self.learner.policy.model)) != sha256:
+        if payload_digest(self.learner.policy.publication()) != sha256:
             resumed.diverged = resumed.diverged or f"the restart at version {version} held other weights"
             return
         if resumed.diverged is not None:
@@ -413,7 +442,7 @@ class RunState:
         trainer = self.learner.trainer
         v = trainer.version
         if v in self.history.versions and v not in resumed.blobs:  # e.g. the checkpoint's own version
-            blob = state_to_bytes(self.learner.policy.model)
+            blob = self.learner.policy.publication()
             if payload_digest(blob) == self.history.versions[v][0]:
                 resumed.blobs[v] = blob
         if v < self.history.last or (v == self.history.last and v not in resumed.blobs):

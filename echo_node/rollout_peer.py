@@ -35,12 +35,12 @@ import trio
 from echo_node.checkpoint import replace_durable
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
-from echo_node.ml.engine import TorchEngine
+from echo_node.ml.engine import Engine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_providers
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
-from echo_node.policy import Policy, peer_policy
+from echo_node.policy import Policy, build_engine, peer_policy
 from echo_node.topics import rollouts_topic
 from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
@@ -80,7 +80,7 @@ class Session:
     data_host: str
     data_port: int
     policy: Policy
-    engine: TorchEngine
+    engine: Engine
 
 
 def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
@@ -101,7 +101,7 @@ def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
     )
 
 
-async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: str | None) -> Session:
+async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
     """Find the run's learner, join it, and build the policy its spec describes."""
     net = cfg.net
     backoff = Backoff(net.backoff_initial_s, net.backoff_max_s)
@@ -135,10 +135,14 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer, model_path: 
             await trio.sleep(delay)
             continue
         break
-    policy = await trio.to_thread.run_sync(
-        peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, model_path
-    )
-    engine = TorchEngine(policy.model, eos_id=policy.tokenizer.eos_id, pad_id=policy.tokenizer.pad_id)
+    policy = await trio.to_thread.run_sync(peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, cfg)
+    if cfg.rollout.engine == "vllm":
+        from echo_node.ml.vllm_engine import check_sampling
+
+        # Refused at join, in one line, rather than on every batch (vllm_engine.py says why).
+        s = join.spec.sampling
+        check_sampling([[0]], max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
+    engine = await trio.to_thread.run_sync(build_engine, policy, cfg)
     engine.version = -1
     spec = join.spec
     log.info(
@@ -404,10 +408,9 @@ class RolloutPeer:
     generator_class: type[Generator] = Generator
     publisher_class: type[RolloutPublisher] = RolloutPublisher
 
-    def __init__(self, cfg: RunConfig, identity: Identity, *, model_path: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, identity: Identity) -> None:
         self.cfg = cfg
         self.identity = identity
-        self.model_path = model_path
         self.node = P2PNode(identity, p2p_settings(cfg.net))
         self.data = DataServer(
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
@@ -420,7 +423,7 @@ class RolloutPeer:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.node.run)
             await nursery.start(self.data.run)
-            session = await join_run(self.cfg, self.node, self.data, self.model_path)
+            session = await join_run(self.cfg, self.node, self.data)
             # Written only once joined: a join that fails leaves nothing behind.
             metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
             try:

@@ -119,7 +119,9 @@ class Verifier:
         temperature: float,
         top_p: float = 1.0,
         keep_versions: int,
+        rollout_dtype: torch.dtype = torch.float32,
     ) -> None:
+        """`rollout_dtype`: the dtype peers sample in; the spot checker recomputes in it too."""
         self.cfg = cfg
         self.run_id = run_id
         self.tokenizer = tokenizer
@@ -129,7 +131,9 @@ class Verifier:
         self.keep_versions = keep_versions
         self.stats = VerifyStats()
         # The spot checker's own copy of the model: the trainer's changes under it while it runs.
-        self._model = copy.deepcopy(model).eval().requires_grad_(False) if cfg.logprobs else None
+        self._model = (
+            copy.deepcopy(model).to(dtype=rollout_dtype).eval().requires_grad_(False) if cfg.logprobs else None
+        )
         self._loaded = -1
         self._vocab = int(model.config.vocab_size)
         self._blobs: OrderedDict[int, bytes] = OrderedDict()
@@ -168,25 +172,38 @@ class Verifier:
                     )
         return None
 
+    def _assigned(self, batch: RolloutBatch, index: int, g: RolloutGroup) -> str | None:
+        """The prompt slot `index` of `batch` assigns, on the version its samples began on; None
+        when they began on different versions (no slot is theirs)."""
+        version = group_version([s.token_versions[0] for s in g.samples if s.token_versions])
+        if version is None:
+            return None
+        return self.task.prompt_for(prompt_draw(self.run_id, batch.peer_id, version, batch.seq, index))
+
     def _prompts(self, batch: RolloutBatch) -> Failure | None:
         for index, g in enumerate(batch.groups):
-            version = group_version([s.token_versions[0] for s in g.samples if s.token_versions])
-            if version is None:
+            expected = self._assigned(batch, index, g)
+            if expected is None:
                 return Failure(DropReason.BAD_PROMPT, f"group {g.group_id}: its samples began on different versions")
-            expected = self.task.prompt_for(prompt_draw(self.run_id, batch.peer_id, version, batch.seq, index))
             if list(g.prompt_ids) != self.tokenizer.encode_prompt(expected):
                 got = self.tokenizer.decode(g.prompt_ids)
                 return Failure(
                     DropReason.BAD_PROMPT,
-                    f"group {index} of seq {batch.seq} on version {version} answers {got!r}; its slot assigns {expected!r}",
+                    f"group {index} of seq {batch.seq} answers {got!r}; its slot assigns {expected!r}",
                 )
         return None
 
     def _rewards(self, batch: RolloutBatch) -> Failure | None:
-        for g in batch.groups:
-            prompt = self.tokenizer.decode(g.prompt_ids)  # the assigned prompt (checked above)
+        for index, g in enumerate(batch.groups):
+            # The assigned prompt's text (checked above), not the ids decoded: with a chat
+            # template those hold the template's text too, and rewards score the task's prompt.
+            prompt = self._assigned(batch, index, g)
+            assert prompt is not None  # _prompts refused such a group
             completions = [self.tokenizer.decode(s.completion_ids) for s in g.samples]
-            rewards = self.task.reward([prompt] * len(completions), completions)
+            try:
+                rewards = self.task.reward([prompt] * len(completions), completions)
+            except Exception as exc:  # a plug-in reward; the peer's own scoring would have failed too
+                return Failure(DropReason.BAD_REWARD, f"group {g.group_id}: the run's reward fails on its completions ({type(exc).__name__}: {exc})")
             for i, (s, r) in enumerate(zip(g.samples, rewards)):
                 if not math.isclose(s.reward, r, rel_tol=0.0, abs_tol=REWARD_TOLERANCE):
                     return Failure(

@@ -1,4 +1,4 @@
-"""The generation engine seam, and the torch CPU engine behind it.
+"""The generation engine seam, and the torch engine behind it (CPU or CUDA, any HF causal LM).
 
 `Engine` is the whole interface a rollout peer uses, so the torch sampler here and a vLLM engine
 (GPU) are interchangeable; the learner never learns which one produced a rollout.
@@ -8,9 +8,9 @@ Conventions (every engine keeps them):
 - A completion stops at eos *inclusive*: the eos id and its log-prob are the last entries. A
   completion that hits `max_new_tokens` first simply ends without eos.
 - `logprobs[i]` = log_softmax(logits / T)[token_i], the *tempered, untruncated* distribution, even
-  when top_p < 1 — exactly what the learner's `sequence_logprobs(..., temperature=T)` recomputes,
-  and what vLLM's `logprobs_mode="processed_logprobs"` reports. temperature == 0 means greedy and
-  log-probs are then those of T = 1.
+  when top_p < 1 — exactly what the learner's `sequence_logprobs(..., temperature=T)` recomputes.
+  (vLLM's `processed_logprobs` are after the top-p cut too, so `VLLMEngine` refuses top_p < 1.)
+  temperature == 0 means greedy and log-probs are then those of T = 1.
 - `token_versions[i]` is the weight version that sampled token i. Generation is interruptible
   (AReaL, PipelineRL): before each decode step (never before the prefill) the engine calls the
   optional `swap` hook; when it hands over `(state, version)` the engine loads those weights
@@ -84,23 +84,28 @@ def top_p_filter(logits: Tensor, top_p: float) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def _prefill_mask(key_mask: Tensor) -> Tensor:
+def _prefill_mask(key_mask: Tensor, dtype: torch.dtype) -> Tensor:
     """Additive causal mask [B, 1, T, T] over left-padded rows (T = key_mask's width).
 
     Query i sees slots <= i that are not padding; each slot also sees itself, so a padding query
     never has an all-masked row (SDPA would give NaN there, and NaN in a padding slot's K/V would
-    leak through 0-weight products). Additive float: measured ~7% faster in CPU SDPA than boolean.
+    leak through 0-weight products). Additive float: measured ~7% faster in CPU SDPA than boolean;
+    in the model's dtype, as SDPA wants the mask in the query's.
     """
-    width = key_mask.shape[1]
-    slots = torch.arange(width)
+    width, device = key_mask.shape[1], key_mask.device
+    slots = torch.arange(width, device=device)
     allowed = (slots.unsqueeze(0) <= slots.unsqueeze(1)).unsqueeze(0) & key_mask[:, None, :]
-    allowed |= torch.eye(width, dtype=torch.bool).unsqueeze(0)
-    return torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+    allowed |= torch.eye(width, dtype=torch.bool, device=device).unsqueeze(0)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")).unsqueeze(1)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """HF's LlamaRMSNorm op for op (float32 throughout), so the lean forwards round as it does."""
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    """HF's LlamaRMSNorm op for op, so the lean forwards round as it does: the statistics in
+    float32, the result cast back to the input's dtype before the weight multiplies it (both
+    casts are no-ops in float32)."""
+    dtype = x.dtype
+    x = x.float()
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
 
 
 def is_lean_llama(model: torch.nn.Module) -> bool:
@@ -228,9 +233,10 @@ class _LlamaStepper:
         self._refresh()
         self.key_mask = key_mask
         self.padded = not bool(key_mask.all())
+        self.dtype = self._embed.dtype
         # A decode query sits on a real token, so its mask row is just "not padding".
         self.decode_mask = (
-            torch.zeros(key_mask.shape).masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
+            torch.zeros(key_mask.shape, dtype=self.dtype, device=key_mask.device).masked_fill_(~key_mask, float("-inf"))[:, None, None, :]
             if self.padded
             else None
         )
@@ -257,13 +263,13 @@ class _LlamaStepper:
             if rows is not None:
                 cos, sin, key_mask = cos[rows], sin[rows], key_mask[rows]
             shape = (bsz, self.n_kv, key_mask.shape[1], self.head_dim)
-            self.k = [torch.empty(shape) for _ in self._layers]
-            self.v = [torch.empty(shape) for _ in self._layers]
+            self.k = [torch.empty(shape, dtype=self.dtype, device=input_ids.device) for _ in self._layers]
+            self.v = [torch.empty(shape, dtype=self.dtype, device=input_ids.device) for _ in self._layers]
         cos, sin = cos[:, start:end], sin[:, start:end]
         if q_len > 1:
             # Only a first forward (prefill, or re-prefill after a swap) is ever longer than one.
             assert start == 0
-            mask = _prefill_mask(key_mask[:, :end]) if self.padded else None
+            mask = _prefill_mask(key_mask[:, :end], self.dtype) if self.padded else None
         else:
             mask = None if self.decode_mask is None else self.decode_mask[..., :end]
         causal = mask is None and q_len > 1
@@ -351,7 +357,8 @@ def _distinct_rows(prompts: list[list[int]]) -> tuple[list[int], list[int]] | No
 
 
 class TorchEngine:
-    """A batched KV-cache sampler over an HF causal LM's own weights (CPU, float32).
+    """A batched KV-cache sampler over an HF causal LM's own weights, on the model's device and in
+    its dtype (CPU float32, CUDA bfloat16, ...).
 
     One prefill over the left-padded batch (attention mask + explicit position ids, as HF generate
     builds them), then one token per step from the cache. A GRPO batch repeats each prompt
@@ -375,6 +382,8 @@ class TorchEngine:
         """`fast_path`: None picks the lean Llama stepper when the model is a Llama, else HF's
         forward; False forces HF's forward (the reference the fast path is tested against)."""
         self.model = model.eval()
+        # Every tensor a call makes lives where the model does (CPU or a CUDA device).
+        self.device = next(model.parameters()).device
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.version = version
@@ -413,14 +422,15 @@ class TorchEngine:
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
-        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        device = self.device
+        gen = None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
         batch = len(prompts)
-        input_ids, key_mask, position_ids = self._layout(prompts, max_new_tokens)
-        tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long)
-        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        lengths = torch.full((batch,), max_new_tokens, dtype=torch.long)
+        input_ids, key_mask, position_ids = (t.to(device) for t in self._layout(prompts, max_new_tokens))
+        tokens = torch.full((batch, max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
         step_versions: list[int] = []  # every row of a step samples from the same weights
         stepper = self._stepper
         stepper.start(key_mask, position_ids)
@@ -460,7 +470,8 @@ class TorchEngine:
         distinct = _distinct_rows(prompts)
         if distinct is None:
             return stepper.forward(input_ids)
-        first, index = torch.tensor(distinct[0]), torch.tensor(distinct[1])
+        first = torch.tensor(distinct[0], device=input_ids.device)
+        index = torch.tensor(distinct[1], device=input_ids.device)
         logits = stepper.forward(input_ids[first], rows=first)
         stepper.expand(index)
         return logits[index]

@@ -72,18 +72,30 @@ def build_model(arch: dict[str, Any], *, seed: int = 0) -> LlamaForCausalLM:
 
 
 def load_pretrained(
-    path: str, *, gguf_file: str | None = None
+    path: str,
+    *,
+    gguf_file: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    chat: bool = False,
 ) -> tuple[PreTrainedModel, HFTokenizerAdapter]:
-    """Load a local HF causal LM directory (or a GGUF file in it) as float32, with its tokenizer."""
+    """Load a local HF causal LM directory (or a GGUF file in it) in `dtype` on `device`, with its
+    tokenizer (`chat`: prompts go through its chat template). Never downloads: a path that is not
+    a local model directory is an error naming it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION}
+    if gguf_file is None and not (Path(path) / "config.json").is_file():
+        raise ValueError(f"--model {path}: not a local Hugging Face model directory (no config.json there)")
+    kwargs: dict[str, Any] = {"attn_implementation": ATTN_IMPLEMENTATION, "local_files_only": True}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    model.to(device)
     model.eval()
-    tok_kwargs = {"gguf_file": gguf_file} if gguf_file is not None else {}
-    tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, **tok_kwargs), path=path)
+    tok_kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        tok_kwargs["gguf_file"] = gguf_file
+    tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, **tok_kwargs), path=path, chat=chat)
     return model, tokenizer
 
 
@@ -109,8 +121,19 @@ def tensors_to_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
     return st_save({k: v.contiguous() for k, v in tensors.items()})
 
 
-def state_to_bytes(model: torch.nn.Module) -> bytes:
-    return tensors_to_bytes(canonical_state(model))
+def state_to_bytes(model: torch.nn.Module, *, dtype: torch.dtype | None = None) -> bytes:
+    """The canonical state as a safetensors blob, on the CPU; `dtype`: cast floating tensors to
+    it first (the learner publishes its fp32 master weights in the rollout dtype)."""
+    return tensors_to_bytes(cast_state(canonical_state(model), dtype))
+
+
+def cast_state(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """`tensors` on the CPU, floating ones in `dtype` (None: as they are). Round to nearest, as
+    `Tensor.to` does, so every node casting the same weights gets the same bits."""
+    return {
+        k: v.to("cpu", dtype=dtype if dtype is not None and v.is_floating_point() else v.dtype)
+        for k, v in tensors.items()
+    }
 
 
 def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -127,6 +150,7 @@ def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
                 f"{name}: got {src.dtype} {tuple(src.shape)}, model has {dst.dtype} {tuple(dst.shape)}"
             )
     # All checks pass before the first copy, so a rejected state never leaves a half-loaded model.
+    # copy_ also moves a CPU blob's tensors onto a CUDA model.
     with torch.no_grad():
         for name, dst in target.items():
             dst.copy_(tensors[name])

@@ -15,6 +15,8 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -106,11 +108,19 @@ class CharTokenizer:
 
 
 class HFTokenizerAdapter:
-    """The `Tokenizer` interface over a transformers tokenizer (for `--model PATH`)."""
+    """The `Tokenizer` interface over a transformers tokenizer (for `--model PATH`).
 
-    def __init__(self, hf_tokenizer: Any, *, path: str | None = None) -> None:
+    `chat`: `encode_prompt` renders the text as one user turn of the tokenizer's chat template
+    with the generation prompt after it (what an instruction-tuned model expects); the template
+    adds its own special tokens, so no bos is prepended then.
+    """
+
+    def __init__(self, hf_tokenizer: Any, *, path: str | None = None, chat: bool = False) -> None:
         self.hf = hf_tokenizer
         self.path = path
+        self.chat = chat
+        if chat and not getattr(hf_tokenizer, "chat_template", None):
+            raise ValueError(f"the task asks for chat prompts, but the tokenizer at {path} has no chat template")
         eos = hf_tokenizer.eos_token_id
         if eos is None:
             raise ValueError("the HF tokenizer has no eos token; generation could never stop")
@@ -128,8 +138,24 @@ class HFTokenizerAdapter:
         return list(self.hf.encode(text, add_special_tokens=False))
 
     def encode_prompt(self, text: str) -> list[int]:
+        if self.chat:
+            rendered = self.hf.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+            )
+            return self.encode(str(rendered))
         ids = self.encode(text)
         return ids if self.bos_id is None else [self.bos_id, *ids]
+
+    def fingerprint(self) -> str:
+        """SHA-256 over what decides the ids: vocabulary, merges, normalizer and pre-tokenizer
+        (the fast tokenizer's JSON), the special tokens and the chat template."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        parts = {
+            "tokenizer": backend.to_str() if backend is not None else sorted(self.hf.get_vocab().items()),
+            "specials": [self.bos_id, self.eos_id, self.pad_id],
+            "chat_template": getattr(self.hf, "chat_template", None) if self.chat else None,
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
     def decode(self, ids: Sequence[int]) -> str:
         ids = [int(i) for i in ids]
@@ -138,7 +164,7 @@ class HFTokenizerAdapter:
         return str(self.hf.decode(ids, skip_special_tokens=True))
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kind": "hf", "path": self.path}
+        return {"kind": "hf", "sha256": self.fingerprint(), "chat": self.chat}
 
 
 def load_tokenizer(spec: dict[str, Any], model_path: str | None = None) -> Tokenizer:

@@ -147,6 +147,9 @@ class WeightFollower:
         # (receiver, pieces missing, when that last changed).
         self._fetching: tuple[Target, trio.CancelScope] | None = None
         self._progress: tuple[Receiver, int, float] | None = None
+        # Weight bytes sent to other peers: by receivers done relaying, and by those still at it.
+        self._relayed_done = 0
+        self._relaying: set[Receiver] = set()
         self._abandoned = ""
         # Verified weights waiting for the engine; taken by the generation thread between two
         # decoding steps (async) or before a batch, hence the lock.
@@ -232,7 +235,7 @@ class WeightFollower:
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
                                 "fetch_s": round(time.monotonic() - t0, 4), "delta": delta, "sha256": target.sha256.hex(),
-                                "epoch": target.epoch})
+                                "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
 
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
         """Verified weights become the delta base and wait for the engine (`take_pending`)."""
@@ -302,11 +305,18 @@ class WeightFollower:
             weights_sha256=target.sha256,
         )
         served = False
+        receivers: list[Receiver] = []
+
+        def started(receiver: Receiver) -> None:
+            receivers.append(receiver)
+            self._relaying.add(receiver)
+            self._watch(receiver)
+
         try:
             with trio.CancelScope() as scope:
                 async with trio.open_nursery() as links:
                     payload, receiver = await receive_version(
-                        self.data, links, manifest, stream, learner_id=self.session.learner.peer_id, on_start=self._watch,
+                        self.data, links, manifest, stream, learner_id=self.session.learner.peer_id, on_start=started,
                     )
                     self._note_reachability(receiver.reachable)
                     self.served.add(target.version, scope)
@@ -314,8 +324,15 @@ class WeightFollower:
                     task_status.started(payload)
                     await trio.sleep_forever()
         finally:
+            for receiver in receivers:
+                self._relaying.discard(receiver)
+                self._relayed_done += receiver.stats.bytes_up
             if not served:  # abandoned before it verified: stop routing peers to it
                 self.data.unregister(target.version)
+
+    def bytes_relayed(self) -> int:
+        """Weight bytes this peer has sent to other peers (relaying), over the session."""
+        return self._relayed_done + sum(r.stats.bytes_up for r in self._relaying)
 
     def _watch(self, receiver: Receiver) -> None:
         self._progress = (receiver, receiver.swarm.missing, trio.current_time())

@@ -32,11 +32,11 @@ class Cluster:
         ready = json.loads(_wait_line(learner, _is_ready, 240, "ready"))
         return learner, ready
 
-    def start_peer(self, name: str, run_id: str) -> Child:
+    def start_peer(self, name: str, run_id: str, *extra: str) -> Child:
         return self.swarm.spawn(
             name,
             ["join", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--key-file", str(self.keys / f"{name}.key"),
-             "--runs-dir", str(self.root / "runs")],
+             "--runs-dir", str(self.root / "runs"), *extra],
         )
 
     def run_dir(self, run_id: str) -> Path:
