@@ -333,16 +333,62 @@ def _read_peer_list(path: Path) -> list[str]:
 def _cmd_learn(args: argparse.Namespace) -> int:
     cfg = _config(args)
     with _signals_deferred():
-        import torch  # noqa: F401
-    from echo_node.learner import Learner
-    from echo_node.policy import learner_policy, set_threads
+        import torch
+    from echo_node.ml.sharded import init_from_env
+    from echo_node.policy import set_threads
 
     set_threads(cfg.threads)
+    # Under torchrun (WORLD_SIZE > 1) the update is sharded over the job's ranks: rank 0 is the
+    # learner the swarm sees, the other ranks only take their part of each update.
+    dist = init_from_env()
+    if dist is not None:
+        # Rank 0's own copy of the weights (publications, checkpoints) lives in host memory;
+        # the shards live on each rank's device. Followers get rank 0's weights at the start,
+        # so they skip the warm-up.
+        cfg.model.device = "cpu"
+        if dist.rank > 0:
+            cfg.warmup.enabled = False
+            return _follow_learner(cfg, dist)
+    try:
+        return _lead_learner(args, cfg, dist)
+    finally:
+        if dist is not None:
+            torch.distributed.destroy_process_group()
+
+
+def _follow_learner(cfg: Any, dist: Any) -> int:
+    import torch
+
+    from echo_node.policy import learner_policy
+    from echo_node.trainer import sharded_learner
+
+    # A follower stops when rank 0 says so (after its last checkpoint, which gathers from every
+    # rank), not on the SIGINT/SIGTERM torchrun forwards to all ranks; a rank 0 that died is
+    # torchrun's to clean up (it kills the job's other ranks).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    policy = learner_policy(cfg)
+    log.info("rank %d of %d: following rank 0's updates on %s", dist.rank, dist.world, dist.device)
+    try:
+        sharded_learner(cfg, policy, dist, policy.model).follow()
+    finally:
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+def _lead_learner(args: argparse.Namespace, cfg: Any, dist: Any) -> int:
+    from echo_node.learner import Learner
+    from echo_node.policy import learner_policy
+
     identity = _identity(args, "learner")
     policy = learner_policy(cfg)
     summary_path = cfg.run_dir / "summary.json"
     earlier = _mtime(summary_path)  # a summary an earlier run under this id left
-    summary, signum = run_until_signal(Learner(cfg, identity, policy, fresh=args.fresh).run, doing="writing the summary")
+    learner = Learner(cfg, identity, policy, fresh=args.fresh, dist=dist)
+    try:
+        summary, signum = run_until_signal(learner.run, doing="writing the summary")
+    finally:
+        learner.trainer.close()  # releases the other ranks (sharded), also on an error
     if summary is not None:
         log.info(
             "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]

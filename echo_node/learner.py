@@ -37,6 +37,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
+from echo_node.ml.sharded import DistInfo
 from echo_node.policy import Policy
 from echo_node.recovery import Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
@@ -91,8 +92,11 @@ class Learner:
     and announcements."""
 
     def __init__(
-        self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout, fresh: bool = False
+        self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout, fresh: bool = False,
+        dist: DistInfo | None = None,
     ) -> None:
+        """`dist`: this process is rank 0 of a torchrun job and the update is sharded over its
+        ranks (echo_node/ml/sharded.py); the other ranks run `follow_learner`."""
         self.cfg = cfg
         # `fresh`: start the run over even if its folder holds one (the old state is moved aside;
         # version numbers still go on from the newest one published, so that no old rollout can
@@ -139,7 +143,7 @@ class Learner:
         self.weights = WeightPublisher(
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
-        self.trainer = Trainer(cfg, policy, self.buffer)
+        self.trainer = Trainer(cfg, policy, self.buffer, dist=dist)
         # Checkpoints, the journal and the history of published versions.
         self.state = RunState(self)
         self.buffer.journal = self.trainer.journal = self.intake.journal = self.state.journal
@@ -550,7 +554,8 @@ class Learner:
             "model": self.policy.model_spec.get("architecture", "embedded"),
             "task": self.policy.task.task_id,
             "dtype": str(self.policy.rollout_dtype).removeprefix("torch."),
-            "device": str(self.policy.device),
+            "device": str(self.policy.device) if self.trainer.sharded is None
+            else f"{self.trainer.sharded.info.world} ranks on {self.trainer.sharded.info.device.type}",
             "export": str(self.cfg.run_dir / "model") if self.cfg.checkpoint.export else None,
             "checkpoints": {"written": self.state.checkpoints_written, "seconds": round(self.state.checkpoint_s, 3),
                             "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},

@@ -206,8 +206,7 @@ class RunState:
 
         def write_optimizer(path: Path) -> None:
             torch.save({
-                "optimizer": trainer.optimizer.opt.state_dict(),
-                "steps": trainer.optimizer.steps,
+                **trainer.optimizer_state(),
                 "torch_rng": torch.get_rng_state(),
                 "rewards": torch.tensor(trainer.trained_rewards, dtype=torch.float64),
             }, path)
@@ -310,8 +309,7 @@ class RunState:
         tensors, extra, state = parsed
         ln = self.learner
         load_state_tensors(ln.policy.model, tensors)  # strict: a checkpoint of another model fails here
-        ln.trainer.optimizer.opt.load_state_dict(extra["optimizer"])
-        ln.trainer.optimizer.steps = int(extra["steps"])
+        ln.trainer.load_optimizer_state(extra)
         torch.set_rng_state(extra["torch_rng"])
         ln.trainer.trained_rewards = [float(r) for r in extra["rewards"].tolist()]
         ln.trainer.version = int(state["version"])

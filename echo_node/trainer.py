@@ -15,15 +15,20 @@ Rules:
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from typing import Any
 
+import torch
 import trio
 
 from echo_node.config import RunConfig
 from echo_node.journal import Journal
+from echo_node.ml.device import autocast_dtype
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
+from echo_node.ml.model import canonical_state, load_state_tensors
+from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
 from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
@@ -33,22 +38,34 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, policy: Policy, buffer: ReplayBuffer) -> None:
+    def __init__(self, cfg: RunConfig, policy: Policy, buffer: ReplayBuffer, *, dist: DistInfo | None = None) -> None:
+        """`dist`: this is rank 0 of a torchrun job; the update is sharded over every rank
+        (`sharded_learner`), and `policy.model` stays rank 0's unsharded copy of the weights,
+        refreshed after every update (publications, checkpoints and spot checks read it)."""
         self.cfg = cfg
         self.policy = policy
         self.buffer = buffer
         self.version = 0
-        self.optimizer = PolicyOptimizer(
-            policy.model,
-            lr=cfg.rl.lr,
-            clip_eps=cfg.rl.clip_eps,
-            temperature=cfg.sampling.temperature,
-            max_grad_norm=cfg.rl.max_grad_norm,
-            pad_id=policy.tokenizer.pad_id,
-            correction=cfg.rl.correction,
-            is_cap=cfg.rl.is_cap,
-            minibatches=cfg.rl.minibatches,
-        )
+        self.sharded: ShardedLearner | None = None
+        self.optimizer: PolicyOptimizer | ShardedLearner
+        if dist is None:
+            self.optimizer = PolicyOptimizer(
+                policy.model,
+                lr=cfg.rl.lr,
+                clip_eps=cfg.rl.clip_eps,
+                temperature=cfg.sampling.temperature,
+                max_grad_norm=cfg.rl.max_grad_norm,
+                pad_id=policy.tokenizer.pad_id,
+                correction=cfg.rl.correction,
+                is_cap=cfg.rl.is_cap,
+                minibatches=cfg.rl.minibatches,
+                # CUDA: the forward in the rollout dtype under autocast, fp32 master weights.
+                autocast_dtype=autocast_dtype(policy.rollout_dtype, policy.device),
+            )
+        else:
+            self.sharded = self.optimizer = sharded_learner(cfg, policy, dist, copy.deepcopy(policy.model))
+            # Every rank starts from rank 0's weights, whatever each loaded or initialised.
+            self.sharded.load(canonical_state(policy.model))
         self.journal: Journal | None = None
         self.trained_rewards: list[float] = []
         self.train_errors = 0
@@ -65,7 +82,7 @@ class Trainer:
         t0 = time.monotonic()
         try:
             batch = [_train_group(g, self.version) for g in groups]
-            stats: dict[str, float] = await trio.to_thread.run_sync(self.optimizer.step, batch)
+            stats: dict[str, float] = await trio.to_thread.run_sync(self._optimize, batch)
         except Exception:
             self._failed(groups)
             return None
@@ -76,9 +93,44 @@ class Trainer:
         self.train_s += time.monotonic() - t0
         return stats
 
+    def _optimize(self, batch: list[TrainGroup]) -> dict[str, float]:
+        stats = self.optimizer.step(batch)
+        if self.sharded is not None:
+            load_state_tensors(self.policy.model, self.sharded.full_state())
+        return stats
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the optimizer (`load_optimizer_state` takes it back)."""
+        if self.sharded is not None:
+            return {"format": SHARDED_FORMAT, "optimizer": self.sharded.optimizer_state(), "steps": self.sharded.steps}
+        return {"format": SINGLE_FORMAT, "optimizer": self.optimizer.opt.state_dict(), "steps": self.optimizer.steps}
+
+    def load_optimizer_state(self, saved: dict[str, Any]) -> None:
+        """After `policy.model` took a checkpoint's weights: the optimizer state it kept (and,
+        sharded, both pushed to every rank). ValueError for a checkpoint of the other kind."""
+        fmt = saved.get("format", SINGLE_FORMAT)  # checkpoints before sharding existed
+        mine = SHARDED_FORMAT if self.sharded is not None else SINGLE_FORMAT
+        if fmt != mine:
+            raise ValueError(
+                f"the checkpoint's optimizer state is {fmt!r} and this learner's is {mine!r}: resume a run "
+                "with as many learner processes as wrote it (single process vs torchrun)"
+            )
+        if self.sharded is not None:
+            self.sharded.load(canonical_state(self.policy.model), saved["optimizer"])
+            self.sharded.optimizer.steps = int(saved["steps"])
+        else:
+            assert isinstance(self.optimizer, PolicyOptimizer)
+            self.optimizer.opt.load_state_dict(saved["optimizer"])
+            self.optimizer.steps = int(saved["steps"])
+
+    def close(self) -> None:
+        """Release the other ranks (sharded); nothing to do otherwise. Idempotent."""
+        if self.sharded is not None and not self.sharded.closed:
+            self.sharded.close()
+
     def redo(self, groups: list[RolloutGroup]) -> dict[str, float]:
         """A journaled step again, after a restart (synchronously; errors propagate)."""
-        stats = self.optimizer.step([_train_group(g, self.version) for g in groups])
+        stats = self._optimize([_train_group(g, self.version) for g in groups])
         self._trained(groups, journal=False)
         return stats
 
@@ -98,6 +150,29 @@ class Trainer:
             log.exception("a training step failed; dropped its %d groups (from %s) as train_error", len(groups), ", ".join(origins))
         else:
             log.error("a training step failed again (%d so far); dropped its %d groups", self.train_errors, len(groups))
+
+
+# The optimizer state's layout in a checkpoint: torch's own state_dict (parameters by index), or
+# the sharded learner's full state dict (parameters by name).
+SINGLE_FORMAT, SHARDED_FORMAT = "torch", "fsdp-full"
+
+
+def sharded_learner(cfg: RunConfig, policy: Policy, dist: DistInfo, model: torch.nn.Module) -> ShardedLearner:
+    """The run's update sharded over a torchrun job; every rank builds it the same way (rank 0
+    in `Trainer`, the others in `echo-node learn` before they follow)."""
+    return ShardedLearner(
+        model,
+        dist,
+        lr=cfg.rl.lr,
+        clip_eps=cfg.rl.clip_eps,
+        temperature=cfg.sampling.temperature,
+        max_grad_norm=cfg.rl.max_grad_norm,
+        pad_id=policy.tokenizer.pad_id,
+        correction=cfg.rl.correction,
+        is_cap=cfg.rl.is_cap,
+        minibatches=cfg.rl.minibatches,
+        compute_dtype=autocast_dtype(policy.rollout_dtype, dist.device),
+    )
 
 
 def _train_group(g: RolloutGroup, version: int) -> TrainGroup:

@@ -22,11 +22,24 @@ Invariants:
   tolerance 1e-5), so on-policy data has w = 1. For a plain LlamaForCausalLM it runs a lean
   forward that computes each distinct prompt once per batch; it matches the model's own forward
   (`fast_path=False`) in log-probs and in every parameter's gradient (tested).
+- Device and precision: every tensor the step creates (ids, targets, masks, behaviour log-probs,
+  advantages, indices) lands on the model's device. With `autocast_dtype` only the model's forward
+  runs under `torch.autocast`; the weights, gradients and optimizer state stay the model's own
+  (float32 master weights), and the log-softmax, the importance weights and the loss are float32.
+- Sharing one update (`Share`, used by `echo_node.ml.sharded`): every process gets the whole batch
+  and derives the same used groups, advantages and minibatches from it; each runs only its share
+  of every minibatch's rows and divides its loss by the minibatch's token count over all shares,
+  so the gradients summed over processes are the single-process gradient. A process whose share
+  holds no token still runs a forward and backward (on a stand-in row, masked out): FSDP's
+  collectives live in those, and every process must enter every collective.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast, get_args
 
@@ -95,6 +108,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     fast_path: bool | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Per-token log-probs of each completion given its prompt and previous tokens.
 
@@ -103,10 +117,12 @@ def sequence_logprobs(
     attention mask (nor position-id shift) is needed. Gradients flow unless the caller disables them.
     `fast_path`: None takes the lean Llama forward (`_lean_llama_logits`) when the model is one
     it reproduces, else the model's own forward; False forces the model's own forward (the
-    reference the lean one is tested against); True demands the lean one.
+    reference the lean one is tested against); True demands the lean one. `autocast_dtype`: the
+    forward's precision under `torch.autocast` (None: the model's own); log-probs are float32.
     """
     logp, targets, mask = completion_log_softmax(
-        model, prompt_ids, completion_ids, pad_id, temperature=temperature, fast_path=fast_path
+        model, prompt_ids, completion_ids, pad_id, temperature=temperature, fast_path=fast_path,
+        autocast_dtype=autocast_dtype,
     )
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return token_logp.masked_fill(~mask, 0.0), mask
@@ -120,6 +136,7 @@ def completion_log_softmax(
     *,
     temperature: float = 1.0,
     fast_path: bool | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The whole tempered next-token distribution at every completion position, as
     `sequence_logprobs` computes it: (log-probs [B, Tmax, V], targets [B, Tmax] right-padded
@@ -130,22 +147,51 @@ def completion_log_softmax(
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     batch = len(prompt_ids)
     t_max = max((len(c) for c in completion_ids), default=0)
+    device = model_device(model)
     if batch == 0 or t_max == 0:
         vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
-        return torch.zeros((batch, t_max, vocab)), torch.zeros((batch, t_max), dtype=torch.long), torch.zeros((batch, t_max), dtype=torch.bool)
+        return (
+            torch.zeros((batch, t_max, vocab), device=device),
+            torch.zeros((batch, t_max), dtype=torch.long, device=device),
+            torch.zeros((batch, t_max), dtype=torch.bool, device=device),
+        )
     if any(not p for p in prompt_ids):
         raise ValueError("every prompt needs at least one token (bos)")
-    targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long)
-    mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool)
-    if _lean_path_applies(model, fast_path):
-        picked = _lean_llama_logits(cast("LlamaForCausalLM", model), prompt_ids, completion_ids, t_max, pad_id)
-    else:
-        picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id)
+    targets = torch.tensor([c + [pad_id] * (t_max - len(c)) for c in completion_ids], dtype=torch.long, device=device)
+    mask = torch.tensor([[j < len(c) for j in range(t_max)] for c in completion_ids], dtype=torch.bool, device=device)
+    with _autocast(device, autocast_dtype):
+        if _lean_path_applies(model, fast_path):
+            lean = cast("LlamaForCausalLM", model)
+            picked = _lean_llama_logits(lean, prompt_ids, completion_ids, t_max, pad_id, device)
+        else:
+            picked = _hf_logits(model, prompt_ids, completion_ids, t_max, pad_id, device)
+    # Outside autocast: the log-softmax (and all that follows from it) in float32.
     return torch.log_softmax(picked.float() / temperature, dim=-1), targets, mask
 
 
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where `model` computes: its first parameter's device (an FSDP-sharded parameter reports
+    its local shard's), the CPU for a model without parameters."""
+    return next((p.device for p in model.parameters()), torch.device("cpu"))
+
+
+@contextlib.contextmanager
+def _autocast(device: torch.device, dtype: torch.dtype | None) -> Iterator[None]:
+    """`torch.autocast` to `dtype` on `device`'s kind; no-op for None."""
+    if dtype is None:
+        yield
+        return
+    with torch.autocast(device.type, dtype=dtype):
+        yield
+
+
 def _hf_logits(
-    model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+    model: torch.nn.Module,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    t_max: int,
+    pad_id: int,
+    device: torch.device,
 ) -> Tensor:
     """Logits [B, Tmax, V] of the positions predicting each completion token, by the model's own
     forward over right-padded prompt + completion rows."""
@@ -159,8 +205,8 @@ def _hf_logits(
         # padding entries point at position 0 and are masked out by the caller.
         src_rows.append(list(range(len(p) - 1, len(p) - 1 + len(c))) + [0] * (t_max - len(c)))
     # One tensor per list of lists: per-row torch.tensor calls cost more than the tiny model's matmuls.
-    ids = torch.tensor(ids_rows, dtype=torch.long)
-    src_pos = torch.tensor(src_rows, dtype=torch.long)
+    ids = torch.tensor(ids_rows, dtype=torch.long, device=device)
+    src_pos = torch.tensor(src_rows, dtype=torch.long, device=device)
     logits = model(input_ids=ids, use_cache=False).logits
     # Gather the predicting positions first: log_softmax over [B, Tmax, V], not [B, S, V].
     return logits.gather(1, src_pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
@@ -184,7 +230,12 @@ def _lean_path_applies(model: torch.nn.Module, fast_path: bool | None) -> bool:
 
 
 def _lean_llama_logits(
-    model: LlamaForCausalLM, prompt_ids: list[list[int]], completion_ids: list[list[int]], t_max: int, pad_id: int
+    model: LlamaForCausalLM,
+    prompt_ids: list[list[int]],
+    completion_ids: list[list[int]],
+    t_max: int,
+    pad_id: int,
+    device: torch.device,
 ) -> Tensor:
     """Logits [B, Tmax, V] predicting each completion token, differentiable in the model's own
     parameters; the same numbers as `_hf_logits` up to float rounding (tested to 1e-5).
@@ -213,34 +264,35 @@ def _lean_llama_logits(
     # Completion inputs: every token but the last, which is only ever predicted.
     c_len = t_max - 1
     n_prefix = n_u * p_max
-    rows = torch.tensor(row_of, dtype=torch.long)
-    p_len = torch.tensor([len(p) for p in distinct], dtype=torch.long)
+    rows = torch.tensor(row_of, dtype=torch.long, device=device)
+    p_len = torch.tensor([len(p) for p in distinct], dtype=torch.long, device=device)
     row_p_len = p_len[rows]
     prefix_rows = [list(p) + [pad_id] * (p_max - len(p)) for p in distinct]
     comp_rows = [c[:c_len] + [pad_id] * (c_len - min(len(c), c_len)) for c in completion_ids]
-    ids = torch.tensor([t for row in prefix_rows + comp_rows for t in row], dtype=torch.long)
+    ids = torch.tensor([t for row in prefix_rows + comp_rows for t in row], dtype=torch.long, device=device)
+    arange = functools.partial(torch.arange, device=device)
     linear = torch.nn.functional.linear
     sdpa = torch.nn.functional.scaled_dot_product_attention
     h = torch.nn.functional.embedding(ids, inner.embed_tokens.weight)
     # Rotary tables by absolute position: prefix slot s sits at s, completion input j of row b
     # at len(prompt_b) + j. Laid out [N, 1, hd] along the flat token axis, broadcast over heads;
     # rotate_half(x) * sin == roll(x, half) * [-sin_lo, sin_hi] (negation is exact).
-    cos, sin = inner.rotary_emb(h, torch.arange(p_max + c_len).unsqueeze(0))
+    cos, sin = inner.rotary_emb(h, arange(p_max + c_len).unsqueeze(0))
     cos, sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-    pos = torch.cat((torch.arange(p_max).repeat(n_u), (row_p_len[:, None] + torch.arange(c_len)).view(-1)))
+    pos = torch.cat((arange(p_max).repeat(n_u), (row_p_len[:, None] + arange(c_len)).view(-1)))
     cos, sin = cos[pos].unsqueeze(1), sin[pos].unsqueeze(1)
     # Completion query j sees its prompt's real slots and its own inputs 0..j. Never an all-False
     # row (every prompt has a token), so SDPA gives no NaN even on padding queries.
     allowed = torch.cat(
         (
-            (torch.arange(p_max)[None, :] < row_p_len[:, None])[:, None, :].expand(batch, c_len, p_max),
-            torch.ones(c_len, c_len, dtype=torch.bool).tril().expand(batch, c_len, c_len),
+            (arange(p_max)[None, :] < row_p_len[:, None])[:, None, :].expand(batch, c_len, p_max),
+            torch.ones(c_len, c_len, dtype=torch.bool, device=device).tril().expand(batch, c_len, c_len),
         ),
         dim=-1,
     ).unsqueeze(1)
     # After the last attention only the predicting positions matter: each prompt's last slot and
     # every completion input.
-    keep = torch.cat((torch.arange(n_u) * p_max + p_len - 1, n_prefix + torch.arange(batch * c_len)))
+    keep = torch.cat((arange(n_u) * p_max + p_len - 1, n_prefix + arange(batch * c_len)))
 
     def heads(x: Tensor, start: int, n_rows: int, width: int) -> Tensor:
         """Rows [start, start + n_rows * width) of the flat axis as [n_rows, n_q, width, hd]."""
@@ -311,9 +363,14 @@ def grpo_loss(
     *,
     clip_eps: float = 0.2,
     weights: Tensor | None = None,
+    token_total: float | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """PPO-clip surrogate of new vs `old_logprobs`, token-mean over `mask`, each token's term
-    times `weights` (constant; None = 1). advantages: [B] (per sequence) or [B, T]."""
+    times `weights` (constant; None = 1). advantages: [B] (per sequence) or [B, T].
+
+    `token_total`: the loss's divisor instead of the tokens under `mask` (a share of a sharded
+    update divides by the whole minibatch's count). The stats are means over `mask` either way.
+    """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     maskf = mask.float()
@@ -324,14 +381,15 @@ def grpo_loss(
     per_token = -torch.minimum(ratio * advantages, clipped * advantages)
     if weights is not None:
         per_token = per_token * weights.detach()
-    loss = (per_token * maskf).sum() / n_tokens
+    summed = (per_token * maskf).sum()
+    loss = summed / (n_tokens if token_total is None else max(token_total, 1.0))
     with torch.no_grad():
         # A token is "clipped" when the clamp is the active branch of the min: it gives no gradient.
         was_clipped = ((ratio > 1.0 + clip_eps) & (advantages > 0)) | (
             (ratio < 1.0 - clip_eps) & (advantages < 0)
         )
         stats = {
-            "loss": float(loss.detach()),
+            "loss": float(summed / n_tokens),
             "clip_frac": float((was_clipped.float() * maskf).sum() / n_tokens),
             "ratio_mean": float((ratio * maskf).sum() / n_tokens),
             "ratio_max": float(ratio.masked_fill(~mask, 0.0).max()) if mask.any() else 1.0,
@@ -342,13 +400,12 @@ def grpo_loss(
     return loss, stats
 
 
-def _logprob_gaps(groups: list[TrainGroup], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
+def _logprob_gaps(rows: list[list[bool]], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
     """|learner log-prob - claimed behaviour log-prob| over the tokens sampled by the weights
-    being trained (`TrainGroup.on_policy`): what an honest peer's engine and the learner's forward
-    disagree by, and what a forged log-prob shows up as."""
-    rows = [flags for g in groups for flags in (g.on_policy or [[False] * len(c) for c in g.completions])]
+    being trained (`rows`: `TrainGroup.on_policy` of each row): what an honest peer's engine and
+    the learner's forward disagree by, and what a forged log-prob shows up as."""
     t_max = prox.shape[1]
-    on = torch.tensor([r + [False] * (t_max - len(r)) for r in rows], dtype=torch.bool) & mask
+    on = torch.tensor([r + [False] * (t_max - len(r)) for r in rows], dtype=torch.bool, device=mask.device) & mask
     n = int(on.sum())
     if n == 0:
         return {}
@@ -357,20 +414,22 @@ def _logprob_gaps(groups: list[TrainGroup], prox: Tensor, mu: Tensor, mask: Tens
 
 
 def tis_loss(
-    new_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor
+    new_logprobs: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor, *, token_total: float | None = None
 ) -> tuple[Tensor, dict[str, float]]:
     """Truncated-IS policy gradient: -w * (pi_theta / sg(pi_theta)) * A, token-mean over `mask`.
 
     The ratio to its own detached value is 1 in the forward pass and gives grad log pi_theta,
     so the gradient is w * A * grad log pi_theta with no clipping (w already bounds it).
+    `token_total`: the loss's divisor, as in `grpo_loss`.
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1)
     maskf = mask.float()
     n_tokens = maskf.sum().clamp(min=1.0)
     ratio = torch.exp(new_logprobs - new_logprobs.detach()).masked_fill(~mask, 0.0)
-    loss = -(weights.detach() * ratio * advantages * maskf).sum() / n_tokens
-    return loss, {"loss": float(loss.detach()), "tokens": float(maskf.sum())}
+    summed = -(weights.detach() * ratio * advantages * maskf).sum()
+    loss = summed / (n_tokens if token_total is None else max(token_total, 1.0))
+    return loss, {"loss": float(summed.detach() / n_tokens), "tokens": float(maskf.sum())}
 
 
 def _advantages(rewards: list[list[float]]) -> Tensor:
@@ -390,6 +449,77 @@ def _adamw(params: list[torch.nn.Parameter], *, lr: float) -> torch.optim.AdamW:
         return torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
 
 
+def _split(rows: range, n: int) -> list[range]:
+    """`rows` cut into `n` contiguous parts as `torch.tensor_split` cuts: sizes differ by at most
+    one, the longer parts first."""
+    q, r = divmod(len(rows), n)
+    bounds = [rows.start + i * q + min(i, r) for i in range(n + 1)]
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """Process `rank` of `world` that compute one update together (module docstring)."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"rank must be in [0, world), got rank {self.rank} of {self.world}")
+
+    def of(self, minibatch: range, lengths: list[int]) -> tuple[range, bool]:
+        """This process's rows of `minibatch` (`lengths`: every row's completion length) and
+        whether they are a stand-in.
+
+        The rows are the `rank`-th of `world` contiguous parts (`_split`). A part without a token
+        becomes the minibatch's first row with one, marked as a stand-in: the process still has to
+        run the forward and backward. A minibatch without any token keeps its parts as they are;
+        then no process runs a forward on it and all fail the same way a single process does.
+        """
+        part = _split(minibatch, self.world)[self.rank]
+        if any(lengths[i] for i in part):
+            return part, False
+        stand_in = next((i for i in minibatch if lengths[i]), None)
+        return (part, False) if stand_in is None else (range(stand_in, stand_in + 1), True)
+
+
+# How `merge_share_stats` combines a stat over the shares of one update: the stats a process
+# derives from the whole batch are the same in every share; counts add up; the rest are maxima,
+# minima or means over the share's tokens, each counted by "tokens" unless `_COUNTED_BY` says.
+_SAME = frozenset({"reward_mean", "groups", "groups_used", "skipped", "grad_norm"})
+_SUMMED = frozenset({"tokens", "lp_gap_tokens"})
+_LARGEST = frozenset({"is_weight_max", "ratio_max", "lp_gap_max"})
+_SMALLEST = frozenset({"is_weight_min"})
+_COUNTED_BY = {"lp_gap_mean": "lp_gap_tokens", "lp_gap_max": "lp_gap_tokens"}
+
+
+def merge_share_stats(parts: list[dict[str, float]]) -> dict[str, float]:
+    """One sharded update's stats from its shares' (`PolicyOptimizer.step(..., share=)`): what one
+    process would report up to float rounding. A share whose count for a stat is zero (a
+    stand-in) has no say in it. With `minibatches` > 1 a share's "ratio_max" is already a mean
+    over its minibatches (as one process reports it); here the largest share's wins."""
+    merged: dict[str, float] = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        if key in _SAME:
+            merged[key] = parts[0][key]
+            continue
+        if key in _SUMMED:
+            merged[key] = sum(p.get(key, 0.0) for p in parts)
+            continue
+        count = _COUNTED_BY.get(key, "tokens")
+        have = [p for p in parts if key in p and p.get(count, 0.0) > 0]
+        if not have:
+            merged[key] = next(p[key] for p in parts if key in p)
+        elif key in _LARGEST:
+            merged[key] = max(p[key] for p in have)
+        elif key in _SMALLEST:
+            merged[key] = min(p[key] for p in have)
+        else:
+            merged[key] = sum(p[key] * p[count] for p in have) / sum(p[count] for p in have)
+    return merged
+
+
 class PolicyOptimizer:
     """One GRPO update per `step(groups)`: AdamW (no weight decay), grad-norm clipping, the
     off-policy correction of the module docstring, `minibatches` optimizer steps per update."""
@@ -407,8 +537,10 @@ class PolicyOptimizer:
         is_cap: float = 2.0,
         minibatches: int = 1,
         fast_path: bool | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
-        """`fast_path`: `sequence_logprobs`'s choice of forward (None: lean when it applies)."""
+        """`fast_path`: `sequence_logprobs`'s choice of forward (None: lean when it applies).
+        `autocast_dtype`: the forward's precision (module docstring; None: the model's own)."""
         if correction not in CORRECTIONS:
             raise ValueError(f"correction must be one of {', '.join(CORRECTIONS)}, got {correction!r}")
         if is_cap <= 0:
@@ -424,6 +556,8 @@ class PolicyOptimizer:
         self.is_cap = is_cap
         self.minibatches = minibatches
         self.fast_path = fast_path
+        self.autocast_dtype = autocast_dtype
+        self.device = model_device(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
@@ -435,7 +569,18 @@ class PolicyOptimizer:
         if self._mode_matters:
             self.model.train(mode)
 
-    def step(self, groups: list[TrainGroup]) -> dict[str, float]:
+    def _logprobs(
+        self, rows: Sequence[int], prompts: list[list[int]], completions: list[list[int]]
+    ) -> tuple[Tensor, Tensor]:
+        return sequence_logprobs(
+            self.model, [prompts[i] for i in rows], [completions[i] for i in rows], self.pad_id,
+            temperature=self.temperature, fast_path=self.fast_path, autocast_dtype=self.autocast_dtype,
+        )
+
+    def step(self, groups: list[TrainGroup], *, share: Share | None = None) -> dict[str, float]:
+        """One update on `groups`; its stats. With `share`: this process's part of an update that
+        `share.world` processes compute together, each passing the same `groups` (module
+        docstring); the stats are then this share's, for `merge_share_stats`."""
         rewards = [r for g in groups for r in g.rewards]
         stats: dict[str, float] = {
             "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
@@ -451,51 +596,66 @@ class PolicyOptimizer:
         prompts = [g.prompt_ids for g in used for _ in g.completions]
         completions = [c for g in used for c in g.completions]
         behaviour = [lp for g in used for lp in g.behaviour_logprobs]
-        advantages = _advantages([g.rewards for g in used])
-        rows = len(completions)
-        chunks = [c for c in torch.arange(rows).tensor_split(min(self.minibatches, rows)) if len(c)]
+        on_policy = [f for g in used for f in (g.on_policy or [[False] * len(c) for c in g.completions])]
+        advantages = _advantages([g.rewards for g in used]).to(self.device)
+        # Every used group has two or more completions, so no minibatch is empty.
+        chunks = _split(range(len(completions)), min(self.minibatches, len(completions)))
+        # What this process computes of each minibatch, and the divisor of its token mean (None:
+        # the tokens it computes, which are all of them without a share).
+        token_totals: list[float | None]
+        if share is None:
+            parts, token_totals = [(c, False) for c in chunks], [None] * len(chunks)
+        else:
+            lengths = [len(c) for c in completions]
+            parts = [share.of(c, lengths) for c in chunks]
+            token_totals = [float(sum(lengths[i] for i in c)) for c in chunks]
+        rows = [i for part, _ in parts for i in part]
+        # Where each minibatch's rows sit in `rows` (and so in `prox`, `mask` and `weights`).
+        spans: list[slice] = []
+        for part, _ in parts:
+            start = spans[-1].stop if spans else 0
+            spans.append(slice(start, start + len(part)))
         self._set_training(True)
         new_lp: Tensor | None = None
         if len(chunks) == 1:
             # pi_prox is pi_theta before the step: the forward that carries the gradient also
             # gives the learner's recomputed log-probs, no second pass.
-            new_lp, mask = sequence_logprobs(
-                self.model, prompts, completions, self.pad_id, temperature=self.temperature, fast_path=self.fast_path
-            )
+            new_lp, mask = self._logprobs(rows, prompts, completions)
             prox = new_lp.detach()
         else:
             with torch.no_grad():
-                prox, mask = sequence_logprobs(
-                    self.model, prompts, completions, self.pad_id, temperature=self.temperature,
-                    fast_path=self.fast_path,
-                )
+                prox, mask = self._logprobs(rows, prompts, completions)
+        # A stand-in row counts for nothing: none of its tokens enters a weight, a loss or a stat.
+        for (_, stand_in), span in zip(parts, spans):
+            if stand_in:
+                mask[span] = False
         t_max = prox.shape[1]
-        mu = torch.tensor([row + [0.0] * (t_max - len(row)) for row in behaviour], dtype=torch.float32)
+        mu = torch.tensor(
+            [behaviour[i] + [0.0] * (t_max - len(behaviour[i])) for i in rows], dtype=torch.float32, device=self.device
+        )
         weights, is_stats = importance_weights(prox, mu, mask, cap=self.is_cap)
-        stats.update(_logprob_gaps(used, prox, mu, mask))
+        stats.update(_logprob_gaps([on_policy[i] for i in rows], prox, mu, mask))
         if self.correction == "none":
             weights = mask.float()
         stats.update(is_stats)
 
         totals: dict[str, float] = {}
         grad_norm = 0.0
-        for chunk in chunks:
-            idx = chunk.tolist()
-            width = max(len(completions[i]) for i in idx)
-            if new_lp is None:
-                lp, m = sequence_logprobs(
-                    self.model, [prompts[i] for i in idx], [completions[i] for i in idx], self.pad_id,
-                    temperature=self.temperature, fast_path=self.fast_path,
-                )
-            else:
-                lp, m = new_lp, mask
-            c_prox, c_w, c_adv = prox[idx, :width], weights[idx, :width], advantages[idx]
+        for (part, _), span, token_total in zip(parts, spans, token_totals):
+            width = max((len(completions[i]) for i in part), default=0)
+            lp = self._logprobs(part, prompts, completions)[0] if new_lp is None else new_lp
+            m, c_prox, c_w = mask[span, :width], prox[span, :width], weights[span, :width]
+            c_adv = advantages[part.start : part.stop]
             if self.correction == "tis":
-                loss, loss_stats = tis_loss(lp, c_adv, m, c_w)
+                loss, loss_stats = tis_loss(lp, c_adv, m, c_w, token_total=token_total)
             else:
-                loss, loss_stats = grpo_loss(lp, c_prox, c_adv, m, clip_eps=self.clip_eps, weights=c_w)
+                loss, loss_stats = grpo_loss(
+                    lp, c_prox, c_adv, m, clip_eps=self.clip_eps, weights=c_w, token_total=token_total
+                )
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
+            # Over sharded (DTensor) gradients the norm is the whole model's, the same on every
+            # process: the clip is the single-process clip.
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
             self.opt.step()
             # The fused kernel writes the parameters without moving their version counters, and a
