@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from echo_node.ml.device import dtype_name
 from echo_node.ml.model import canonical_state, cast_state
@@ -56,6 +57,8 @@ def export_pretrained(
     # Only the canonical tensors (no tied aliases), on the CPU in the rollout dtype: one copy of
     # the weights, never a second model.
     state = cast_state(canonical_state(model), dtype)
+    # save_pretrained draws a progress bar per call: one per checkpoint in a learner's log.
+    hf_logging.disable_progress_bar()
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
     # The config written above says the master weights' dtype; the file holds `dtype`.
     config_path = tmp / "config.json"
