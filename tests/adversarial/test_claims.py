@@ -147,3 +147,27 @@ def test_factory_groups_earn_their_rewards() -> None:
     group = make_group(prompt="37+05=")
     assert [s.reward for s in group.samples] == [float(s.completion_ids == answer_ids("37+05=")) for s in group.samples]
     assert any(s.reward for s in group.samples) and not all(s.reward for s in group.samples)
+
+
+class _RaisingTask:
+    """The addition task with a plug-in reward that raises on some completions (a hostile one
+    may be crafted to): the claim fails as bad_reward, the learner's validator does not crash."""
+
+    def __init__(self) -> None:
+        self.inner = TASK
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def reward(self, prompts: list[str], completions: list[str]) -> list[float]:
+        raise ZeroDivisionError("the plug-in's bug")
+
+
+def test_a_reward_function_that_raises_is_a_failed_claim_not_a_crash() -> None:
+    check = Verifier(
+        VerifyConfig(logprobs=False), run_id="run-1", tokenizer=TOKENIZER, task=_RaisingTask(),  # type: ignore[arg-type]
+        model=build_model(tiny_llama_config(TOKENIZER.vocab_size)), temperature=1.0, keep_versions=4,
+    )
+    failure = check.claims(make_batch(identity=MALLORY, seq=5))
+    assert failure is not None and failure.reason is DropReason.BAD_REWARD
+    assert "ZeroDivisionError" in failure.evidence

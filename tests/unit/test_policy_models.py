@@ -115,3 +115,56 @@ def test_a_path_that_is_not_a_model_directory_is_one_clear_error(tmp_path: Path)
 def test_embedded_model_refuses_a_task_it_cannot_speak(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="needs a real model"):
         learner_policy(_cfg(tmp_path, task="math", warmup__enabled=False))
+
+
+@pytest.mark.parametrize(
+    ("model_spec", "tokenizer_spec", "task_id", "message"),
+    [
+        # A learner's spec names a task by id; a module path in it is compared, never imported.
+        ({"kind": "embedded"}, {"kind": "char", "alphabet": "0123456789+= "}, "tests.unit.evil_reward_module:boom",
+         "this run's task is"),
+        ({"kind": "embedded", "dtype": "float64"}, {"kind": "char", "alphabet": "0123456789+= "}, "addition", "does not know"),
+        ({"kind": "pickle"}, {"kind": "char", "alphabet": "0123456789+= "}, "addition", "unknown model kind"),
+        ({"kind": "hf", "dtype": "bfloat16"}, {"kind": "hf", "sha256": "0" * 64}, "addition", "pass --model PATH"),
+        ({"kind": "hf", "dtype": "bfloat16"}, {"kind": "hf", "sha256": "0" * 64, "chat": True}, "addition", "no chat form"),
+    ],
+)
+def test_a_hostile_run_spec_is_refused_without_running_anything(
+    tmp_path: Path, model_spec: dict[str, object], tokenizer_spec: dict[str, object], task_id: str, message: str
+) -> None:
+    import sys
+
+    with pytest.raises(ValueError, match=message):
+        peer_policy(model_spec, tokenizer_spec, task_id, _cfg(tmp_path))
+    assert "tests.unit.evil_reward_module" not in sys.modules
+
+
+def test_chat_prompts_of_a_dataset_task_pass_the_learners_claim_checks(tmp_path: Path, models: dict[str, Path]) -> None:
+    """The built-in math task with chat prompts on the tiny Qwen2: a peer's honest batch (the
+    rollout path a peer runs) passes every claim check, and its rewards are scored on the task's
+    prompt, not on the chat template's text around it."""
+    from echo_node.config import VerifyConfig
+    from echo_node.ml.rollout import generate_groups
+    from echo_node.rollout_peer import rollout_group
+    from echo_node.verify import Verifier
+    from protocol import RolloutBatch
+    from protocol.assignment import prompt_draw
+    from tests.factories import ALICE
+
+    cfg = _cfg(tmp_path, model__path=str(models["qwen2"]), task={"name": "math", "chat": True})
+    learner = learner_policy(cfg)
+    assert learner.tokenizer_spec["chat"] is True and learner.task.task_id.startswith("math@")
+    peer = peer_policy(learner.model_spec, learner.tokenizer_spec, learner.task.task_id, _cfg(tmp_path, model__path=str(models["qwen2"])))
+    assert peer.task.task_id == learner.task.task_id
+    prompts = [peer.task.prompt_for(prompt_draw("default", ALICE.peer_id, 0, 7, i)) for i in range(2)]
+    ids = peer.tokenizer.encode_prompt(prompts[0])
+    assert peer.tokenizer.decode(ids) != prompts[0]  # the template's text is around it
+    engine = TorchEngine(peer.model, eos_id=peer.tokenizer.eos_id, pad_id=peer.tokenizer.pad_id)
+    groups = generate_groups(engine, peer.tokenizer, peer.task, prompts, group_size=2, temperature=1.0, seed=0, max_new_tokens=8)
+    batch = RolloutBatch(
+        run_id="default", peer_id=ALICE.peer_id, seq=7,
+        groups=tuple(rollout_group(g, group_id=f"g{i}") for i, g in enumerate(groups)),
+    )
+    check = Verifier(VerifyConfig(logprobs=False), run_id="default", tokenizer=learner.tokenizer, task=learner.task,
+                     model=learner.model, temperature=1.0, keep_versions=4)
+    assert check.claims(batch) is None
