@@ -8,6 +8,9 @@ Rules:
 - A step that raises drops its batch as `train_error` and training goes on. Admission should
   make that unreachable, so the first is logged with its traceback (a bug here or a check
   missing there), later ones as a count.
+- Under torchrun (`dist`), rank 0's trainer drives the sharded update (echo_node/ml/sharded.py)
+  and copies the gathered weights into `policy.model` after each one, in the same worker thread:
+  everything else reads weights from there, and no two calls into the sharded learner overlap.
 - With a journal, each update appends ["step", version, gids] as it happens: a restart redoes
   the journaled steps since its checkpoint on the same groups in the same order (`redo`), and
   the optimizer has no randomness, so it lands on the same weights.
@@ -49,19 +52,9 @@ class Trainer:
         self.sharded: ShardedLearner | None = None
         self.optimizer: PolicyOptimizer | ShardedLearner
         if dist is None:
-            self.optimizer = PolicyOptimizer(
-                policy.model,
-                lr=cfg.rl.lr,
-                clip_eps=cfg.rl.clip_eps,
-                temperature=cfg.sampling.temperature,
-                max_grad_norm=cfg.rl.max_grad_norm,
-                pad_id=policy.tokenizer.pad_id,
-                correction=cfg.rl.correction,
-                is_cap=cfg.rl.is_cap,
-                minibatches=cfg.rl.minibatches,
-                # CUDA: the forward in the rollout dtype under autocast, fp32 master weights.
-                autocast_dtype=autocast_dtype(policy.rollout_dtype, policy.device),
-            )
+            # CUDA: the forward in the rollout dtype under autocast, fp32 master weights.
+            autocast = autocast_dtype(policy.rollout_dtype, policy.device)
+            self.optimizer = PolicyOptimizer(policy.model, **update_settings(cfg, policy), autocast_dtype=autocast)
         else:
             self.sharded = self.optimizer = sharded_learner(cfg, policy, dist, copy.deepcopy(policy.model))
             # Every rank starts from rank 0's weights, whatever each loaded or initialised.
@@ -160,19 +153,17 @@ SINGLE_FORMAT, SHARDED_FORMAT = "torch", "fsdp-full"
 def sharded_learner(cfg: RunConfig, policy: Policy, dist: DistInfo, model: torch.nn.Module) -> ShardedLearner:
     """The run's update sharded over a torchrun job; every rank builds it the same way (rank 0
     in `Trainer`, the others in `echo-node learn` before they follow)."""
-    return ShardedLearner(
-        model,
-        dist,
-        lr=cfg.rl.lr,
-        clip_eps=cfg.rl.clip_eps,
-        temperature=cfg.sampling.temperature,
-        max_grad_norm=cfg.rl.max_grad_norm,
-        pad_id=policy.tokenizer.pad_id,
-        correction=cfg.rl.correction,
-        is_cap=cfg.rl.is_cap,
-        minibatches=cfg.rl.minibatches,
-        compute_dtype=autocast_dtype(policy.rollout_dtype, dist.device),
-    )
+    compute = autocast_dtype(policy.rollout_dtype, dist.device)
+    return ShardedLearner(model, dist, **update_settings(cfg, policy), compute_dtype=compute)
+
+
+def update_settings(cfg: RunConfig, policy: Policy) -> dict[str, Any]:
+    """The GRPO update's settings: one process and every rank of a sharded one take the same."""
+    rl = cfg.rl
+    return {
+        "lr": rl.lr, "clip_eps": rl.clip_eps, "temperature": cfg.sampling.temperature, "max_grad_norm": rl.max_grad_norm,
+        "pad_id": policy.tokenizer.pad_id, "correction": rl.correction, "is_cap": rl.is_cap, "minibatches": rl.minibatches,
+    }
 
 
 def _train_group(g: RolloutGroup, version: int) -> TrainGroup:
