@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     p.add_argument("--model", default=None, metavar="DIR", help="train this local Hugging Face model instead of the embedded one (e.g. one `echo-node tiny-model` built)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="rollout dtype of the run")
 
     p = sub.add_parser("tiny-model", help="build a tiny Qwen2/Llama model and tokenizer locally (tests, demos; no download)")
     p.add_argument("out_dir", type=Path, metavar="DIR")

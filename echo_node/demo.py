@@ -111,6 +111,8 @@ def run_demo(args: argparse.Namespace) -> int:
             common = ["--bootstrap", boot_addr, "--run-id", run_id, "--runs-dir", str(args.runs_dir)]
             if args.model is not None:  # every process loads the same local model directory
                 common += ["--model", str(args.model)]
+            if args.dtype is not None:
+                common += ["--dtype", args.dtype]
             learner = swarm.spawn(
                 "learner",
                 ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", args.mode,

@@ -125,7 +125,9 @@ def peer_task(task_id: str, own: TaskConfig, *, chat: bool = False) -> Task:
 def peer_policy(model_spec: dict[str, Any], tokenizer_spec: dict[str, Any], task_id: str, cfg: RunConfig) -> Policy:
     """The policy a joining peer runs for a run spec's model, tokenizer and task; ValueError,
     in one line with the remedy, when this peer cannot run it as the learner does."""
-    device = resolve_device(cfg.model.device)
+    # With vLLM the engine holds the GPU's copy; the policy's model is only checked against the
+    # run's fingerprint, in host memory.
+    device = torch.device("cpu") if cfg.rollout.engine == "vllm" else resolve_device(cfg.model.device)
     run_dtype = model_spec.get("dtype", "float32")
     if run_dtype not in DTYPES:
         raise ValueError(f"the run samples in {run_dtype!r}, which this echo-node does not know; upgrade echo-node")
