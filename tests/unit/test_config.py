@@ -65,3 +65,20 @@ def test_the_config_refuses_what_the_wire_would(overrides: dict[str, object]) ->
     """A value the run spec cannot carry fails at start-up, not when the first peer joins."""
     with pytest.raises(ValueError):
         load_config(None, **overrides)
+
+
+def test_a_run_saved_before_an_option_existed_resumes_under_its_default() -> None:
+    """A checkpoint's config from before `[task]` became a table and `model.dtype`/`device`
+    existed still matches today's defaults; where the model computes may change on resume."""
+    from echo_node.config import to_dict
+    from echo_node.recovery import config_difference
+
+    current = to_dict(RunConfig())
+    old = to_dict(RunConfig())
+    old["task"] = "addition"
+    del old["model"]["dtype"], old["model"]["device"]
+    assert config_difference(old, current) == []
+    moved = to_dict(load_config(None, model__device="cpu"))
+    assert config_difference(current, moved) == []
+    other = to_dict(load_config(None, model__dtype="bfloat16", task="math"))
+    assert sorted(config_difference(old, other)) == ["model.dtype: 'auto' -> 'bfloat16'", "task.name: 'addition' -> 'math'"]
