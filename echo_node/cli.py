@@ -237,7 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     _run_options(p)
     p.add_argument("--mode", choices=["pull", "async"], default=None)
     p.add_argument("--staleness", type=int, default=None, help="async staleness bound S")
-    p.add_argument("--publish-every", type=int, default=None, metavar="K", help="async: publish every K-th version (K <= S)")
+    p.add_argument("--publish-every", type=_publish_every, default=None, metavar="K|auto",
+                   help="async: publish every K-th version (K <= S); auto: the capacity model chooses (S - 1 while broadcasts are faster than updates)")
     p.add_argument("--seconds", type=float, default=None, help="stop after this much training time")
     p.add_argument("--max-versions", type=int, default=None)
     p.add_argument("--fresh", action="store_true",
@@ -249,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p, role="peer")
     _run_options(p)
     p.add_argument("--engine", default=None, choices=["torch", "vllm"], help="rollout engine (vllm: CUDA, pip install 'echo-node[vllm]')")
+    p.add_argument("--price-per-hour", type=float, default=None, metavar="PRICE",
+                   help="what the operator pays for this peer per hour (default 0: a volunteer); the learner activates the cheapest peers first")
 
     p = sub.add_parser("demo", help="bootstrap + learner + rollout peers on loopback, with live progress")
     p.add_argument("--mode", choices=["pull", "async"], default="async")
@@ -306,7 +309,9 @@ def _config(args: argparse.Namespace) -> Any:
         rollout__engine=getattr(args, "engine", None),
         rl__mode=getattr(args, "mode", None),
         rl__staleness=getattr(args, "staleness", None),
-        rl__publish_every=getattr(args, "publish_every", None),
+        rl__publish_every=getattr(args, "publish_every", None) if getattr(args, "publish_every", None) != "auto" else None,
+        rl__publish_auto=True if getattr(args, "publish_every", None) == "auto" else None,
+        rollout__price_per_hour=getattr(args, "price_per_hour", None),
     )
 
 
@@ -320,6 +325,15 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     validate_net(net)
     _, signum = run_until_signal(partial(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True)))
     return _exit_status(signum)
+
+
+def _publish_every(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of versions or auto, got {text!r}") from None
 
 
 def _read_peer_list(path: Path) -> list[str]:

@@ -140,6 +140,9 @@ class RLConfig:
     # peer's first rollouts on the new ones arrive; at k = S - 1 the learner waits for data
     # right before each publication.
     publish_every: int = 1
+    # Let the capacity model choose publish_every (κ): S - 1 while broadcasts take less than an
+    # update, else the largest κ whose worst-case staleness stays within S (with a warning).
+    publish_auto: bool = False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -153,6 +156,9 @@ class RolloutConfig:
     # The generation engine: torch (CPU or CUDA, any HF causal LM) or vllm (CUDA; the extra
     # `echo-node[vllm]`).
     engine: EngineKind = "torch"
+    # What the operator pays for this peer per hour (0: a volunteer); told to the learner in
+    # every heartbeat, where the capacity controller ranks peers by price per rollout/s.
+    price_per_hour: float = 0.0
     # Groups generated per engine call; a pull-mode peer refreshes weights between calls. One
     # call makes one update's worth (rl.groups_per_step) and one gossip message: the learner pays
     # py-libp2p's per-message cost on its own core, so fewer, larger messages make faster updates.
@@ -190,6 +196,21 @@ class VerifyConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class CapacityConfig:
+    # ECHO-2's cost-aware activation (echo_node/capacity.py): the learner measures each peer's
+    # throughput, its own step time and the broadcast time, and keeps the cheapest set of peers
+    # active whose throughput covers gamma x what keeps it busy; the others stand by (they follow
+    # weights and generate nothing). Off: every peer is active.
+    enabled: bool = True
+    gamma: float = 1.1
+    # Decisions on a slow tick, and releases only past this margin above the target: no churn.
+    tick_s: float = 30.0
+    release_margin: float = 0.25
+    # Peers' throughput is measured over this window (accepted rollouts per second, smoothed).
+    window_s: float = 60.0
+
+
+@dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
     # The learner checkpoints (model, optimizer, ledger, peer tables: echo_node/checkpoint.py)
     # every this many versions, when its journal passes `max_journal_bytes`, and when it stops.
@@ -224,6 +245,7 @@ class RunConfig:
     warmup: WarmupConfig = field(default_factory=WarmupConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
 
     def __post_init__(self) -> None:
@@ -292,6 +314,11 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"task.reward_range must be [low, high] with low < high, got {t.reward_range}")
     if t.dataset is None and (t.rewards or t.prompt_template):
         raise ValueError("task.rewards and task.prompt_template need task.dataset (a built-in task has its own)")
+    cap = cfg.capacity
+    if not (cap.gamma >= 1 and cap.tick_s > 0 and cap.release_margin >= 0 and cap.window_s > 0):
+        raise ValueError("capacity needs gamma >= 1, tick_s > 0, release_margin >= 0 and window_s > 0")
+    if not 0 <= cfg.rollout.price_per_hour <= 1e6:
+        raise ValueError(f"rollout.price_per_hour must be in [0, 1e6], got {cfg.rollout.price_per_hour}")
     validate_net(cfg.net)
 
 

@@ -37,6 +37,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
+from echo_node.capacity import CapacityController
 from echo_node.ml.sharded import DistInfo
 from echo_node.policy import Policy
 from echo_node.recovery import Resumed, ResumeRefused, RunState
@@ -70,6 +71,8 @@ log = logging.getLogger(__name__)
 # Ask for this much more than one update consumes, so that jitter or a lost message never
 # leaves the learner waiting; the excess is what the staleness rule drops.
 DEMAND_SLACK = 1.5
+# The capacity controller measures peers' throughput this often (it decides on its own tick).
+CAPACITY_MEASURE_S = 1.0
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
 # (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
 # once, so a burst of joins cannot make the learner open sockets without bound.
@@ -144,6 +147,13 @@ class Learner:
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
         self.trainer = Trainer(cfg, policy, self.buffer, dist=dist)
+        # Which peers generate, and κ with rl.publish_auto (echo_node/capacity.py).
+        rl = cfg.rl
+        auto = rl.publish_auto and rl.mode == "async"
+        self.capacity = CapacityController(
+            cfg.capacity, rollouts_per_update=rl.groups_per_step * rl.group_size, staleness=rl.staleness,
+            kappa=max(1, rl.staleness - 1) if auto else rl.publish_every, auto_kappa=auto,
+        )
         # Checkpoints, the journal and the history of published versions.
         self.state = RunState(self)
         self.buffer.journal = self.trainer.journal = self.intake.journal = self.state.journal
@@ -189,6 +199,7 @@ class Learner:
                 nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
                 nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
                 nursery.start_soon(self._provide_loop)
+                nursery.start_soon(self._capacity_loop)
                 await self._train_loop()
                 nursery.cancel_scope.cancel()
         finally:
@@ -386,6 +397,10 @@ class Learner:
         if not allowed:
             raise rpc.RequestRefused("rate_limited", "too many status requests; peers that joined get their own budget")
         manifest = self.weights.manifest(self.weights.published)
+        joined = remote in self.peers.joined
+        if joined:  # the request is this peer's heartbeat (its claims: rank and report only)
+            self.capacity.heartbeat(remote, now, installed=request.installed_version, price=request.price_per_hour,
+                                    engine=request.engine, device=request.device)
         return StatusResponse(
             run_id=self.cfg.run_id,
             version=self.weights.published,
@@ -393,10 +408,11 @@ class Learner:
             weights_sha256=manifest.weights_sha256,
             demand_groups=self.demand_groups(),
             epoch=self.epoch,
+            active=not joined or self.capacity.is_active(remote),
         )
 
     def demand_groups(self) -> int:
-        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.cfg.rl.publish_every, DEMAND_SLACK)
+        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.capacity.kappa, DEMAND_SLACK)
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
@@ -455,7 +471,7 @@ class Learner:
                 self._write({"event": "train_error", "version": self.version, "groups": len(groups),
                              "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
                 return
-            due = self.version % self.cfg.rl.publish_every == 0
+            due = self.version % self.capacity.kappa == 0
             t2 = time.monotonic()
             blob = await trio.to_thread.run_sync(self.policy.publication) if due else None
             t3 = time.monotonic()
@@ -465,6 +481,7 @@ class Learner:
             # Anything that just fell out of the staleness window is counted now, not at exit.
             self.buffer.evict_stale(self.version)
             self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
+            self.capacity.step(t3 - t1)
         journal = self.state.journal
         if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
             await self._checkpoint()
@@ -474,10 +491,27 @@ class Learner:
         if self.verifier is not None:
             self.verifier.remember(version, blob)
 
+    async def _capacity_loop(self) -> None:
+        """Measure the peers every second; record each capacity decision, and say when the
+        active set changes (a normal event, once per tick at most)."""
+        while True:
+            await trio.sleep(CAPACITY_MEASURE_S)
+            record = self.capacity.tick(trio.current_time(), self.peers.accepted, self.peers.joined)
+            if record is None:
+                continue
+            self._write({**record, "version": self.version})
+            if record["changed"]:
+                log.info(
+                    "capacity: %d active, %d standby, %.1f rollouts/s for a target of %s, %.2f/h (%s)",
+                    len(record["active"]), len(record["standby"]), record["mu_active"], record["target"],
+                    record["cost_per_hour"], record["reason"],
+                )
+
     async def _publish_version(self, blob: bytes) -> None:
         """Make the current version fetchable and announce it: journaled and durable first, so
         a version number anyone saw names these weights for the life of the run."""
         version = self.version
+        self.capacity.published(version, trio.current_time())
         manifest: WeightManifest = await trio.to_thread.run_sync(self.weights.build, version, blob)
         history = self.state.history
         if history.versions.get(version) != (manifest.weights_sha256, manifest.weights_size):

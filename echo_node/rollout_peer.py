@@ -234,6 +234,9 @@ class Generator:
             else:
                 await trio.to_thread.run_sync(follower.load_pending)
             self.track_version()
+            if not follower.active:  # standby (the learner's capacity controller): follow, do not sample
+                await follower.active_changed.wait()
+                continue
             left = follower.demand - self.produced
             if left <= 0:
                 await self.wait_for_version()
@@ -434,6 +437,7 @@ class RolloutPeer:
                 self.follower = WeightFollower(
                     self.cfg, self.node, self.data, session, metrics=metrics, rejoin=partial(rejoin, self.cfg, self.node, self.data, session)
                 )
+                self.follower.device = "cuda" if self.cfg.rollout.engine == "vllm" else str(session.policy.device)
                 await nursery.start(self.follower.run)  # the initial weights, before the first token
                 task_status.started()
                 await self.generator_class(self.cfg, session, self.follower, self.publisher).run()

@@ -156,3 +156,6 @@ MAX_PIECE_SIZE: Final = 4 * 1024 * 1024
 # msgpack array a decoder accepts (MAX_WIRE_ARRAY). With 4 MiB pieces that is 16 GiB of payload;
 # a 270 MB model (SmolLM2-135M in bf16) needs pieces of at least 128 KiB.
 MAX_PIECES: Final = 4096
+
+# A peer's claimed price per hour (StatusRequest): finite, and far above any machine's rent.
+MAX_PRICE_PER_HOUR: Final = 1e6

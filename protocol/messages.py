@@ -52,6 +52,7 @@ from protocol.fields import (
 )
 from protocol.limits import (
     ERROR_CODE_PATTERN,
+    MAX_PRICE_PER_HOUR,
     MAX_ABS_REWARD,
     MAX_BATCH_GROUPS,
     MAX_DEMAND_GROUPS,
@@ -106,12 +107,14 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 7  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+SCHEMA_VERSION: Final = 8  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
 # 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
 # message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
 # channel's hello moved to v2 with it); 6: a group's prompt is the one its slot assigns
 # (protocol/assignment.py); 7: run specs, status answers and version announcements name the
-# learner's epoch (a resumed learner's versions continue; peers follow a newer epoch)
+# learner's epoch (a resumed learner's versions continue; peers follow a newer epoch); 8: a
+# status request is the peer's heartbeat (installed version, price, engine, device) and the
+# answer says whether the peer is active or on standby (the capacity controller)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
@@ -336,12 +339,30 @@ class JoinResponse(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StatusRequest(WireMessage):
+    """A peer's status poll, which is also its heartbeat for the learner's capacity controller.
+
+    Not sealed: the stream is bound to the sender's key by libp2p's Noise handshake and nothing
+    relays it. Everything in it is the peer's claim; the learner measures throughput itself and
+    uses these only to rank and to report (a price is what the operator pays that peer).
+    """
+
     KIND: ClassVar[str | None] = "status_request"
 
     run_id: str
+    # The newest version the peer has installed (-1: none yet); T_bcast is measured from these.
+    installed_version: int = -1
+    # What the operator pays this peer per hour (0: a volunteer).
+    price_per_hour: float = 0.0
+    engine: str = ""
+    device: str = ""
 
     def __post_init__(self) -> None:
-        _set(self, "run_id", _run_id("StatusRequest.run_id", self.run_id))
+        w = "StatusRequest"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "installed_version", _int(f"{w}.installed_version", self.installed_version, -1, MAX_VERSION))
+        _set(self, "price_per_hour", _float(f"{w}.price_per_hour", self.price_per_hour, 0.0, MAX_PRICE_PER_HOUR))
+        _set(self, "engine", _str(f"{w}.engine", self.engine, MAX_NAME_LEN, min_len=0))
+        _set(self, "device", _str(f"{w}.device", self.device, MAX_NAME_LEN, min_len=0))
 
 
 def _check_version_fields(obj: WireMessage, w: str, size_field: str, hash_field: str) -> None:
@@ -364,10 +385,15 @@ class StatusResponse(WireMessage):
     demand_groups: int
     # The learner incarnation answering (RunSpec.epoch).
     epoch: int
+    # False: the capacity controller put this peer on standby: it keeps following weights (to be
+    # activated at once) and generates nothing until an answer says True again.
+    active: bool = True
 
     def __post_init__(self) -> None:
         _check_version_fields(self, "StatusResponse", "weights_size", "weights_sha256")
         _set(self, "demand_groups", _int("StatusResponse.demand_groups", self.demand_groups, 1, MAX_DEMAND_GROUPS))
+        if not isinstance(self.active, bool):
+            _fail("StatusResponse.active", f"expected a bool, got {type(self.active).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -339,7 +339,11 @@ class DataServer:
                 # "unavailable" lets a peer asking for a delta fall back to the full snapshot at
                 # once instead of waiting out a timeout; signed, so nobody else can say it.
                 await write_frame(stream, encode(NotServed(session_signature(self.identity, raw, available=False))))
-                raise RemoteProtocolError(f"{hello.sender} asked for {hello.version}/{hello.base}, which is not served here")
+                # A normal answer (a peer asking for a delta that was not cut, a version gone):
+                # no log line at INFO, which an operator would see every few versions.
+                log.debug("%s asked for %d/%d, which is not served here", hello.sender, hello.version, hello.base)
+                await stream.aclose()
+                return
             await handler.serve(stream, hello)
         except Misbehaved as exc:
             self.ban(hello.sender, str(exc))

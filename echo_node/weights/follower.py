@@ -157,6 +157,13 @@ class WeightFollower:
         self._pending_lock = threading.Lock()
         self._delta_from = 0
         self.deltas_used = 0
+        # The learner's capacity controller's word on this peer (its last status answer): False
+        # means stand by, keep following weights, generate nothing. `active_changed` wakes a
+        # generator waiting on standby.
+        self.active = True
+        self.active_changed = trio.Event()
+        # The device this peer's engine runs on, for the heartbeat.
+        self.device = ""
         # The newest version the learner told of, and its demand (groups per version).
         self.newest: Target | None = None
         self.demand = cfg.rollout.groups_per_batch
@@ -189,10 +196,18 @@ class WeightFollower:
 
     async def status(self) -> Target:
         with trio.fail_after(15):
-            status = await rpc.call(
-                self.node, self.session.learner.peer_id, rpc.STATUS, StatusRequest(run_id=self.cfg.run_id), StatusResponse
+            # The status poll is this peer's heartbeat: what it has installed, costs and runs on.
+            heartbeat = StatusRequest(
+                run_id=self.cfg.run_id, installed_version=max(-1, self._blob_version),
+                price_per_hour=float(self.cfg.rollout.price_per_hour), engine=self.cfg.rollout.engine, device=self.device,
             )
+            status = await rpc.call(self.node, self.session.learner.peer_id, rpc.STATUS, heartbeat, StatusResponse)
         self._last_contact = trio.current_time()
+        if status.active != self.active:
+            self.active = status.active
+            log.info("the learner %s this peer", "activated" if status.active else "put on standby")
+            self.active_changed.set()
+            self.active_changed = trio.Event()
         target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups, status.epoch)
         self.offer(target)
         return target

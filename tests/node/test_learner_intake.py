@@ -159,7 +159,7 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
     from echo_node.weights.broadcast import FULL
     from protocol.messages import StatusRequest
 
-    learner.cfg.rl.publish_every = 2
+    learner.capacity.kappa = 2  # rl.publish_every = 2, as the learner takes it at start
     learner.cfg.max_versions = 3
     learner.report.open()
     for seq in range(3 * learner.cfg.rl.groups_per_step):

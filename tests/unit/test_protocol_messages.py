@@ -285,7 +285,12 @@ def test_bound_at_limit_accepted_over_rejected(name: str, factory: Any, at: dict
         (lambda **k: StatusResponse(**{"run_id": "r", "version": 0, "weights_size": 0, "weights_sha256": SHA, "demand_groups": 1, "epoch": 0, **k}),
          [{"weights_size": MAX_WEIGHTS_BYTES + 1}, {"weights_size": -1}, {"weights_sha256": SHA[:31]},
           {"weights_sha256": SHA + b"\x00"}, {"version": -1}, {"epoch": -1}, {"demand_groups": 0},
-          {"demand_groups": MAX_DEMAND_GROUPS + 1}]),
+          {"demand_groups": MAX_DEMAND_GROUPS + 1}, {"active": 1}, {"active": "yes"}]),
+        # The heartbeat's claims (schema 8): bounded, finite, typed.
+        (lambda **k: StatusRequest(**{"run_id": "r", "installed_version": 3, "price_per_hour": 1.5, "engine": "vllm", "device": "cuda:0", **k}),
+         [{"installed_version": -2}, {"installed_version": 2**63}, {"price_per_hour": -0.01}, {"price_per_hour": float("nan")},
+          {"price_per_hour": float("inf")}, {"price_per_hour": 1e7}, {"price_per_hour": 1}, {"engine": "e" * 129},
+          {"device": 7}, {"engine": None}]),
         (lambda **k: RepairRequest(**{"run_id": "r", "peer_id": PEER, "seqs": (1,), **k}),
          [{"seqs": ()}, {"seqs": (1, 1)}, {"seqs": tuple(range(MAX_REPAIR_SEQS + 1))}, {"seqs": (-1,)}]),
         (lambda **k: RepairResponse(**{"envelopes": (), **k}),
@@ -314,9 +319,11 @@ def test_other_bounds_at_limit() -> None:
 
 def test_missing_and_extra_fields_rejected_naming_the_fields() -> None:
     wire = StatusRequest(run_id="r").to_wire()
-    with pytest.raises(RemoteProtocolError, match=r"StatusRequest: expected 1 fields \(run_id\), got 0"):
+    with pytest.raises(RemoteProtocolError, match=r"StatusRequest: expected 5 fields \(run_id, installed_version, price_per_hour, engine, device\), got 0"):
         StatusRequest.from_wire([])
-    with pytest.raises(RemoteProtocolError, match="got 2"):
+    with pytest.raises(RemoteProtocolError, match="got 1"):
+        StatusRequest.from_wire(wire[:1])
+    with pytest.raises(RemoteProtocolError, match="got 6"):
         StatusRequest.from_wire(wire + ["extra"])
     with pytest.raises(RemoteProtocolError, match="expected an array"):
         StatusRequest.from_wire({"run_id": "r"})

@@ -1,0 +1,205 @@
+"""The learner's capacity controller: ECHO-2's model (protocol/capacity.py) fed with what the
+learner measures, deciding which peers generate and which stand by.
+
+Inputs, and who is believed:
+- μ_i, a peer's throughput, is measured here: rollouts of that peer the learner *accepted*
+  (verified, admitted) per second over the last `window_s`. A peer's claims never enter it.
+  While a peer stands by it produces nothing, so its last rate as an active peer is kept.
+- T_train is the median of the last updates' durations; T_bcast the median, over recent
+  versions, of the time from publication until ⌈n/γ⌉ of the n active peers said (in their
+  heartbeats) that they installed it. Before either is measured, nobody is put on standby.
+- Price, engine and device come from heartbeats: claims, used to rank and to report only. A
+  peer that lies about its price only changes how early it is activated.
+
+Rules:
+- A peer is measured before it is ranked: until it has been joined for one window it generates
+  (standby would leave it at μ = 0 for ever).
+- Decisions come from the real `Scheduler` on its slow tick (or at once when the active set no
+  longer covers the target); each one, its inputs and the model's predicted Δ_max and learner
+  idle are recorded by the caller in metrics.jsonl.
+- With `rl.publish_auto`, κ follows `choose_kappa` on the measured T_train and T_bcast.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from echo_node.config import CapacityConfig
+from protocol.capacity import Decision, Scheduler, Worker, choose_kappa, delta_max, mu_min, predicted_idle
+
+# Samples kept for the medians; versions whose broadcast is still being timed.
+_STEPS_KEPT = 50
+_BCASTS_KEPT = 20
+_PENDING_KEPT = 16
+
+
+@dataclass(slots=True)
+class PeerState:
+    joined_at: float
+    price: float = 0.0
+    engine: str = ""
+    device: str = ""
+    installed: int = -1
+    # (time, accepted rollouts) samples inside the window, oldest first.
+    samples: deque[tuple[float, int]] | None = None
+    mu: float = 0.0
+    measured: bool = False
+
+
+class CapacityController:
+    def __init__(self, cfg: CapacityConfig, *, rollouts_per_update: int, staleness: int, kappa: int, auto_kappa: bool) -> None:
+        self.cfg = cfg
+        self.rollouts_per_update = rollouts_per_update
+        self.staleness = staleness
+        self.kappa = kappa
+        self.auto_kappa = auto_kappa
+        self.kappa_warning: str | None = None
+        self.scheduler = Scheduler(gamma=cfg.gamma, release_margin=cfg.release_margin, tick_s=cfg.tick_s)
+        self.peers: dict[str, PeerState] = {}
+        self.step_times: deque[float] = deque(maxlen=_STEPS_KEPT)
+        self.bcast_times: deque[float] = deque(maxlen=_BCASTS_KEPT)
+        self._published: dict[int, float] = {}
+        # None until the first decision: every peer generates.
+        self.active: frozenset[str] | None = None
+        self.decision: Decision | None = None
+
+    # -- inputs --------------------------------------------------------------------------------
+
+    def heartbeat(self, peer: str, now: float, *, installed: int, price: float, engine: str, device: str) -> None:
+        state = self.peers.get(peer)
+        if state is None:
+            state = self.peers[peer] = PeerState(joined_at=now)
+        state.price, state.engine, state.device = price, engine, device
+        if installed > state.installed:
+            state.installed = installed
+            self._check_broadcasts(now)
+
+    def forget(self, peer: str) -> None:
+        self.peers.pop(peer, None)
+
+    def step(self, seconds: float) -> None:
+        self.step_times.append(seconds)
+
+    def published(self, version: int, now: float) -> None:
+        self._published[version] = now
+        for old in sorted(self._published)[:-_PENDING_KEPT]:
+            del self._published[old]
+
+    def _check_broadcasts(self, now: float) -> None:
+        active = [s for p, s in self.peers.items() if self.is_active(p)]
+        if not active:
+            return
+        needed = math.ceil(len(active) / self.cfg.gamma)
+        for version, at in sorted(self._published.items()):
+            if sum(1 for s in active if s.installed >= version) >= needed:
+                self.bcast_times.append(now - at)
+                del self._published[version]
+
+    # -- measurements --------------------------------------------------------------------------
+
+    @property
+    def t_train(self) -> float | None:
+        return statistics.median(self.step_times) if self.step_times else None
+
+    @property
+    def t_bcast(self) -> float | None:
+        return statistics.median(self.bcast_times) if self.bcast_times else None
+
+    def _measure(self, now: float, accepted: Mapping[str, int], joined: Collection[str]) -> None:
+        for peer in list(self.peers):
+            if peer not in joined:
+                del self.peers[peer]
+        for peer in joined:
+            state = self.peers.setdefault(peer, PeerState(joined_at=now))
+            if state.samples is None:
+                state.samples = deque()
+            count = int(accepted.get(peer, 0))
+            if state.samples and count < state.samples[-1][1]:
+                state.samples.clear()  # a counter that went back (the peer left and came again)
+            state.samples.append((now, count))
+            while state.samples and state.samples[0][0] < now - self.cfg.window_s:
+                state.samples.popleft()
+            (t0, a0), (t1, a1) = state.samples[0], state.samples[-1]
+            if now - state.joined_at >= self.cfg.window_s and t1 > t0 and self.is_active(peer):
+                state.mu, state.measured = (a1 - a0) / (t1 - t0), True
+
+    # -- decisions -----------------------------------------------------------------------------
+
+    def tick(self, now: float, accepted: Mapping[str, int], joined: Collection[str]) -> dict[str, Any] | None:
+        """Measure, maybe decide; the decision's record (for metrics.jsonl) when one was made."""
+        self._measure(now, accepted, joined)
+        t_train, t_bcast = self.t_train, self.t_bcast
+        if t_train is None or t_bcast is None or not self.cfg.enabled:
+            return None
+        if self.auto_kappa:
+            choice = choose_kappa(self.staleness, t_train, t_bcast)
+            self.kappa, self.kappa_warning = choice.kappa, choice.warning
+        workers = [Worker(peer, s.mu, s.price) for peer, s in sorted(self.peers.items()) if s.measured]
+        if not workers:
+            return None
+        decision = self.scheduler.decide(
+            now, workers, kappa=self.kappa, rollouts_per_update=self.rollouts_per_update, t_train=t_train, t_bcast=t_bcast,
+        )
+        if decision is None:
+            return None
+        self.decision = decision
+        # Peers not measured yet are not in the decision: they generate until they are.
+        self.active = decision.active | {p for p, s in self.peers.items() if not s.measured}
+        return {
+            "event": "capacity",
+            "kappa": self.kappa,
+            "kappa_warning": self.kappa_warning,
+            "t_train": round(t_train, 4),
+            "t_bcast": round(t_bcast, 4),
+            "rollouts_per_update": self.rollouts_per_update,
+            "mu_min": _finite(decision.mu_min),
+            "target": _finite(decision.target),
+            "mu_pool": round(decision.mu_pool, 3),
+            "mu_active": round(decision.mu_active, 3),
+            "active": sorted(decision.active),
+            "standby": sorted(decision.standby),
+            "unmeasured": sorted(p for p, s in self.peers.items() if not s.measured),
+            "cost_per_hour": round(decision.cost_per_hour, 4),
+            "feasible": decision.feasible,
+            "changed": decision.changed,
+            "reason": decision.reason,
+            "delta_max_predicted": delta_max(self.kappa, t_train, t_bcast),
+            "idle_predicted": round(predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, decision.mu_active), 4),
+            "workers": {w.peer_id: {"mu": round(w.mu, 3), "price": w.price} for w in workers},
+        }
+
+    def is_active(self, peer: str) -> bool:
+        state = self.peers.get(peer)
+        unmeasured = state is None or not state.measured
+        return not self.cfg.enabled or self.active is None or unmeasured or peer in self.active
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the operator's metrics show (prometheus, `echo-node status`)."""
+        t_train, t_bcast = self.t_train, self.t_bcast
+        d = self.decision
+        needed = mu_min(self.kappa, self.rollouts_per_update, t_train, t_bcast) if t_train and t_bcast is not None else None
+        active = [p for p in self.peers if self.is_active(p)]
+        return {
+            "kappa": self.kappa,
+            "t_train": t_train,
+            "t_bcast": t_bcast,
+            "mu_pool": sum(s.mu for s in self.peers.values()),
+            "mu_min": _finite(needed) if needed is not None else None,
+            "mu_target": _finite(d.target) if d is not None else None,
+            "active_peers": len(active),
+            "standby_peers": len(self.peers) - len(active),
+            "cost_per_hour": sum(self.peers[p].price for p in active),
+            "delta_max_predicted": delta_max(self.kappa, t_train, t_bcast) if t_train and t_bcast is not None else None,
+            "idle_predicted": predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, sum(self.peers[p].mu for p in active))
+            if t_train and t_bcast is not None else None,
+        }
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: an infeasible target is written as null."""
+    return round(x, 4) if math.isfinite(x) else None
