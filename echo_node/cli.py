@@ -207,6 +207,9 @@ def _common(p: argparse.ArgumentParser, *, role: str) -> None:
     p.add_argument("--announce", action="append", default=None, metavar="MULTIADDR", help="publish this multiaddr instead (repeatable; port forwards, DNS names)")
     p.add_argument("--key-file", type=Path, default=None, help=f"identity key file (default {DEFAULT_KEY_DIR}/{role}.key)")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    if role != "bootstrap":
+        p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                       help="serve Prometheus metrics at http://127.0.0.1:PORT/metrics (net.metrics_host to bind wider)")
 
 
 def _run_options(p: argparse.ArgumentParser) -> None:
@@ -264,6 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="DIR", help="train this local Hugging Face model instead of the embedded one (e.g. one `echo-node tiny-model` built)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="rollout dtype of the run")
 
+    p = sub.add_parser("status", help="read a learner's or peer's metrics endpoint (--metrics-port) and print them")
+    p.add_argument("--learner", required=True, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
     p = sub.add_parser("tiny-model", help="build a tiny Qwen2/Llama model and tokenizer locally (tests, demos; no download)")
     p.add_argument("out_dir", type=Path, metavar="DIR")
     p.add_argument("--family", choices=["qwen2", "llama"], default="qwen2")
@@ -298,6 +305,7 @@ def _config(args: argparse.Namespace) -> Any:
         net__advertise_host=args.advertise_host,
         net__announce=args.announce,
         net__data_port=args.data_port,
+        net__metrics_port=getattr(args, "metrics_port", None),
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
         net__learner=getattr(args, "learner", None),
@@ -461,6 +469,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from echo_node.status import format_status, scrape
+
+    values = scrape(args.learner)
+    print(json.dumps(values, sort_keys=True) if args.json else format_status(values))
+    return 0
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from echo_node.ml import tiny_hf
 
@@ -470,13 +486,14 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return tiny_hf.main(argv)
 
 
-COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo, "tiny-model": _cmd_tiny_model}
+COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo, "tiny-model": _cmd_tiny_model,
+            "status": _cmd_status}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command
-    if role not in ("demo", "tiny-model"):
+    if role not in ("demo", "tiny-model", "status"):
         _setup_logging(args.log_level, role)
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.

@@ -70,6 +70,10 @@ class NetConfig:
     ban_s: float = 600.0
     # A private swarm: when not empty, the learner takes joins from these peer ids only.
     allow_peers: list[str] = field(default_factory=list)
+    # A Prometheus endpoint (GET /metrics) on this port, for operators; None: none. It binds
+    # metrics_host, the loopback by default: expose it wider only on a network you trust.
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -333,6 +337,8 @@ def validate_net(net: NetConfig) -> None:
             check_announce(text)
     except AddressError as exc:
         raise ValueError(str(exc)) from None
+    if net.metrics_port is not None and not 0 <= net.metrics_port <= 65535:
+        raise ValueError(f"net.metrics_port must be a TCP port (0 for any), got {net.metrics_port}")
     if not 0 <= net.data_port <= 65535:
         raise ValueError(f"net.data_port must be a TCP port (0 for any), got {net.data_port}")
     bad = [p for p in net.allow_peers if not is_valid_peer_id(p)]

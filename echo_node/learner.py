@@ -38,6 +38,7 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
 from echo_node.capacity import CapacityController
+from echo_node.prom import MetricsExporter, serve_metrics
 from echo_node.ml.sharded import DistInfo
 from echo_node.policy import Policy
 from echo_node.recovery import Resumed, ResumeRefused, RunState
@@ -73,6 +74,7 @@ log = logging.getLogger(__name__)
 DEMAND_SLACK = 1.5
 # The capacity controller measures peers' throughput this often (it decides on its own tick).
 CAPACITY_MEASURE_S = 1.0
+METRICS_EVERY_S = 1.0
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
 # (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
 # once, so a burst of joins cannot make the learner open sockets without bound.
@@ -167,6 +169,7 @@ class Learner:
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
         self._probing: set[str] = set()
+        self._last_staleness = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -200,6 +203,11 @@ class Learner:
                 nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
                 nursery.start_soon(self._provide_loop)
                 nursery.start_soon(self._capacity_loop)
+                if self.cfg.net.metrics_port is not None:
+                    exporter = MetricsExporter("learner", run_id=self.cfg.run_id)
+                    port = await nursery.start(serve_metrics, exporter, self.cfg.net.metrics_host, self.cfg.net.metrics_port)
+                    log.info("metrics at http://%s:%d/metrics", self.cfg.net.metrics_host, port)
+                    nursery.start_soon(self._metrics_loop, exporter)
                 await self._train_loop()
                 nursery.cancel_scope.cancel()
         finally:
@@ -491,6 +499,32 @@ class Learner:
         if self.verifier is not None:
             self.verifier.remember(version, blob)
 
+    def snapshot(self) -> dict[str, Any]:
+        """The operator's view, once a second (Prometheus, `echo-node status`)."""
+        ledger = self.buffer.ledger
+        wall = time.monotonic() - self._started if self._started else 0.0
+        return {
+            "version": self.version,
+            "published_version": self.weights.published,
+            "epoch": self.epoch,
+            "steps_per_s": self.version / wall if wall > 0 else 0.0,
+            "learner_idle": self.trainer.idle_ratio,
+            "staleness_mean": self._last_staleness,
+            "rollouts_received": ledger.received,
+            "rollouts_accepted": ledger.trained,
+            "rollouts_buffered": self.buffer.buffered_rollouts,
+            "drops": dict(ledger.dropped),
+            "bans": len(self.peers.banned_peers()),
+            "joined_peers": len(self.peers.joined),
+            "bytes_up": self.weights.bytes_up(),
+            **{k: v for k, v in self.capacity.snapshot().items() if v is not None},
+        }
+
+    async def _metrics_loop(self, exporter: MetricsExporter) -> None:
+        while True:
+            exporter.update(self.snapshot())
+            await trio.sleep(METRICS_EVERY_S)
+
     async def _capacity_loop(self) -> None:
         """Measure the peers every second; record each capacity decision, and say when the
         active set changes (a normal event, once per tick at most)."""
@@ -534,6 +568,8 @@ class Learner:
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         ledger = self.buffer.ledger
+        ages = staleness(groups, self.version - 1)
+        self._last_staleness = float(ages["staleness_mean"])
         self.report.write(
             {
                 "event": "train",
@@ -547,7 +583,7 @@ class Learner:
                 "loss": stats.get("loss", 0.0),
                 "groups": len(groups),
                 # Trained on version - 1 (self.version is already the one the update produced).
-                **staleness(groups, self.version - 1),
+                **ages,
                 "wait_s": round(wait_s, 4),
                 "train_s": round(train_s, 4),
                 "idle_ratio": self.trainer.idle_ratio,

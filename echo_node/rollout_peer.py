@@ -41,6 +41,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_providers
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, build_engine, peer_policy
+from echo_node.prom import MetricsExporter, serve_metrics
 from echo_node.topics import rollouts_topic
 from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
@@ -68,6 +69,8 @@ log = logging.getLogger(__name__)
 # then samples one more batch anyway: an announcement may have been lost, and a learner short of
 # data must never wait on peers that wait on it.
 DEMAND_WAIT_S = 3.0
+# A volunteer's status line in the log comes this often.
+STATUS_LINE_S = 30.0
 
 
 @dataclass(slots=True)
@@ -347,6 +350,7 @@ class RolloutPublisher:
         self.metrics: MetricsWriter | None = None
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
+        self.published_rollouts = 0
         self.unsendable_groups = 0  # too big for a gossip frame even alone: dropped, logged
         self.first_publish_s: float | None = None
         self._t0 = time.monotonic()
@@ -378,6 +382,7 @@ class RolloutPublisher:
         self.reservation.reserve(self.seq)
         await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
         self.published_groups += len(groups)
+        self.published_rollouts += sum(len(g.samples) for g in groups)
         if self.metrics is not None:
             self.metrics.write({"event": "published", "seq": seq, "groups": len(groups),
                                 "rollouts": sum(len(g.samples) for g in groups), "wall": time.time()})
@@ -422,6 +427,34 @@ class RolloutPeer:
         self.publisher = self.publisher_class(cfg, identity, self.node)
         self.follower: WeightFollower | None = None  # once joined
 
+    def snapshot(self) -> dict[str, Any]:
+        """What this peer's operator sees (its Prometheus endpoint, its status line)."""
+        f = self.follower
+        return {
+            "installed_version": -1 if f is None else f.installed_version,
+            "rollouts_published": self.publisher.published_rollouts,
+            "bytes_up": 0 if f is None else f.bytes_relayed(),
+            "bytes_down": 0 if f is None else f.bytes_received(),
+            "active": 1 if f is None or f.active else 0,
+            "price_per_hour": self.cfg.rollout.price_per_hour,
+        }
+
+    async def _metrics_loop(self, exporter: MetricsExporter) -> None:
+        while True:
+            exporter.update(self.snapshot())
+            await trio.sleep(1.0)
+
+    async def _status_line(self) -> None:
+        """A volunteer's view in the log, every STATUS_LINE_S: what it runs and what it gave."""
+        while True:
+            await trio.sleep(STATUS_LINE_S)
+            s = self.snapshot()
+            log.info(
+                "version %d installed · %d rollouts published · %.1f MB up, %.1f MB down · %s",
+                s["installed_version"], s["rollouts_published"], s["bytes_up"] / 1e6, s["bytes_down"] / 1e6,
+                "active" if s["active"] else "standby (the learner has enough peers; following weights)",
+            )
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.node.run)
@@ -440,6 +473,12 @@ class RolloutPeer:
                 self.follower.device = "cuda" if self.cfg.rollout.engine == "vllm" else str(session.policy.device)
                 await nursery.start(self.follower.run)  # the initial weights, before the first token
                 task_status.started()
+                nursery.start_soon(self._status_line)
+                if self.cfg.net.metrics_port is not None:
+                    exporter = MetricsExporter("peer", run_id=self.cfg.run_id)
+                    port = await nursery.start(serve_metrics, exporter, self.cfg.net.metrics_host, self.cfg.net.metrics_port)
+                    log.info("metrics at http://%s:%d/metrics", self.cfg.net.metrics_host, port)
+                    nursery.start_soon(self._metrics_loop, exporter)
                 await self.generator_class(self.cfg, session, self.follower, self.publisher).run()
             finally:
                 metrics.close()

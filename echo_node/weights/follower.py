@@ -149,6 +149,7 @@ class WeightFollower:
         self._progress: tuple[Receiver, int, float] | None = None
         # Weight bytes sent to other peers: by receivers done relaying, and by those still at it.
         self._relayed_done = 0
+        self._received_done = 0
         self._relaying: set[Receiver] = set()
         self._abandoned = ""
         # Verified weights waiting for the engine; taken by the generation thread between two
@@ -198,7 +199,7 @@ class WeightFollower:
         with trio.fail_after(15):
             # The status poll is this peer's heartbeat: what it has installed, costs and runs on.
             heartbeat = StatusRequest(
-                run_id=self.cfg.run_id, installed_version=max(-1, self._blob_version),
+                run_id=self.cfg.run_id, installed_version=self.installed_version,
                 price_per_hour=float(self.cfg.rollout.price_per_hour), engine=self.cfg.rollout.engine, device=self.device,
             )
             status = await rpc.call(self.node, self.session.learner.peer_id, rpc.STATUS, heartbeat, StatusResponse)
@@ -342,12 +343,22 @@ class WeightFollower:
             for receiver in receivers:
                 self._relaying.discard(receiver)
                 self._relayed_done += receiver.stats.bytes_up
+                self._received_done += receiver.stats.bytes_down
             if not served:  # abandoned before it verified: stop routing peers to it
                 self.data.unregister(target.version)
+
+    @property
+    def installed_version(self) -> int:
+        """The newest version this peer holds verified (-1: none yet)."""
+        return max(-1, self._blob_version)
 
     def bytes_relayed(self) -> int:
         """Weight bytes this peer has sent to other peers (relaying), over the session."""
         return self._relayed_done + sum(r.stats.bytes_up for r in self._relaying)
+
+    def bytes_received(self) -> int:
+        """Weight bytes this peer has received (from the learner and other peers), over the session."""
+        return self._received_done + sum(r.stats.bytes_down for r in self._relaying)
 
     def _watch(self, receiver: Receiver) -> None:
         self._progress = (receiver, receiver.swarm.missing, trio.current_time())
