@@ -172,6 +172,7 @@ class _Progress:
         self._live: Any = None
         self._last_note = ""
         self._err: TextIO = sys.stderr
+        self.capacity: dict[str, Any] | None = None
 
     def note(self, text: str) -> None:
         self._last_note = text
@@ -186,7 +187,9 @@ class _Progress:
             self._live = Live(self._render([], swarm), refresh_per_second=4, transient=False)
             self._live.start()
         while learner.proc.poll() is None:
-            records = [r for r in read_metrics(self.metrics) if r.get("event") == "train"]
+            everything = read_metrics(self.metrics)
+            records = [r for r in everything if r.get("event") == "train"]
+            self.capacity = next((r for r in reversed(everything) if r.get("event") == "capacity"), None)
             if self._live is not None:
                 self._live.update(self._render(records, swarm))
             elif records and time.monotonic() - last_print > 10:
@@ -201,14 +204,21 @@ class _Progress:
         alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
         return (
             f"t={r['t']:.0f}s/{self.args.seconds:g}s version={r['version']} reward={sum(recent) / len(recent):.3f} "
-            f"accepted={r['trained']} dropped={dropped} peers={alive}"
+            f"accepted={r['trained']} dropped={dropped} peers={alive} {self._pool()}"
         )
+
+    def _pool(self) -> str:
+        """Active vs standby peers and the cost rate, from the last capacity decision."""
+        c = self.capacity
+        if c is None:
+            return "active=all"
+        return f"active={len(c['active'])} standby={len(c['standby'])} cost={c['cost_per_hour']:g}/h"
 
     def _render(self, records: list[dict[str, Any]], swarm: Swarm) -> Any:
         from rich.table import Table
 
         table = Table(title=f"echo-node demo — {self.args.mode} mode, S={self.args.staleness}", show_header=True)
-        for col in ("elapsed", "version", "reward (last 10)", "accepted", "dropped", "peers", "idle"):
+        for col in ("elapsed", "version", "reward (last 10)", "accepted", "dropped", "peers", "idle", "pool"):
             table.add_column(col, justify="right")
         if records:
             r = records[-1]
@@ -217,10 +227,10 @@ class _Progress:
             dropped = ", ".join(f"{k}:{v}" for k, v in sorted(r["dropped"].items())) or "0"
             table.add_row(
                 f"{r['t']:.0f}/{self.args.seconds:g}s", str(r["version"]), f"{sum(recent) / len(recent):.3f}",
-                str(r["trained"]), dropped, str(alive), f"{r['idle_ratio']:.0%}",
+                str(r["trained"]), dropped, str(alive), f"{r['idle_ratio']:.0%}", self._pool(),
             )
         else:
-            table.add_row("-", "0", "-", "0", "0", "-", "-")
+            table.add_row("-", "0", "-", "0", "0", "-", "-", "-")
         table.caption = self._last_note
         return table
 
