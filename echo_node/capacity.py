@@ -179,18 +179,23 @@ class CapacityController:
         return not self.cfg.enabled or self.active is None or unmeasured or peer in self.active
 
     def snapshot(self) -> dict[str, Any]:
-        """What the operator's metrics show (prometheus, `echo-node status`)."""
+        """What the operator's metrics show (prometheus, `echo-node status`, `echo-node plan
+        --learner`); None where nothing is measured yet."""
         t_train, t_bcast = self.t_train, self.t_bcast
         d = self.decision
         needed = mu_min(self.kappa, self.rollouts_per_update, t_train, t_bcast) if t_train and t_bcast is not None else None
         active = [p for p in self.peers if self.is_active(p)]
         return {
             "kappa": self.kappa,
+            "staleness": self.staleness,
+            "rollouts_per_update": self.rollouts_per_update,
             "t_train": t_train,
             "t_bcast": t_bcast,
             "mu_pool": sum(s.mu for s in self.peers.values()),
-            "mu_min": _finite(needed) if needed is not None else None,
-            "mu_target": _finite(d.target) if d is not None else None,
+            # Infinite when no pool keeps up: the dashboard shows +Inf, not a stale number.
+            "mu_min": needed,
+            "mu_target": d.target if d is not None else None,
+            "workers": {p: {"mu": s.mu, "price": s.price, "active": float(self.is_active(p))} for p, s in self.peers.items()},
             "active_peers": len(active),
             "standby_peers": len(self.peers) - len(active),
             "cost_per_hour": sum(self.peers[p].price for p in active),

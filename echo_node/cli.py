@@ -271,6 +271,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learner", required=True, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
+    p = sub.add_parser("plan", help="ECHO-2's capacity model: how many and which workers keep the learner busy, at what cost")
+    p.add_argument("--learner", default=None, metavar="HOST:PORT", help="online: from a running learner's measurements (its --metrics-port)")
+    p.add_argument("--candidates", type=Path, default=None, metavar="CSV", help="offline: candidate workers (peer_id, mu, price, bandwidth_mbit[, up_mbit])")
+    p.add_argument("--model", type=Path, default=None, metavar="DIR", help="offline: the model directory (its safetensors bytes are one version)")
+    p.add_argument("--model-bytes", type=float, default=None, help="offline: bytes of one published version (instead of --model)")
+    p.add_argument("--dtype-factor", type=float, default=1.0, help="publication bytes per stored byte (0.5: bf16 publications of fp32 files)")
+    p.add_argument("--learner-up", type=float, default=None, metavar="MBIT", help="offline: the learner's uplink, Mbit/s")
+    p.add_argument("--t-train", type=float, default=None, metavar="S", help="offline: seconds per learner update")
+    p.add_argument("--rollouts-per-update", type=float, default=64.0, metavar="R")
+    p.add_argument("--staleness", type=int, default=4, metavar="S")
+    p.add_argument("--kappa", default="auto", help="updates per publication: a number or auto (S - 1 when broadcasts are fast enough)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+
     p = sub.add_parser("tiny-model", help="build a tiny Qwen2/Llama model and tokenizer locally (tests, demos; no download)")
     p.add_argument("out_dir", type=Path, metavar="DIR")
     p.add_argument("--family", choices=["qwen2", "llama"], default="qwen2")
@@ -477,6 +490,38 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from echo_node.plan import format_table, load_candidates, plan_from_inputs, plan_from_status, safetensors_bytes
+
+    kappa: int | str = args.kappa if args.kappa == "auto" else _publish_every(args.kappa)
+    if args.learner is not None:
+        from echo_node.status import scrape
+
+        m = scrape(args.learner)
+        need = ("echo_t_train_seconds", "echo_t_bcast_seconds", "echo_rollouts_per_update", "echo_staleness_bound", "echo_kappa")
+        if any(k not in m for k in need) or not m.get("workers"):
+            raise ValueError(f"the learner at {args.learner} has not measured its peers and times yet: ask again in a minute")
+        plan = plan_from_status({
+            "t_train": m["echo_t_train_seconds"], "t_bcast": m["echo_t_bcast_seconds"],
+            "rollouts_per_update": m["echo_rollouts_per_update"], "staleness": int(m["echo_staleness_bound"]),
+            "kappa": int(m["echo_kappa"]) if kappa != "auto" else "auto",
+            "workers": {p: {"mu": w.get("mu", 0.0), "price": w.get("price", 0.0)} for p, w in m["workers"].items()},
+        })
+    else:
+        missing = [flag for flag, v in (("--candidates", args.candidates), ("--learner-up", args.learner_up), ("--t-train", args.t_train)) if v is None]
+        if args.model is None and args.model_bytes is None:
+            missing.append("--model or --model-bytes")
+        if missing:
+            raise ValueError(f"offline planning needs {', '.join(missing)} (or --learner HOST:PORT for a running learner)")
+        size = args.model_bytes if args.model_bytes is not None else safetensors_bytes(args.model, dtype_factor=args.dtype_factor)
+        plan = plan_from_inputs(
+            model_bytes=size, learner_up_mbit=args.learner_up, t_train=args.t_train, rollouts_per_update=args.rollouts_per_update,
+            staleness=args.staleness, kappa=kappa, workers=load_candidates(args.candidates),
+        )
+    print(json.dumps(plan, allow_nan=False) if args.json else format_table(plan))
+    return 0
+
+
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from echo_node.ml import tiny_hf
 
@@ -487,13 +532,13 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo, "tiny-model": _cmd_tiny_model,
-            "status": _cmd_status}
+            "status": _cmd_status, "plan": _cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command
-    if role not in ("demo", "tiny-model", "status"):
+    if role not in ("demo", "tiny-model", "status", "plan"):
         _setup_logging(args.log_level, role)
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.

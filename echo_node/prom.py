@@ -116,6 +116,10 @@ METRICS: dict[str, _Spec] = {
     "bans": _Spec("echo_banned_peers", "gauge", "Peers banned now (bans expire, so not a counter)."),
     "kappa": _Spec("echo_kappa", "gauge", "Updates per broadcast (kappa)."),
     "delta_max_predicted": _Spec("echo_delta_max_predicted", "gauge", "Predicted largest policy lag of a rollout."),
+    "t_train": _Spec("echo_t_train_seconds", "gauge", "Median learner update time (measured)."),
+    "t_bcast": _Spec("echo_t_bcast_seconds", "gauge", "Median time from publication to 1/gamma of active peers installed."),
+    "rollouts_per_update": _Spec("echo_rollouts_per_update", "gauge", "Rollouts one update trains on (R)."),
+    "staleness": _Spec("echo_staleness_bound", "gauge", "The run's staleness bound S."),
     "idle_predicted": _Spec(
         "echo_learner_idle_predicted_ratio", "gauge", "Predicted learner idle share for the measured pool."
     ),
@@ -130,6 +134,12 @@ METRICS: dict[str, _Spec] = {
     "bytes_down": _Spec("echo_bytes_down", "counter", "Bytes received."),
 }
 DROPS_KEY = "drops"
+# peer id -> {"mu", "price", "active"}: the capacity controller's view of each worker, replaced
+# whole on each update (a peer gone is gone); at most MAX_WORKERS label values.
+WORKERS_KEY = "workers"
+MAX_WORKERS = 4096
+_WORKER_FIELDS = {"mu": "Measured rollouts/s of a worker.", "price": "A worker's claimed hourly price.",
+                  "active": "1 if the worker is in the active set, else 0."}
 
 
 def _reading(value: Any, *, counter: bool, inf_ok: bool) -> float | None:
@@ -156,11 +166,15 @@ class _SnapshotCollector(Collector):
         self._values: dict[str, float] = {}
         self._drops: dict[str, float] = {}
         self._bad: dict[str, int] = {}
+        self._workers: dict[str, dict[str, float]] = {}
 
     def update(self, snapshot: Mapping[str, Any]) -> None:
         for key, value in snapshot.items():
             if key == DROPS_KEY:
                 self._update_drops(value)
+                continue
+            if key == WORKERS_KEY:
+                self._update_workers(value)
                 continue
             spec = METRICS.get(key)
             if spec is None:
@@ -183,6 +197,19 @@ class _SnapshotCollector(Collector):
             else:
                 self._drops[reason] = x
 
+    def _update_workers(self, workers: Any) -> None:
+        if not isinstance(workers, Mapping) or len(workers) > MAX_WORKERS:
+            self._count_bad(WORKERS_KEY)
+            return
+        table: dict[str, dict[str, float]] = {}
+        for peer, fields in workers.items():
+            readings = {f: _reading(fields.get(f), counter=False, inf_ok=False) for f in _WORKER_FIELDS} if isinstance(fields, Mapping) else {}
+            if not isinstance(peer, str) or not 0 < len(peer) <= MAX_REASON_CHARS * 2 or any(v is None for v in readings.values()) or not readings:
+                self._count_bad(WORKERS_KEY)
+                continue
+            table[peer] = {f: float(v) for f, v in readings.items() if v is not None}
+        self._workers = table
+
     def _count_bad(self, key: str) -> None:
         # `key` is a METRICS key or DROPS_KEY, never a caller's string: the label set is bounded.
         self._bad[key] = self._bad.get(key, 0) + 1
@@ -201,6 +228,12 @@ class _SnapshotCollector(Collector):
             for reason, x in self._drops.items():
                 drops.add_metric([*self._labels, reason], x)
             yield drops
+        for field, doc in _WORKER_FIELDS.items():
+            if self._workers:
+                family = GaugeMetricFamily(f"echo_worker_{field}", doc, labels=(*LABELS, "peer"))
+                for peer, values in self._workers.items():
+                    family.add_metric([*self._labels, peer], values[field])
+                yield family
         bad = CounterMetricFamily(
             "echo_metrics_bad_values",
             "Snapshot values skipped as invalid (a bug in the node).",

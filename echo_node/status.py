@@ -55,12 +55,15 @@ def scrape(address: str) -> dict[str, Any]:
         raise ValueError(f"cannot read metrics at {url}: {exc}") from None
     if len(body) > MAX_SCRAPE_BYTES:
         raise ValueError(f"{url} answered more than {MAX_SCRAPE_BYTES} bytes: not an echo-node metrics endpoint")
-    out: dict[str, Any] = {"drops": {}}
+    out: dict[str, Any] = {"drops": {}, "workers": {}}
     try:
         for family in text_string_to_metric_families(body.decode("utf-8", "replace")):
             for sample in family.samples:
                 if sample.name == "echo_rollouts_dropped_total":
                     out["drops"][sample.labels.get("reason", "?")] = sample.value
+                elif sample.name.startswith("echo_worker_"):
+                    field = sample.name.removeprefix("echo_worker_")
+                    out.setdefault("workers", {}).setdefault(sample.labels.get("peer", "?"), {})[field] = sample.value
                 elif sample.name.startswith("echo_"):
                     out[sample.name] = sample.value
                     out.setdefault("role", sample.labels.get("role"))

@@ -67,6 +67,16 @@ def test_capacity_decisions_and_metrics_endpoints(cluster: Cluster) -> None:
     assert values["echo_version"] >= 1 and values["echo_rollouts_received_total"] > 0
     assert values["echo_active_peers"] + values["echo_standby_peers"] == 2
     assert values["echo_cost_per_hour"] in (0.5, 2.0, 2.5)
+    assert sorted(w["price"] for w in values["workers"].values()) == sorted(prices.values())
+    # `echo-node plan --learner`: the capacity model over the learner's own measurements.
+    plan = subprocess.run(
+        [sys.executable, "-m", "echo_node.cli", "plan", "--learner", f"127.0.0.1:{learner_port}", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert plan.returncode == 0, plan.stderr
+    planned = json.loads(plan.stdout)
+    assert set(planned["chosen"]) <= set(values["workers"]) and planned["chosen"]
+    assert planned["t_bcast_source"] == "measured" and planned["kappa"] >= 1
     peer = scrape(f"127.0.0.1:{peer_port}")
     assert peer["role"] == "peer" and peer["echo_installed_version"] >= 0 and peer["echo_price_per_hour"] == 0.5
     assert peer["echo_rollouts_published_total"] > 0 and peer["echo_bytes_down_total"] > 0
