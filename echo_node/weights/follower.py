@@ -163,6 +163,8 @@ class WeightFollower:
         # generator waiting on standby.
         self.active = True
         self.active_changed = trio.Event()
+        # Set when a version was verified and handed over: the next heartbeat goes at once.
+        self._installed = trio.Event()
         # The device this peer's engine runs on, for the heartbeat.
         self.device = ""
         # The newest version the learner told of, and its demand (groups per version).
@@ -256,6 +258,7 @@ class WeightFollower:
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
         """Verified weights become the delta base and wait for the engine (`take_pending`)."""
         self._blob, self._blob_version = blob, version
+        self._installed.set()
         with self._pending_lock:
             self._pending = (blob, version)
         log.debug("version %d verified", version)
@@ -447,7 +450,11 @@ class WeightFollower:
 
     async def _poll_status(self) -> None:
         while True:
-            await trio.sleep(self.status_interval())
+            # A fresh install is told at once (the learner times its broadcasts by these
+            # heartbeats: waiting out the interval would add up to STATUS_INTERVAL_S to each).
+            with trio.move_on_after(self.status_interval()):
+                await self._installed.wait()
+            self._installed = trio.Event()
             try:
                 await self.status()
             except Exception as exc:
