@@ -9,7 +9,9 @@ Inputs, and who is believed:
   versions, of the time from publication until ⌈n/γ⌉ of the n active peers said (in their
   heartbeats) that they installed it. Before either is measured, nobody is put on standby.
 - Price, engine and device come from heartbeats: claims, used to rank and to report only. A
-  peer that lies about its price only changes how early it is activated.
+  peer that lies about its price only changes how early it is activated. The installed version
+  is a claim too (capped at the newest published): T_bcast waits for ⌈n/γ⌉ of n active peers,
+  so a few peers claiming early installs cannot end the timing alone.
 
 Rules:
 - A peer is measured before it is ranked: until it has been joined for one window it generates

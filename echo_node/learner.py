@@ -30,17 +30,17 @@ from typing import Any, TextIO
 
 import trio
 
+from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.metrics import first_last_mean
+from echo_node.ml.sharded import DistInfo
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
-from echo_node.capacity import CapacityController
-from echo_node.prom import MetricsExporter, serve_metrics
-from echo_node.ml.sharded import DistInfo
 from echo_node.policy import Policy
+from echo_node.prom import MetricsExporter, serve_metrics
 from echo_node.recovery import Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
@@ -407,7 +407,9 @@ class Learner:
         manifest = self.weights.manifest(self.weights.published)
         joined = remote in self.peers.joined
         if joined:  # the request is this peer's heartbeat (its claims: rank and report only)
-            self.capacity.heartbeat(remote, now, installed=request.installed_version, price=request.price_per_hour,
+            # A version not published yet cannot be installed: such a claim counts as the newest.
+            installed = min(request.installed_version, self.weights.published)
+            self.capacity.heartbeat(remote, now, installed=installed, price=request.price_per_hour,
                                     engine=request.engine, device=request.device)
         return StatusResponse(
             run_id=self.cfg.run_id,
