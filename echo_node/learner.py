@@ -40,7 +40,7 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import RateLimits, TokenBucket
 from echo_node.policy import Policy
-from echo_node.prom import MetricsExporter, serve_metrics
+from echo_node.prom import run_exporter
 from echo_node.recovery import Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
@@ -74,7 +74,6 @@ log = logging.getLogger(__name__)
 DEMAND_SLACK = 1.5
 # The capacity controller measures peers' throughput this often (it decides on its own tick).
 CAPACITY_MEASURE_S = 1.0
-METRICS_EVERY_S = 1.0
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
 # (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
 # once, so a burst of joins cannot make the learner open sockets without bound.
@@ -204,10 +203,8 @@ class Learner:
                 nursery.start_soon(self._provide_loop)
                 nursery.start_soon(self._capacity_loop)
                 if self.cfg.net.metrics_port is not None:
-                    exporter = MetricsExporter("learner", run_id=self.cfg.run_id)
-                    port = await nursery.start(serve_metrics, exporter, self.cfg.net.metrics_host, self.cfg.net.metrics_port)
-                    log.info("metrics at http://%s:%d/metrics", self.cfg.net.metrics_host, port)
-                    nursery.start_soon(self._metrics_loop, exporter)
+                    net = self.cfg.net
+                    await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
                 await self._train_loop()
                 nursery.cancel_scope.cancel()
         finally:
@@ -521,11 +518,6 @@ class Learner:
             "bytes_up": self.weights.bytes_up(),
             **{k: v for k, v in self.capacity.snapshot().items() if v is not None},
         }
-
-    async def _metrics_loop(self, exporter: MetricsExporter) -> None:
-        while True:
-            exporter.update(self.snapshot())
-            await trio.sleep(METRICS_EVERY_S)
 
     async def _capacity_loop(self) -> None:
         """Measure the peers every second; record each capacity decision, and say when the

@@ -48,7 +48,7 @@ import logging
 import math
 import numbers
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
@@ -67,6 +67,7 @@ __all__ = [
     "METRICS",
     "MetricsExporter",
     "SEND_TIMEOUT_S",
+    "run_exporter",
     "serve_metrics",
 ]
 
@@ -272,6 +273,28 @@ class MetricsExporter:
 _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")  # CRLF per RFC 9112; bare LF tolerated (§2.2)
 _REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
 _PATHS = (b"/metrics", b"/")
+
+
+async def run_exporter(
+    role: str,
+    run_id: str,
+    host: str,
+    port: int,
+    snapshot: Callable[[], Mapping[str, Any]],
+    *,
+    every_s: float = 1.0,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A node's endpoint: serve an exporter and feed it `snapshot()` every `every_s`, until
+    cancelled; started with the bound port (port 0: any)."""
+    exporter = MetricsExporter(role, run_id=run_id)
+    async with trio.open_nursery() as nursery:
+        bound = await nursery.start(serve_metrics, exporter, host, port)
+        log.info("metrics at http://%s:%d/metrics", host, bound)
+        task_status.started(bound)
+        while True:
+            exporter.update(snapshot())
+            await trio.sleep(every_s)
 
 
 async def serve_metrics(

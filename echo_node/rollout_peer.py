@@ -41,7 +41,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_providers
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, build_engine, peer_policy
-from echo_node.prom import MetricsExporter, serve_metrics
+from echo_node.prom import run_exporter
 from echo_node.topics import rollouts_topic
 from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
@@ -439,11 +439,6 @@ class RolloutPeer:
             "price_per_hour": self.cfg.rollout.price_per_hour,
         }
 
-    async def _metrics_loop(self, exporter: MetricsExporter) -> None:
-        while True:
-            exporter.update(self.snapshot())
-            await trio.sleep(1.0)
-
     async def _status_line(self) -> None:
         """A volunteer's view in the log, every STATUS_LINE_S: what it runs and what it gave."""
         while True:
@@ -475,10 +470,8 @@ class RolloutPeer:
                 task_status.started()
                 nursery.start_soon(self._status_line)
                 if self.cfg.net.metrics_port is not None:
-                    exporter = MetricsExporter("peer", run_id=self.cfg.run_id)
-                    port = await nursery.start(serve_metrics, exporter, self.cfg.net.metrics_host, self.cfg.net.metrics_port)
-                    log.info("metrics at http://%s:%d/metrics", self.cfg.net.metrics_host, port)
-                    nursery.start_soon(self._metrics_loop, exporter)
+                    net = self.cfg.net
+                    await nursery.start(run_exporter, "peer", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
                 await self.generator_class(self.cfg, session, self.follower, self.publisher).run()
             finally:
                 metrics.close()
