@@ -474,6 +474,7 @@ class Receiver:
         self.done = trio.Event()
         # Pieces the source handed to us first: ours to relay, also to links that come up late.
         self.relaying: list[int] = []
+        self._asked_source: set[int] = set()  # pieces asked of the source with `get` (repairs)
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.connect: Connector = tcp_connect
@@ -583,7 +584,9 @@ class Receiver:
         from_source = link.remote == self.source_id
         if not from_source:
             self.swarm.peer_has(link.remote, [index])
-        if self.pull.piece(from_source=from_source, new=new, now=now):
+        asked = from_source and index in self._asked_source
+        self._asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
+        if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked):
             self.relaying.append(index)
             frame = encode_frame(Piece(index, data))
             for other in list(self.links.values()):
@@ -630,6 +633,8 @@ class Receiver:
             if link is None:
                 continue
             if isinstance(action, Request):
+                if action.peer == self.source_id:
+                    self._asked_source.add(action.index)
                 link.send(Get(action.index))
             elif isinstance(action, Cancel):
                 pass  # a late copy is still verified and counted; nothing to tell the sender

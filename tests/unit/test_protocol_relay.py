@@ -26,6 +26,14 @@ def test_only_a_first_copy_from_the_source_is_relayed() -> None:
     assert pull.outstanding == 0
 
 
+def test_the_sources_answer_to_a_repair_is_not_relayed() -> None:
+    pull = SourcePull(pipeline=2)
+    pull.asks(0)
+    # New here, but asked for with `get`: its first receiver is already pushing it.
+    assert not pull.piece(from_source=True, new=True, now=1.0, asked=True)
+    assert pull.outstanding == 2 and pull.last_progress == 1.0  # not an answer to `next`
+
+
 def test_an_empty_source_is_never_asked_again_and_repair_comes_sooner() -> None:
     pull = SourcePull(endgame_quiet_s=0.5, stall_s=3.0, last_progress=10.0)
     assert not pull.repair_due(12.0) and pull.wake_at(12.0, None) == 13.0
