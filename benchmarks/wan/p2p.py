@@ -44,7 +44,12 @@ async def source_main(a: argparse.Namespace) -> None:
     payload = os.urandom(a.bytes)
     manifest = build_manifest(run_id=RUN_ID, version=1, payload=payload, piece_size=PIECE)
     server = DataServer(ids[0], RUN_ID, bind_host=a.bind, port=PORT)
-    source = Source(ids[0], manifest, seal(manifest, ids[0]), payload, (x.peer_id for x in ids[1:]))
+    # Every peer's data address, as the learner's dial-back probes would have proven them: a
+    # member without one is listed unreachable and only dials out (two such peers never link).
+    hosts = a.peer_addrs.split(",")
+    relays = {x.peer_id: (host, PORT) for x, host in zip(ids[1:], hosts, strict=True)}
+    members = frozenset(x.peer_id for x in ids[1:])  # a set: `in` on a generator would consume it
+    source = Source(ids[0], manifest, seal(manifest, ids[0]), payload, members, relays)
     source.gate = trio.Event()
     server.register(1, source)
     async with trio.open_nursery() as nursery:
@@ -96,7 +101,9 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
 
 def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, kill_after_s: float = 0.0, timeout: float = 300.0) -> dict[str, Any]:
     common = ["--tag", tag, "--peers", str(s.peers), "--timeout", str(timeout)]
-    source = topo.run(0, python_argv(MODULE, "--serve", "--bind", topo.addr(0), "--bytes", str(s.size_bytes), *common),
+    addrs = ",".join(topo.addr(i) for i in range(1, s.peers + 1))
+    source = topo.run(0, python_argv(MODULE, "--serve", "--bind", topo.addr(0), "--bytes", str(s.size_bytes),
+                                     "--peer-addrs", addrs, *common),
                       cpus=s.learner_cpus, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     lines = JsonLines(source, "p2p learner in h0")
     lines.wait_for("ready", 120)
@@ -137,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer", type=int, dest="index")
     p.add_argument("--bind")
     p.add_argument("--source", help="the learner's address (peer side)")
+    p.add_argument("--peer-addrs", help="the peers' addresses, comma-separated in index order (learner side)")
     p.add_argument("--bytes", type=int)
     p.add_argument("--tag", required=True)
     p.add_argument("--peers", type=int, required=True)

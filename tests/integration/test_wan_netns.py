@@ -29,8 +29,10 @@ from benchmarks.wan.netns import (
     nat_lan,
     netns_available,
 )
+from benchmarks.wan.p2p import PIECE, run_p2p
 from benchmarks.wan.scenario import Scenario
 from benchmarks.wan.star import run_star
+from echo_node.sim import simulate_broadcast
 
 MB = 1 << 20
 G = 64 * MB
@@ -286,3 +288,23 @@ def test_nat_host_connects_out_masqueraded_and_accepts_nothing_in() -> None:
     # (c) every namespace, the router's included, is gone
     assert _ours(tag) == [] and router not in list_namespaces()
     assert time.monotonic() - t < 10
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(_why_not is not None, reason=f"WAN netns: {_why_not}")
+def test_the_simulator_reproduces_a_live_broadcast() -> None:
+    """echo_node.sim drives the real piece-exchange state machines over modelled links: over the
+    same links (shaped namespaces, their measured goodput), its broadcast time must be the live
+    one's, or what it says of 1,000 peers means nothing."""
+    # Three peers with 10 Mbit/s up and 40 down, the learner 20 up: the relays' uplinks set
+    # the pace (N·G / (B0 + ΣBup) = 2.0 s for 4 MiB), not the learner's.
+    s = Scenario(peers=3, size_bytes=4 * MB, b0_mbit=20, learner_down_mbit=40, bup_mbit=10, bdown_mbit=40,
+                 learner_cpus=frozenset({0}), peer_cpus=frozenset({0, 1}))
+    with s.topology(prefix="ewant") as topo:
+        efficiency = measure_goodput(topo, src=1, dst=0, nbytes=MB, timeout=30)["efficiency"]
+        live = run_p2p(topo, s, tag="simcheck", timeout=60)
+    assert live["all_verified"]
+    mbit = 1e6 / 8 * efficiency
+    peers = [(s.peer_rates(i).down_mbit * mbit, s.peer_rates(i).up_mbit * mbit) for i in range(1, s.peers + 1)]  # type: ignore[operator]
+    simulated = simulate_broadcast(s.size_bytes, s.b0_mbit * mbit, peers, piece_size=PIECE)
+    assert 0.85 <= live["seconds"] / simulated <= 1.25, (live, simulated, efficiency)
