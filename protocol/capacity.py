@@ -19,7 +19,10 @@ Rules (each is a test in tests/unit/test_capacity.py):
    noise. Rank by ρ_i = c_i/μ_i and activate the cheapest prefix; unmeasured workers (μ = 0)
    go last. Adding happens at once; releasing only once capacity exceeds the target by
    `release_margin`, and decisions come on a slow tick: a worker is not started and stopped on
-   every wobble of a measurement (no churn), unless the target is broken (then at once).
+   every wobble of a measurement (no churn), unless the target is broken (then at once). When
+   the cheapest prefix of the whole pool costs less than the active set by more than
+   `release_margin` of its cost (a cheap worker joined, prices or rates moved), the active set
+   becomes that prefix: kept workers are not kept at any price.
 5. Greedy by ratio is not the exact optimum (this is a covering knapsack): the prefix's cost is
    at most the optimum plus the price of its last worker (`cheapest_prefix`), but no constant
    factor bounds it; `optimal_cost` solves small pools exactly to measure the gap.
@@ -437,6 +440,15 @@ class Scheduler:
                     active, released = rest, released + 1
             if released:
                 notes.append(f"released {released} most expensive: active {rate:.4g}/s exceeded {ceiling:.4g}/s")
+        if feasible:
+            cost = math.fsum(w.price for w in active)
+            best = [w for w in pool if w.price == 0 and w.mu > 0]
+            _fill(best, sorted((w for w in pool if w not in best), key=_rank), target)
+            _fill_count(best, sorted((w for w in pool if w not in best), key=_rank), self.min_active)
+            best_cost = math.fsum(w.price for w in best)
+            if best_cost < cost * (1 - self.release_margin):
+                notes = [f"switched to the cheapest prefix: {best_cost:.4g}/h instead of {cost:.4g}/h"]
+                active = best
         if not notes:
             notes.append(f"kept: active {rate:.4g}/s covers target {target:.4g}/s within the release margin")
 

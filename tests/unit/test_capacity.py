@@ -192,9 +192,24 @@ def test_no_decision_before_the_tick_while_the_target_holds() -> None:
     joined = pool(**BASE, n=(50.0, 0.1))  # a far cheaper newcomer: not worth churn mid-tick
     assert sched.decide(29.9, joined, **MODEL) is None
     at_tick = sched.decide(30.0, joined, **MODEL)
-    # Within the margin active workers are kept; the newcomer waits on standby.
-    assert at_tick is not None and at_tick.active == {"a", "b", "c"} and not at_tick.changed
+    # At the tick the newcomer alone covers the target for 0.1/h instead of 1.9/h: the active
+    # set becomes the cheapest prefix.
+    assert at_tick is not None and at_tick.active == {"n"} and at_tick.changed
+    assert at_tick.cost_per_hour == pytest.approx(0.1) and "switched to the cheapest prefix" in at_tick.reason
     assert sched.decide(59.9, joined, **MODEL) is None  # the tick restarts at each decision
+
+
+def test_a_cheaper_set_replaces_the_active_one_only_past_the_margin() -> None:
+    sched = Scheduler(tick_s=30.0)
+    sched.decide(0.0, pool(**BASE), **MODEL)  # {a, b, c}: 1.9/h
+    # d becomes cheap: the prefix {d, a} (10 + 5 >= 11) costs 0.5 + 1.0 = 1.5/h, 21 % less:
+    # within the 25 % margin, kept.
+    slightly = sched.decide(30.0, pool(**{**BASE, "d": (10.0, 1.0)}), **MODEL)
+    assert slightly is not None and slightly.active == {"a", "b", "c"} and not slightly.changed
+    # At 0.4/h the prefix {d, a} costs 0.9/h, 53 % less: switched.
+    cheaper = sched.decide(60.0, pool(**{**BASE, "d": (10.0, 0.4)}), **MODEL)
+    assert cheaper is not None and cheaper.active == {"a", "d"} and cheaper.changed
+    assert cheaper.cost_per_hour == pytest.approx(0.9)
 
 
 def test_an_active_worker_leaving_forces_an_immediate_decision() -> None:
