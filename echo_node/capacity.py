@@ -2,8 +2,22 @@
 learner measures, deciding which peers generate and which stand by.
 
 Inputs, and who is believed:
-- μ_i, a peer's throughput, is measured here: rollouts of that peer the learner *accepted*
-  (verified, admitted) per second over the last `window_s`. A peer's claims never enter it.
+- μ_i, a peer's throughput, is measured here, from rollouts of that peer the learner *accepted*
+  (verified, admitted) and when they arrived, on the learner's clock; a peer's claims never
+  enter it. It is the rate at which the peer works while it has work. Each announcement of a
+  version starts a demand cycle in which each peer is asked for `demand` rollouts: a peer that
+  delivers them before the next announcement was busy from the cycle's start until the
+  arrival that completed them, and then waited; one that does not was busy the whole cycle.
+  μ_i = Σ rollouts / Σ busy time over the cycles of the last `window_s` in which it was active.
+  The demand is met only by an arrival begun on the cycle's version or a newer one: a stock
+  made on older weights while idle and sent at a cycle's start would otherwise count as
+  instant work, an unbounded rate; so it counts only over the time real work took.
+  Accepted rollouts per second would measure the learner's demand instead (a fast peer that
+  makes its share early waits for the next version) and rank fast peers with slow ones. Busy
+  time starts at the announcement, not at the peer's install (a claim), so the rate errs low by
+  the broadcast time; a peer can only lower its own μ by sending less or later.
+  Time before a peer's first accepted group (loading the model, fetching weights, warming up)
+  is not work: its measurement starts at that arrival, which itself is not counted.
   While a peer stands by it produces nothing, so its last rate as an active peer is kept.
 - T_train is the median of the last updates' durations; T_bcast the median, over recent
   versions, of the time from publication until ⌈n/γ⌉ of the n active peers said (in their
@@ -27,17 +41,21 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
-from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from typing import Any
 
 from echo_node.config import CapacityConfig
 from protocol.capacity import Decision, Scheduler, Worker, choose_kappa, delta_max, mu_min, predicted_idle
 
-# Samples kept for the medians; versions whose broadcast is still being timed.
+# Samples kept for the medians; versions whose broadcast is still being timed; demand cycles,
+# arrivals and active/standby changes kept per peer (those older than the window go sooner).
 _STEPS_KEPT = 50
 _BCASTS_KEPT = 20
 _PENDING_KEPT = 16
+_CYCLES_KEPT = 256
+_ARRIVALS_KEPT = 4096
+_CHANGES_KEPT = 64
 
 
 @dataclass(slots=True)
@@ -47,8 +65,11 @@ class PeerState:
     engine: str = ""
     device: str = ""
     installed: int = -1
-    # (time, accepted rollouts) samples inside the window, oldest first.
-    samples: deque[tuple[float, int]] | None = None
+    # (time, version begun on, rollouts) of each accepted group, oldest first.
+    arrivals: deque[tuple[float, int, int]] = field(default_factory=lambda: deque(maxlen=_ARRIVALS_KEPT))
+    first_arrival: float | None = None
+    # (time, active) whenever the decision changed its state; active before the first.
+    changes: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=_CHANGES_KEPT))
     mu: float = 0.0
     measured: bool = False
 
@@ -65,7 +86,9 @@ class CapacityController:
         self.peers: dict[str, PeerState] = {}
         self.step_times: deque[float] = deque(maxlen=_STEPS_KEPT)
         self.bcast_times: deque[float] = deque(maxlen=_BCASTS_KEPT)
-        self._published: dict[int, float] = {}
+        self._published: dict[int, float] = {}  # versions whose broadcast is being timed
+        # (start, version announced, rollouts asked of each peer) of each demand cycle, oldest first.
+        self._cycles: deque[tuple[float, int, float]] = deque(maxlen=_CYCLES_KEPT)
         # None until the first decision: every peer generates.
         self.active: frozenset[str] | None = None
         self.decision: Decision | None = None
@@ -92,6 +115,21 @@ class CapacityController:
         for old in sorted(self._published)[:-_PENDING_KEPT]:
             del self._published[old]
 
+    def announced(self, version: int, now: float, demand_rollouts: float) -> None:
+        """`version` was announced asking each peer for `demand_rollouts`: a demand cycle starts."""
+        self._cycles.append((now, version, demand_rollouts))
+
+    def accepted(self, peer: str, version: int, rollouts: int, now: float) -> None:
+        """The learner accepted a group of `rollouts` from `peer`, begun on `version` (its
+        oldest token's)."""
+        state = self.peers.get(peer)
+        if state is None:
+            state = self.peers[peer] = PeerState(joined_at=now)
+        if state.first_arrival is None:
+            state.first_arrival = now  # the end of its warm-up (module doc), not work
+            return
+        state.arrivals.append((now, version, rollouts))
+
     def _check_broadcasts(self, now: float) -> None:
         active = [s for p, s in self.peers.items() if self.is_active(p)]
         if not active:
@@ -112,29 +150,32 @@ class CapacityController:
     def t_bcast(self) -> float | None:
         return statistics.median(self.bcast_times) if self.bcast_times else None
 
-    def _measure(self, now: float, accepted: Mapping[str, int], joined: Collection[str]) -> None:
+    def _measure(self, now: float, joined: Collection[str]) -> None:
         for peer in list(self.peers):
             if peer not in joined:
                 del self.peers[peer]
+        # The cycles that ended inside the window, and the one under way (which may be older).
+        horizon = now - self.cfg.window_s
+        cycles = list(self._cycles)
+        first = next((i for i in range(len(cycles)) if i + 1 == len(cycles) or cycles[i + 1][0] > horizon), len(cycles))
+        cycles = cycles[first:]
+        since = cycles[0][0] if cycles else horizon
         for peer in joined:
             state = self.peers.setdefault(peer, PeerState(joined_at=now))
-            if state.samples is None:
-                state.samples = deque()
-            count = int(accepted.get(peer, 0))
-            if state.samples and count < state.samples[-1][1]:
-                state.samples.clear()  # a counter that went back (the peer left and came again)
-            state.samples.append((now, count))
-            while state.samples and state.samples[0][0] < now - self.cfg.window_s:
-                state.samples.popleft()
-            (t0, a0), (t1, a1) = state.samples[0], state.samples[-1]
-            if now - state.joined_at >= self.cfg.window_s and t1 > t0 and self.is_active(peer):
-                state.mu, state.measured = (a1 - a0) / (t1 - t0), True
+            while state.arrivals and state.arrivals[0][0] < since:
+                state.arrivals.popleft()
+            while len(state.changes) > 1 and state.changes[1][0] < since:
+                state.changes.popleft()  # the first one still says what held then
+            if now - state.joined_at >= self.cfg.window_s and self.is_active(peer):
+                rollouts, busy = _work(cycles, now, state)
+                # Nothing delivered in a whole window while active: μ = 0, not "unknown".
+                state.mu, state.measured = (rollouts / busy if busy > 0 else 0.0), True
 
     # -- decisions -----------------------------------------------------------------------------
 
-    def tick(self, now: float, accepted: Mapping[str, int], joined: Collection[str]) -> dict[str, Any] | None:
+    def tick(self, now: float, joined: Collection[str]) -> dict[str, Any] | None:
         """Measure, maybe decide; the decision's record (for metrics.jsonl) when one was made."""
-        self._measure(now, accepted, joined)
+        self._measure(now, joined)
         t_train, t_bcast = self.t_train, self.t_bcast
         if t_train is None or t_bcast is None or not self.cfg.enabled:
             return None
@@ -150,8 +191,12 @@ class CapacityController:
         if decision is None:
             return None
         self.decision = decision
+        before = {p: self.is_active(p) for p in self.peers}
         # Peers not measured yet are not in the decision: they generate until they are.
         self.active = decision.active | {p for p, s in self.peers.items() if not s.measured}
+        for p, state in self.peers.items():
+            if self.is_active(p) != before[p]:
+                state.changes.append((now, not before[p]))
         return {
             "event": "capacity",
             "kappa": self.kappa,
@@ -205,6 +250,49 @@ class CapacityController:
             "idle_predicted": predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, sum(self.peers[p].mu for p in active))
             if t_train and t_bcast is not None else None,
         }
+
+
+def _active_at(state: PeerState, t: float) -> bool:
+    active = True
+    for at, value in state.changes:
+        if at > t:
+            break
+        active = value
+    return active
+
+
+def _work(cycles: list[tuple[float, int, float]], now: float, state: PeerState) -> tuple[float, float]:
+    """(rollouts, busy seconds) of a peer over the demand cycles given (module doc): a cycle
+    counts from its start or the peer's first arrival, if the peer was active then, until the
+    arrival that met the demand (one begun on the cycle's version or later), the next cycle (for
+    the cycle under way: now, arrivals at now included), or the peer's standby, whichever came
+    first."""
+    rollouts = busy = 0.0
+    if state.first_arrival is None:
+        return rollouts, busy
+    arrivals = list(state.arrivals)
+    k = 0
+    for i, (start, version, demand) in enumerate(cycles):
+        last = i + 1 == len(cycles)
+        end = now if last else cycles[i + 1][0]
+        start = max(start, state.first_arrival)
+        if start >= end or not _active_at(state, start):
+            continue
+        standby = min((at for at, active in state.changes if start < at < end and not active), default=None)
+        if standby is not None:
+            end, last = standby, False
+        while k < len(arrivals) and arrivals[k][0] < start:
+            k += 1
+        got, stop = 0.0, end
+        while k < len(arrivals) and (arrivals[k][0] < end or (last and arrivals[k][0] == end)):
+            got += arrivals[k][2]
+            k += 1
+            if got >= demand and arrivals[k - 1][1] >= version:
+                stop = arrivals[k - 1][0]
+                break
+        rollouts += got
+        busy += stop - start
+    return rollouts, busy
 
 
 def _finite(x: float) -> float | None:

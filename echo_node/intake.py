@@ -270,6 +270,7 @@ class RolloutIntake:
         topic: str,
         bans_path: Path | None = None,
         on_first_accept: Callable[[str], None] = lambda peer: None,
+        on_accept: Callable[[str, int, int], None] = lambda peer, version, rollouts: None,
         on_caught: Callable[[dict[str, Any]], None] = lambda record: None,
         verify: Verifier | None = None,
         ban_versions: int = 1000,
@@ -281,6 +282,8 @@ class RolloutIntake:
         self.topic = topic
         self.bans_path = bans_path
         self.on_first_accept = on_first_accept
+        # Each accepted group: its publisher, the version it was begun on, its rollouts.
+        self.on_accept = on_accept
         self.on_caught = on_caught
         # The learner's checks of what a batch claims (echo_node/verify.py); None: none.
         self.verify = verify
@@ -478,6 +481,7 @@ class RolloutIntake:
             if not self.peers.accepted[origin]:
                 self.on_first_accept(origin)
             self.peers.accepted[origin] += len(group.samples)
+            self.on_accept(origin, group.min_version, len(group.samples))
             taken += 1
             self.arrived.set()
         if taken:

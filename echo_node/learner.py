@@ -131,6 +131,7 @@ class Learner:
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
             bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept, verify=self.verifier,
+            on_accept=lambda peer, version, n: self.capacity.accepted(peer, version, n, trio.current_time()),
             on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
             ban_versions=cfg.verify.ban_versions,
         )
@@ -524,7 +525,7 @@ class Learner:
         active set changes (a normal event, once per tick at most)."""
         while True:
             await trio.sleep(CAPACITY_MEASURE_S)
-            record = self.capacity.tick(trio.current_time(), self.peers.accepted, self.peers.joined)
+            record = self.capacity.tick(trio.current_time(), self.peers.joined)
             if record is None:
                 continue
             self._write({**record, "version": self.version})
@@ -558,6 +559,7 @@ class Learner:
             epoch=self.epoch,
         )
         self._write({"event": "published", "version": version, "sha256": manifest.weights_sha256.hex(), "epoch": self.epoch})
+        self.capacity.announced(version, trio.current_time(), announce.demand_groups * self.cfg.rl.group_size)
         await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
