@@ -13,25 +13,32 @@ from echo_node.demo import Child, Swarm, _is_ready, _wait_line
 
 
 def start_learner(
-    swarm: Swarm, root: Path, run_id: str, learner_args: list[str], *, cpus: set[int], ready_timeout: float = 300.0
+    swarm: Swarm, root: Path, run_id: str, learner_args: list[str], *, cpus: set[int], ready_timeout: float = 300.0,
+    module: str = "echo_node.cli", module_args: list[str] | None = None,
 ) -> tuple[list[str], Child]:
-    """Bootstrap and learner on `cpus`; returns the arguments a peer needs to join, and the learner."""
+    """Bootstrap and learner on `cpus`; returns the arguments a peer needs to join, and the learner.
+    `module` runs the learner (e.g. benchmarks.paced, with its own `module_args` first)."""
     boot = swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(root / "boot.key")], cpus=cpus)
     addr = _wait_line(boot, lambda line: "/p2p/" in line, 30, "its address").strip()
     common = ["--bootstrap", addr, "--run-id", run_id]
     learner = swarm.spawn(
         "learner",
-        ["learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), *learner_args],
-        cpus=cpus,
+        [*(module_args or []), "learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), *learner_args],
+        cpus=cpus, module=module,
     )
     _wait_line(learner, _is_ready, ready_timeout, "ready")
     return common, learner
 
 
-def start_peer(swarm: Swarm, root: Path, common: list[str], index: int, *, cpus: set[int], args: list[str] | None = None) -> Child:
+def start_peer(
+    swarm: Swarm, root: Path, common: list[str], index: int, *, cpus: set[int], args: list[str] | None = None,
+    module: str = "echo_node.cli", module_args: list[str] | None = None,
+) -> Child:
     key = root / f"peer{index}.key"
     return swarm.spawn(
-        f"peer{index}", ["join", *common, "--key-file", str(key), "--runs-dir", str(root / "runs"), *(args or [])], cpus=cpus
+        f"peer{index}",
+        [*(module_args or []), "join", *common, "--key-file", str(key), "--runs-dir", str(root / "runs"), *(args or [])],
+        cpus=cpus, module=module,
     )
 
 
