@@ -52,6 +52,7 @@ from echo_node.sim.net import CONTROL, Endpoint, Node, Uplinks
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
     DATA_BAN_S,
+    DRAIN_S,
     ENDGAME_QUIET_S,
     LINK_QUEUE_MIN_BYTES,
     LINK_QUEUE_PIECES,
@@ -155,6 +156,9 @@ class SimSource:
         if index != CONTROL:
             self.links.sub(dst.id)  # type: ignore[attr-defined]
 
+    def unsent(self, dst: Endpoint, index: int) -> None:
+        """The link went with its queue (`links.drop` already forgot it)."""
+
     def on_piece(self, src: Endpoint, index: int) -> None:
         """A piece pushed to the source is of no use to it (as in `Source.serve`)."""
 
@@ -177,10 +181,12 @@ class SimReceiver:
         self.count = 0
         self.swarm = PieceSwarm(bc.num_pieces, request_timeout=REQUEST_TIMEOUT_S)
         self.swarm.peer_has_all(LEARNER_ID)
-        self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES,
+        self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES, drain_s=DRAIN_S,
                                endgame_quiet_s=ENDGAME_QUIET_S, stall_s=STALL_S)
         self.relaying: list[int] = []
         self.asked_source: set[int] = set()  # pieces asked of the learner with `get` (repairs)
+        self.relay_bytes = 0  # relay pushes queued on our uplink
+        self.answers: set[tuple[str, int]] = set()  # `get` answers queued on our uplink
         self.links = _LinkQueues()
         self.cut: set[str] = set()  # members this receiver has no link with (bans)
         self.source_cut = False
@@ -197,11 +203,25 @@ class SimReceiver:
             entries.extend([(self, d, index, size) for d in dests])
         if entries:
             self.links.add_each([d.id for d in dests], len(indices))
+            self.relay_bytes += sum(e[3] for e in entries)
             bc.uplinks.send_many(self, entries)
 
     def sent(self, dst: Endpoint, index: int) -> None:
         self.links.sub(dst.id)  # type: ignore[attr-defined]
+        self._dequeued(dst, index)
         self._refill()  # `Link.on_sent`
+
+    def unsent(self, dst: Endpoint, index: int) -> None:
+        self._dequeued(dst, index)  # the link is gone, and `links.drop` forgot its queue
+
+    def _dequeued(self, dst: Endpoint, index: int) -> None:
+        key = (dst.id, index)  # type: ignore[attr-defined]
+        if key in self.answers:  # an answer to a `get`, not a relay push
+            self.answers.discard(key)
+        else:
+            self.relay_bytes -= self.bc.piece_bytes(index)
+            if not self.relay_bytes:
+                self.pull.relay_drained()
 
     # --- frames -----------------------------------------------------------------------------
 
@@ -245,6 +265,7 @@ class SimReceiver:
         if not (self.connected and asker.connected) or not self.have[index]:
             return
         if self.bc.answer_allowed(self, asker):
+            self.answers.add((asker.id, index))
             self.links.add(asker.id)
             self.bc.uplinks.send(self, asker, index, self.bc.piece_bytes(index))
 
@@ -253,7 +274,9 @@ class SimReceiver:
     def _refill(self) -> None:
         if self.source_cut:
             return
-        n = self.pull.asks(self.links.longest)
+        # The live receiver measures its uplink while relaying; here links run at `node.up`
+        # whenever they have work, so that is the measurement.
+        n = self.pull.asks(self.links.longest, self.relay_bytes / self.node.up)
         if n:
             bc = self.bc
             delay = self.node.lat + bc.learner.lat

@@ -20,7 +20,8 @@ Link model (simple, stated, and the same for every host):
   an answer of the learner to `next` (a piece or "none") leaves its uplink in the order asked,
   so "none" never overtakes a piece sent on the same link before it.
 - A transfer whose sender or receiver left the link (churn, a cut) before it starts is skipped;
-  one in progress still takes its time and is then discarded.
+  one in progress still takes its time and is then discarded. Either way the sender hears
+  `unsent` (its queue accounting), as a live link's queue goes with the link.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Endpoint(Protocol):
     connected: bool
 
     def sent(self, dst: Endpoint, index: int) -> None: ...
+    def unsent(self, dst: Endpoint, index: int) -> None: ...
     def on_piece(self, src: Endpoint, index: int) -> None: ...
     def on_no_more(self) -> None: ...
 
@@ -103,7 +105,8 @@ class Uplinks:
             src = turns.popleft()
             q = queues[src]
             while q and not (q[0][0].connected and q[0][1].connected):
-                q.popleft()  # the link is gone: nothing to send
+                gone = q.popleft()  # the link is gone: nothing to send
+                gone[0].unsent(gone[1], gone[2])
             if not q:
                 del queues[src]
                 continue
@@ -122,7 +125,9 @@ class Uplinks:
         src, dst, index, size = node.current
         node.current = None
         now = self.loop.now
-        if src.connected and dst.connected:
+        if not (src.connected and dst.connected):
+            src.unsent(dst, index)
+        else:
             node.bytes_up += size
             src.sent(dst, index)
             if index == CONTROL:

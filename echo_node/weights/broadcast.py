@@ -4,8 +4,9 @@ Scheme (the shared-queue mesh, a few % off the bound in hand-made relays: docs/p
 source (the learner) hands out pieces from one shared queue to whichever peer asks next; the
 first receiver verifies the piece against the signed manifest and pushes it to every other peer
 at once (store-and-forward, pipelined piece by piece). A peer asks the source for more only
-while its own outbound backlog is short, so a peer with a slow uplink takes fewer pieces and the
-mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
+while its own outbound backlog is short and drains within `DRAIN_S` at its measured uplink rate
+(one piece until its first relay measured it), so a peer with a slow uplink takes fewer pieces
+and the mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
 
 Whatever a peer still lacks once the source's queue is empty (a relay died mid-push, a piece was
 corrupt, a push raced the link's set-up) is fetched through `protocol.weights.pieces.PieceSwarm`: from
@@ -86,6 +87,9 @@ LINK_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 # its outbound queues (per link); more would let a slow uplink hoard pieces the others need.
 BACKLOG_PIECES = 4
 SOURCE_PIPELINE = 2
+# ... and only while its relay queue drains within this many seconds at its measured uplink rate
+# (SourcePull rule 1: a slow uplink with many links takes fewer pieces).
+DRAIN_S = 2.0
 SEND_BUFFER_BYTES = 256 * 1024
 # Reads on a data link: at least MIN_READ_BYTES (as cheap as a tiny read), more when the frame
 # in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. Not
@@ -470,11 +474,16 @@ class Receiver:
         self._members_changed = trio.Event()
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
-        self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES, endgame_quiet_s=ENDGAME_QUIET_S, stall_s=STALL_S)
+        self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES, drain_s=DRAIN_S,
+                               endgame_quiet_s=ENDGAME_QUIET_S, stall_s=STALL_S)
         self.done = trio.Event()
         # Pieces the source handed to us first: ours to relay, also to links that come up late.
         self.relaying: list[int] = []
         self._asked_source: set[int] = set()  # pieces asked of the source with `get` (repairs)
+        # The uplink's rate, measured while relaying: bytes sent over the time the relay links
+        # had something queued.
+        self._relay_busy_s = 0.0
+        self._relay_busy_since: float | None = None
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.connect: Connector = tcp_connect
@@ -587,6 +596,8 @@ class Receiver:
         asked = from_source and index in self._asked_source
         self._asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
         if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked):
+            if self._relay_busy_since is None:
+                self._relay_busy_since = now
             self.relaying.append(index)
             frame = encode_frame(Piece(index, data))
             for other in list(self.links.values()):
@@ -602,8 +613,21 @@ class Receiver:
         source = self.links.get(self.source_id)
         if source is None:
             return
-        backlog = max((l.queued_pieces for l in self.links.values() if l is not source), default=0)
-        for _ in range(self.pull.asks(backlog)):
+        relays = [link for link in self.links.values() if link is not source]
+        backlog = max((link.queued_pieces for link in relays), default=0)
+        queued = sum(link.queued_bytes for link in relays)
+        if self._relay_busy_since is not None:  # the uplink is measured over busy time only
+            now = trio.current_time()
+            self._relay_busy_s += now - self._relay_busy_since
+            self._relay_busy_since = now if queued else None
+            if not queued:
+                self.pull.relay_drained()
+        if not queued or self._relay_busy_s <= 0:
+            drain_s = 0.0  # nothing queued, or nothing measured yet (rule 1 waits for that)
+        else:
+            sent = self.stats.bytes_up
+            drain_s = queued * self._relay_busy_s / sent if sent else math.inf
+        for _ in range(self.pull.asks(backlog, drain_s)):
             source.send(Next())
 
     # -- the download loop --------------------------------------------------------------------

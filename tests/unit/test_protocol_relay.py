@@ -5,11 +5,38 @@ from __future__ import annotations
 from protocol.weights.relay import SourcePull
 
 
-def test_pull_keeps_the_pipeline_full_while_relay_queues_are_short() -> None:
+def drained(**kwargs: float) -> SourcePull:
+    """A pull past its first relay (one piece taken, relayed, and the relay queue drained)."""
+    pull = SourcePull(**kwargs)  # type: ignore[arg-type]
+    assert pull.asks(0) == 1
+    assert pull.piece(from_source=True, new=True, now=0.0)
+    pull.relay_drained()
+    return pull
+
+
+def test_one_piece_first_until_its_relay_drained() -> None:
     pull = SourcePull(pipeline=2, backlog_pieces=4)
+    assert pull.asks(backlog=0) == 1 and pull.asks(backlog=0) == 0  # one, while unmeasured
+    pull.relay_drained()
+    assert pull.asks(backlog=0) == 0  # nothing relayed yet: nothing measured
+    assert pull.piece(from_source=True, new=True, now=1.0)
+    assert pull.asks(backlog=1, drain_s=5.0) == 0  # its relay is still being pushed
+    pull.relay_drained()
+    assert pull.asks(backlog=0, drain_s=0.0) == 2
+
+
+def test_pull_keeps_the_pipeline_full_while_relay_queues_are_short() -> None:
+    pull = drained(pipeline=2, backlog_pieces=4)
     assert pull.asks(backlog=0) == 2 and pull.asks(backlog=0) == 0  # two outstanding
-    assert pull.piece(from_source=True, new=True, now=1.0) and pull.asks(backlog=3) == 1
+    assert pull.piece(from_source=True, new=True, now=1.0) and pull.asks(backlog=3, drain_s=1.9) == 1
     assert pull.asks(backlog=0) == 0
+
+
+def test_a_relay_queue_that_drains_slowly_stops_the_pull() -> None:
+    # Few pieces per link, but 99 links on a slow uplink: 2 s or more of pushes queued.
+    pull = drained(pipeline=2, backlog_pieces=4, drain_s=2.0)
+    assert pull.asks(backlog=1, drain_s=2.0) == 0 and pull.outstanding == 0
+    assert pull.asks(backlog=1, drain_s=1.5) == 2
 
 
 def test_a_slow_uplink_stops_taking_from_the_source() -> None:
@@ -27,7 +54,7 @@ def test_only_a_first_copy_from_the_source_is_relayed() -> None:
 
 
 def test_the_sources_answer_to_a_repair_is_not_relayed() -> None:
-    pull = SourcePull(pipeline=2)
+    pull = drained(pipeline=2)
     pull.asks(0)
     # New here, but asked for with `get`: its first receiver is already pushing it.
     assert not pull.piece(from_source=True, new=True, now=1.0, asked=True)
