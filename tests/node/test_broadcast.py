@@ -16,6 +16,7 @@ import trio.testing
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
     DataServer,
+    Link,
     ProbeFailed,
     Receiver,
     Source,
@@ -39,7 +40,8 @@ MANIFEST = build_manifest(run_id="run-1", version=7, payload=PAYLOAD, piece_size
 
 
 def run_broadcast(
-    *, peers: list[Identity] = PEERS, kill_after: int | None = None, gather: bool = True, unreachable: frozenset[str] = frozenset()
+    *, peers: list[Identity] = PEERS, kill_after: int | None = None, gather: bool = True, unreachable: frozenset[str] = frozenset(),
+    silent: str | None = None,
 ):
     # What the learner's dial-back proved: every peer but the `unreachable` ones (behind a NAT).
     relays: dict[str, tuple[str, int]] = {}
@@ -86,10 +88,34 @@ def run_broadcast(
                     finally:
                         Receiver._on_piece = original  # type: ignore[method-assign]
 
+            async def never_reads(p: Identity) -> None:
+                # `silent` joins and asks like anyone, but nothing sent to it is ever read: every
+                # queue towards it only grows. It runs until the others are done.
+                with trio.CancelScope() as scope:
+                    original = Link.sender
+
+                    async def sender(self: Link) -> None:
+                        if self.remote == p.peer_id:
+                            await trio.sleep_forever()
+                        await original(self)
+
+                    Link.sender = sender  # type: ignore[method-assign]
+                    try:
+                        async with trio.open_nursery() as watch:
+                            watch.start_soon(fetch, p)
+                            while len(results) < len(peers) - 1:
+                                await trio.sleep(0.01)
+                            scope.cancel()
+                    finally:
+                        Link.sender = original  # type: ignore[method-assign]
+
             with trio.fail_after(30):
                 async with trio.open_nursery() as inner:
                     for i, p in enumerate(peers):
-                        inner.start_soon(kill if (kill_after is not None and i == 0) else fetch, p)
+                        if p.peer_id == silent:
+                            inner.start_soon(never_reads, p)
+                        else:
+                            inner.start_soon(kill if (kill_after is not None and i == 0) else fetch, p)
                     if gather:
                         while len(source.swarm) < len(peers):
                             await trio.sleep(0.001)
@@ -135,6 +161,14 @@ def test_a_relay_killed_mid_transfer_costs_only_re_requests() -> None:
     survivors = [p.peer_id for p in PEERS[1:]]
     assert sorted(results) == sorted(survivors)
     assert all(results[p] == PAYLOAD for p in survivors)
+
+
+def test_a_peer_that_never_reads_cannot_stop_the_others() -> None:
+    """Its queues never drain, so the pull rule (backlog, drain time) stops the others taking
+    from the source; they must still finish, through repair."""
+    _, _, results = run_broadcast(silent=PEERS[2].peer_id)  # within run_broadcast's 30 s
+    assert sorted(results) == sorted(p.peer_id for p in PEERS[:2])
+    assert all(v == PAYLOAD for v in results.values())
 
 
 def test_a_late_joiner_catches_up() -> None:
