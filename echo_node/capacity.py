@@ -96,13 +96,18 @@ class CapacityController:
     # -- inputs --------------------------------------------------------------------------------
 
     def heartbeat(self, peer: str, now: float, *, installed: int, price: float, engine: str, device: str) -> None:
-        state = self.peers.get(peer)
-        if state is None:
-            state = self.peers[peer] = PeerState(joined_at=now)
+        state = self._peer(peer, now)
         state.price, state.engine, state.device = price, engine, device
         if installed > state.installed:
             state.installed = installed
             self._check_broadcasts(now)
+
+    def _peer(self, peer: str, now: float) -> PeerState:
+        """The peer's state, begun now if it is new here."""
+        state = self.peers.get(peer)
+        if state is None:
+            state = self.peers[peer] = PeerState(joined_at=now)
+        return state
 
     def forget(self, peer: str) -> None:
         self.peers.pop(peer, None)
@@ -122,9 +127,7 @@ class CapacityController:
     def accepted(self, peer: str, version: int, rollouts: int, now: float) -> None:
         """The learner accepted a group of `rollouts` from `peer`, begun on `version` (its
         oldest token's)."""
-        state = self.peers.get(peer)
-        if state is None:
-            state = self.peers[peer] = PeerState(joined_at=now)
+        state = self._peer(peer, now)
         if state.first_arrival is None:
             state.first_arrival = now  # the end of its warm-up (module doc), not work
             return
@@ -161,7 +164,7 @@ class CapacityController:
         cycles = cycles[first:]
         since = cycles[0][0] if cycles else horizon
         for peer in joined:
-            state = self.peers.setdefault(peer, PeerState(joined_at=now))
+            state = self._peer(peer, now)
             while state.arrivals and state.arrivals[0][0] < since:
                 state.arrivals.popleft()
             while len(state.changes) > 1 and state.changes[1][0] < since:
