@@ -33,17 +33,35 @@ Rules of the exporter, and why:
   capped (`MAX_DROP_REASONS`, `MAX_REASON_CHARS`): the vocabulary is closed
   (`protocol.drops.DropReason`, 25 values), and a snapshot that exceeds it is a bug, counted.
 
-Rules of the server, and why: it listens on the network, so every connection is bounded. At
-most `MAX_CONNECTIONS` at once (a `trio.CapacityLimiter`; one beyond is closed at once, without
-reading); a request head of at most `MAX_HEAD_BYTES`, read within `HEAD_TIMEOUT_S` (slowloris,
-oversized heads and garbage are cut there, their buffer never grows past the bound); the answer
-sent within `SEND_TIMEOUT_S` (a client that never reads cannot hold a slot); one request per
-connection (`Connection: close`, no keep-alive, no body read). Nothing a client does raises out
-of the handler, which would end `trio.serve_tcp` and with it the node's nursery.
+Rules of the server, and why: it listens on the network, and a stranger's scrapes must never
+cost training (the server shares the node's event loop with it), so every connection is bounded:
+
+- The page is rendered at most once per `RENDER_EVERY_S`, and only when the exporter took a
+  snapshot since: every request in between is answered with the same cached bytes. A snapshot
+  arrives about once a second, so a fresher page would show nothing new, and a render per
+  request would let a GET flood spend the loop on `generate_latest`. A render that raised is
+  cached too (answered 500), so a collector bug costs one render a second, not one per request.
+- Each source has a token bucket (`CLIENT_RATE` requests/s, `CLIENT_BURST` at once; a scraper
+  asks once every few seconds, `echo-node status` once), in a table of at most `MAX_CLIENTS`
+  sources (the least recently seen is forgotten: it comes back full, which costs one burst). A
+  request beyond it is answered a constant 429 at accept, its head never read, nothing rendered.
+  A source is an IPv4 address, or an IPv6 /64: one host is handed a whole /64, so keying on the
+  full address would give each attacker 2**64 buckets.
+- At most `MAX_CONNECTIONS_PER_SOURCE` connections of one source at once, and `MAX_CONNECTIONS`
+  in all; one beyond either is closed at once, without reading. The per-source cap is why one
+  client holding connections open cannot lock out another address.
+- A request head of at most `MAX_HEAD_BYTES`, read within `HEAD_TIMEOUT_S`: slowloris, oversized
+  heads and garbage are cut there, the buffer never grows past the bound and no byte past it is
+  read (the connection is closed, so a 1 MiB head costs what an 8 KiB one does).
+- The answer sent within `SEND_TIMEOUT_S` (a client that never reads cannot hold a slot); one
+  request per connection (`Connection: close`, no keep-alive, no body read).
+- Nothing a client does raises out of the handler, which would end `trio.serve_tcp` and with it
+  the node's nursery. Time is `trio.current_time()`, so tests run these bounds on a virtual clock.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 import numbers
@@ -58,14 +76,21 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from echo_node.net.ratelimit import RateLimits
+
 __all__ = [
+    "CLIENT_BURST",
+    "CLIENT_RATE",
     "CONTENT_TYPE",
     "HEAD_TIMEOUT_S",
+    "MAX_CLIENTS",
     "MAX_CONNECTIONS",
+    "MAX_CONNECTIONS_PER_SOURCE",
     "MAX_DROP_REASONS",
     "MAX_HEAD_BYTES",
     "METRICS",
     "MetricsExporter",
+    "RENDER_EVERY_S",
     "SEND_TIMEOUT_S",
     "run_exporter",
     "serve_metrics",
@@ -78,6 +103,11 @@ log = logging.getLogger(__name__)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 MAX_CONNECTIONS = 64  # concurrent connections served; one more is closed at once
+MAX_CONNECTIONS_PER_SOURCE = 4  # of one source at once: a scraper needs one
+CLIENT_RATE = 2.0  # requests/s of one source: a scraper asks every few seconds, at most each second
+CLIENT_BURST = 4.0  # requests of one source at once: a dashboard and `echo-node status` together
+MAX_CLIENTS = 4096  # sources with a bucket; the least recently seen is forgotten
+RENDER_EVERY_S = 1.0  # the snapshot's period: a fresher page would show nothing new
 MAX_HEAD_BYTES = 8 * 1024  # a request line and headers; any real scraper sends a few hundred bytes
 HEAD_TIMEOUT_S = 5.0  # for the whole head, from accept: a byte-a-second client is cut here
 SEND_TIMEOUT_S = 5.0  # for the whole answer: a client that never reads is cut here
@@ -257,11 +287,13 @@ class MetricsExporter:
         self.registry = CollectorRegistry()
         self._collector = _SnapshotCollector(role, run_id)
         self.registry.register(self._collector)
+        self.generation = 0  # snapshots taken: a page rendered at this count is still current
 
     def update(self, snapshot: Mapping[str, Any]) -> None:
         """Take the readings of `snapshot` (keys: `METRICS`, plus `drops`); never raises on
         bad values, which are skipped and counted."""
         self._collector.update(snapshot)
+        self.generation += 1
 
     def render(self) -> bytes:
         """The text exposition of every metric (what `GET /metrics` answers)."""
@@ -271,8 +303,78 @@ class MetricsExporter:
 # --- The HTTP server ------------------------------------------------------------------------
 
 _END_OF_HEAD = re.compile(rb"\r?\n\r?\n")  # CRLF per RFC 9112; bare LF tolerated (§2.2)
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    429: "Too Many Requests",
+    500: "Internal Server Error",
+}
 _PATHS = (b"/metrics", b"/")
+_Admit = Literal["serve", "refuse", "drop"]
+
+
+class _Page:
+    """The exposition page of one exporter, rendered at most once per `RENDER_EVERY_S` and only
+    after a new snapshot; every other request gets the cached bytes (None: the render raised)."""
+
+    def __init__(self, exporter: MetricsExporter) -> None:
+        self._exporter = exporter
+        self._body: bytes | None = None
+        self._at = -math.inf
+        self._generation = -1
+
+    def get(self, now: float) -> bytes | None:
+        current = self._generation == self._exporter.generation and self._body is not None
+        if current or now - self._at < RENDER_EVERY_S:
+            return self._body
+        self._at, self._generation = now, self._exporter.generation
+        try:
+            self._body = self._exporter.render()
+        except Exception:  # a bug in a collector: shown in the log and to the scraper, kept serving
+            log.exception("rendering metrics failed")
+            self._body = None
+        return self._body
+
+
+class _Admission:
+    """Who may be answered. Pure: handed `now`. `admit` says "drop" (close at once: a cap is
+    full), "refuse" (answer 429: the source's bucket is empty) or "serve"; a connection that was
+    not dropped holds its slots until `release`."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, int] = {}  # at most MAX_CONNECTIONS keys: a key leaves at zero
+        self._total = 0
+        self._rates = RateLimits(CLIENT_RATE, CLIENT_BURST, max_keys=MAX_CLIENTS)
+
+    def admit(self, source: str, now: float) -> _Admit:
+        held = self._open.get(source, 0)
+        if held >= MAX_CONNECTIONS_PER_SOURCE or self._total >= MAX_CONNECTIONS:
+            return "drop"
+        self._open[source] = held + 1
+        self._total += 1
+        return "serve" if self._rates.take(source, now) else "refuse"
+
+    def release(self, source: str) -> None:
+        self._total -= 1
+        held = self._open.pop(source) - 1
+        if held:
+            self._open[source] = held
+
+
+def _source(address: str) -> str:
+    """The key a peer address is limited under: the IPv4 address (also when mapped into IPv6),
+    else the IPv6 /64 (a scope id ignored)."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return address
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 async def run_exporter(
@@ -307,18 +409,26 @@ async def serve_metrics(
     """Serve `exporter` at http://host:port/metrics until cancelled. `task_status.started` gets
     the bound port (port 0 binds any free one). The caller chooses `host`; operators should
     keep it on loopback or a private interface, the endpoint has no authentication."""
-    limiter = trio.CapacityLimiter(MAX_CONNECTIONS)
+    page = _Page(exporter)
+    admission = _Admission()
 
     async def handler(stream: trio.SocketStream) -> None:
         try:
-            limiter.acquire_nowait()
-        except trio.WouldBlock:
-            await stream.aclose()  # at capacity: no reading, no answer, the slot is the bound
+            source = _source(str(stream.socket.getpeername()[0]))
+        except OSError:  # the client is already gone
+            await stream.aclose()
+            return
+        verdict = admission.admit(source, trio.current_time())
+        if verdict == "drop":
+            await stream.aclose()  # at a cap: no reading, no answer, the slot is the bound
             return
         try:
-            await _serve_one(stream, exporter)
+            if verdict == "serve":
+                await _serve_one(stream, page)
+            else:
+                await _send(stream, _TOO_MANY)
         finally:
-            limiter.release()
+            admission.release(source)
             await stream.aclose()
 
     async with trio.open_nursery() as nursery:
@@ -328,24 +438,33 @@ async def serve_metrics(
         task_status.started(listeners[0].socket.getsockname()[1])
 
 
-async def _serve_one(stream: trio.SocketStream, exporter: MetricsExporter) -> None:
+async def _serve_one(stream: trio.SocketStream, page: _Page) -> None:
     """Read one request head and answer it; transport errors end the connection quietly."""
     head: bytes | None = None
     try:
         with trio.move_on_after(HEAD_TIMEOUT_S):
             head = await _read_head(stream)
-        if head is None:  # EOF, too long, or the timeout fired: dropped without an answer
-            return
-        status, body, extra = _route(head, exporter)
-        with trio.move_on_after(SEND_TIMEOUT_S):
-            await stream.send_all(_response(status, body, extra, send_body=not head.startswith(b"HEAD ")))
     except (trio.BrokenResourceError, trio.ClosedResourceError):
-        return  # the client reset or vanished mid-exchange: nothing to answer
+        return  # the client reset or vanished mid-head: nothing to answer
+    if head is None:  # EOF, too long, or the timeout fired: dropped without an answer
+        return
+    status, body, extra = _route(head, partial(page.get, trio.current_time()))
+    await _send(stream, _response(status, body, extra, send_body=not head.startswith(b"HEAD ")))
+
+
+async def _send(stream: trio.SocketStream, data: bytes) -> None:
+    """Send `data` within `SEND_TIMEOUT_S`; a client that reset or vanished is not answered."""
+    with trio.move_on_after(SEND_TIMEOUT_S):
+        try:
+            await stream.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return
 
 
 async def _read_head(stream: trio.SocketStream) -> bytes | None:
     """The request head (without its blank line), or None on EOF or when it exceeds
-    `MAX_HEAD_BYTES`. The buffer never holds more than `MAX_HEAD_BYTES`."""
+    `MAX_HEAD_BYTES`. The buffer never holds more than `MAX_HEAD_BYTES`, and no byte past
+    it is read."""
     buf = bytearray()
     while True:
         room = MAX_HEAD_BYTES - len(buf)
@@ -362,9 +481,9 @@ async def _read_head(stream: trio.SocketStream) -> bytes | None:
             return bytes(buf[: end.start()])
 
 
-def _route(head: bytes, exporter: MetricsExporter) -> tuple[int, bytes, list[tuple[str, str]]]:
-    """(status, body, extra headers) for a request head. Only the request line matters: no
-    header changes the answer."""
+def _route(head: bytes, page: Callable[[], bytes | None]) -> tuple[int, bytes, list[tuple[str, str]]]:
+    """(status, body, extra headers) for a request head; `page` is called only for a scrape.
+    Only the request line matters: no header changes the answer."""
     parts = head.split(b"\n", 1)[0].rstrip(b"\r").split(b" ")
     if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
         return 400, b"bad request\n", []
@@ -373,11 +492,10 @@ def _route(head: bytes, exporter: MetricsExporter) -> tuple[int, bytes, list[tup
         return 405, b"method not allowed\n", [("Allow", "GET, HEAD")]
     if target.split(b"?", 1)[0] not in _PATHS:
         return 404, b"not found\n", []
-    try:
-        return 200, exporter.render(), []
-    except Exception:  # a bug in a collector: show it in the log and to the scraper, keep serving
-        log.exception("rendering metrics failed")
+    body = page()
+    if body is None:
         return 500, b"internal error\n", []
+    return 200, body, []
 
 
 def _response(status: int, body: bytes, extra: list[tuple[str, str]], *, send_body: bool) -> bytes:
@@ -391,3 +509,7 @@ def _response(status: int, body: bytes, extra: list[tuple[str, str]], *, send_bo
     ]
     head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
     return head + body if send_body else head
+
+
+# Built once: a source over its budget costs the server this constant send and nothing else.
+_TOO_MANY = _response(429, b"too many requests\n", [("Retry-After", "1")], send_body=True)

@@ -67,9 +67,10 @@ def run_virtual(fn: Callable[[], Awaitable[object]]) -> object:
     return trio.run(fn, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-async def exchange(port: int, data: bytes) -> bytes:
-    """Send `data`, then read until the server closes; a reset counts as the close."""
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+async def exchange(port: int, data: bytes, source: str | None = None) -> bytes:
+    """Send `data` (from loopback address `source`), then read until the server closes; a reset
+    counts as the close."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
     out = bytearray()
     try:
         await stream.send_all(data)
@@ -181,6 +182,15 @@ def test_exporters_do_not_share_a_registry() -> None:
     assert value(samples(b.render()), "echo_version") == 2
 
 
+def test_sources_are_ipv4_addresses_or_ipv6_slash_64s() -> None:
+    """The per-source limits key an IPv6 client by its /64 (a host holds a whole one), an
+    IPv4-mapped one by its IPv4 address."""
+    assert prom._source("10.0.0.1") == prom._source("::ffff:10.0.0.1") == "10.0.0.1"
+    assert prom._source("2001:db8::1") == prom._source("2001:db8::ffff:1") == "2001:db8::/64"
+    assert prom._source("2001:db8:0:1::1") == "2001:db8:0:1::/64"
+    assert prom._source("fe80::1%eth0") == "fe80::/64"
+
+
 # --- The server -----------------------------------------------------------------------------
 
 
@@ -276,17 +286,24 @@ def test_a_slow_client_is_dropped_at_the_head_timeout() -> None:
 
 def test_a_hundred_connections_are_bounded_and_the_server_recovers() -> None:
     """Connections beyond MAX_CONNECTIONS are closed at once; the held ones are cut at the
-    head timeout; then a scrape is answered again."""
+    head timeout; then a scrape is answered again. They come from 25 loopback addresses, four
+    each, so the per-source cap (tests/adversarial/test_metrics_flood.py) is not what binds."""
+    sources = [f"127.0.0.{10 + i}" for i in range(25)]
+    assert len(sources) * prom.MAX_CONNECTIONS_PER_SOURCE == 100
 
     async def body(port: int) -> tuple[int, bytes, bytes]:
-        streams = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(100)]
+        streams = [
+            await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
+            for source in sources
+            for _ in range(prom.MAX_CONNECTIONS_PER_SOURCE)
+        ]
         await trio.sleep(1)  # the server accepts them all (virtual time: until it is idle)
         closed = 0
         for stream in streams:
             with trio.move_on_after(0.01):
                 if await stream.receive_some(1) == b"":
                     closed += 1
-        refused = await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n")  # no slot left
+        refused = await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n", "127.0.1.1")  # no slot left
         await trio.sleep(HEAD_TIMEOUT_S)  # the held connections time out
         for stream in streams:
             await stream.aclose()
@@ -299,7 +316,10 @@ def test_a_hundred_connections_are_bounded_and_the_server_recovers() -> None:
     assert answered.startswith(b"HTTP/1.1 200 ")
 
 
-def test_a_failing_render_answers_500_and_the_server_keeps_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failing_render_answers_500_and_is_retried_a_second_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A render that raised is cached like a page: within the second the scraper gets 500
+    again without a second render (a collector bug costs one render a second, not one per
+    request); a second later the render is tried again."""
     exporter = learner()
     real_render = exporter.render
     calls = iter([RuntimeError("a collector bug"), None])
@@ -312,10 +332,12 @@ def test_a_failing_render_answers_500_and_the_server_keeps_serving(monkeypatch: 
 
     monkeypatch.setattr(exporter, "render", render)
 
-    async def body(port: int) -> tuple[bytes, bytes]:
+    async def body(port: int) -> tuple[bytes, bytes, bytes]:
         first = await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n")
-        return first, await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        again = await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n")
+        await trio.sleep(prom.RENDER_EVERY_S)
+        return first, again, await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n")
 
-    first, second = run_virtual(with_server(exporter, body))  # type: ignore[misc]
-    assert first.startswith(b"HTTP/1.1 500 ")
-    assert second.startswith(b"HTTP/1.1 200 ")
+    first, again, later = run_virtual(with_server(exporter, body))  # type: ignore[misc]
+    assert first.startswith(b"HTTP/1.1 500 ") and again.startswith(b"HTTP/1.1 500 ")
+    assert later.startswith(b"HTTP/1.1 200 ")
