@@ -38,7 +38,7 @@ import logging
 import math
 import socket
 import time
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -46,6 +46,7 @@ from typing import Protocol
 
 import trio
 
+from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, peer_host
 from echo_node.net.framing import read_frame, write_frame
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
@@ -100,6 +101,9 @@ MAX_READ_BYTES = 512 * 1024
 ENDGAME_QUIET_S = 0.5
 # No new piece for this long, whatever the source says: repair from whoever has what we lack.
 STALL_S = 3.0
+# An inbound data connection must deliver its signed hello within this (a dialer sends it right
+# after connecting): until then it holds a descriptor and a pending slot (echo_node/net/budget.py).
+HELLO_DEADLINE_S = 3.0
 # A connection for a version this node has not started yet waits this long for it (the dialer
 # may have seen the announcement first).
 ROUTE_WAIT_S = 5.0
@@ -265,12 +269,20 @@ class VersionHandler(Protocol):
 
 
 class DataServer:
-    """One TCP listener per node; routes each verified hello to the handler of its version."""
+    """One TCP listener per node; routes each verified hello to the handler of its version.
+
+    Inbound connections are admitted through an `Inbound` budget (`caps`, default: this
+    process's share of its open-file limit): pending until their hello verified, within
+    `HELLO_DEADLINE_S`, then open (echo_node/net/budget.py says which are cut when full)."""
 
     def __init__(
-        self, identity: Identity, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0
+        self, identity: Identity, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0,
+        caps: Caps | None = None,
     ) -> None:
         self.identity = identity
+        self.inbound = Inbound(caps or listener_caps(DATA_CHANNEL), name="data channel")
+        # Inbound connections that ended on an error, by its type (what used to be log lines).
+        self.closed: Counter[str] = Counter()
         self.run_id = run_id
         self.bind_host = bind_host
         self.host = advertise_host or bind_host
@@ -328,8 +340,18 @@ class DataServer:
             await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        with trio.CancelScope() as scope:
+            ticket = self.inbound.arrive(peer_host(stream), scope)
+            try:
+                await self._serve_connection(stream, ticket)
+            finally:
+                self.inbound.leave(ticket)
+        if scope.cancelled_caught:  # cut by the budget before its hello: a newer connection needed the slot
+            await stream.aclose()
+
+    async def _serve_connection(self, stream: trio.SocketStream, ticket: Ticket) -> None:
         try:
-            with trio.fail_after(10):
+            with trio.fail_after(HELLO_DEADLINE_S):
                 raw = await read_frame(stream, max_len=HELLO_MAX)
                 hello = self.checker.check(raw, time.time())
                 if hello.version == PROBE:
@@ -338,6 +360,8 @@ class DataServer:
                     return
             if self.is_banned(hello.sender):
                 raise RemoteProtocolError(f"{hello.sender} is banned from this node's data channel")
+            if not self.inbound.promote(ticket):
+                raise RemoteProtocolError(f"{hello.sender}: this node holds as many data connections as it takes")
             handler = await self._route(hello.version, hello.base)
             if handler is None:
                 # "unavailable" lets a peer asking for a delta fall back to the full snapshot at
@@ -353,7 +377,10 @@ class DataServer:
             self.ban(hello.sender, str(exc))
             await stream.aclose()
         except (RemoteProtocolError, trio.TooSlowError, *LINK_ERRORS) as exc:
-            log.info("data connection closed: %s", exc)
+            # Counted, at DEBUG: a stranger can make these as fast as it can connect, and a log
+            # line each would be a lever on the event loop.
+            self.closed[type(exc).__name__] += 1
+            log.debug("data connection closed: %s", exc)
             await stream.aclose()
 
     async def _route(self, version: int, base: int) -> VersionHandler | None:
