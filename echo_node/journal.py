@@ -44,7 +44,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgpack
 
@@ -104,6 +104,11 @@ def read_segment(path: Path) -> tuple[list[list[Any]], str | None]:
     return records, None
 
 
+class StorageFailed(Exception):
+    """The journal cannot be made durable (retries spent): the learner stops, as on a signal,
+    with this one line, since nothing it has not journaled may be announced."""
+
+
 class Journal:
     """Appends records to the current segment; `flush` makes them durable."""
 
@@ -119,6 +124,7 @@ class Journal:
         self.segment_bytes = 0
         self.flushes = 0
         self.bytes_written = 0
+        self._fh: BinaryIO | None = None
 
     def segments(self) -> list[Path]:
         return sorted(self.directory.glob(SEGMENT_GLOB), key=segment_index)
@@ -164,30 +170,79 @@ class Journal:
         return data
 
     def write(self, data: bytes) -> None:
-        """Append `data` (from `take_pending`) to the current segment and fsync it. The file is
-        opened per write (a flush is an fsync anyway), so no handle outlives a call."""
-        new = not self.path.exists()
-        if new:
-            self.directory.mkdir(parents=True, exist_ok=True)
-        with self.path.open("ab") as fh:
+        """Append `data` (from `take_pending`) to the current segment and fsync it.
+
+        The segment stays open between writes: its descriptor is taken once, so a process
+        whose descriptors run out can still journal. A write that fails (OSError) leaves the
+        segment as it was before it, cut back to its old length where part of `data` landed,
+        so the caller can retry the same bytes without leaving a torn frame in front of them."""
+        fh = self._segment()
+        start = fh.tell()
+        try:
             if data:
                 fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
-        if new:
-            fsync_dir(self.directory)
+        except OSError:
+            self._cut_back(start)
+            raise
         self.segment_bytes += len(data)
         self.bytes_written += len(data)
         self.flushes += 1
 
     def flush(self) -> None:
-        """Write and fsync everything pending (synchronously)."""
-        self.write(self.take_pending())
+        """Write and fsync everything pending (synchronously); on an OSError what was pending
+        stays pending."""
+        data = self.take_pending()
+        try:
+            self.write(data)
+        except OSError:
+            self._pending.insert(0, data)
+            raise
+
+    def close(self) -> None:
+        if self._fh is not None:
+            fh, self._fh = self._fh, None
+            fh.close()
+
+    def __del__(self) -> None:
+        # A learner that died without closing (a crash, or a test that drops one as if it had)
+        # leaves what it fsynced; the handle itself goes with it.
+        self.close()
+
+    def _segment(self) -> BinaryIO:
+        if self._fh is None:
+            new = not self.path.exists()
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self._fh = self.path.open("ab")
+            if new:
+                fsync_dir(self.directory)
+        return self._fh
+
+    def _cut_back(self, length: int) -> None:
+        fh = self._fh
+        try:
+            if fh is not None:
+                fh.truncate(length)
+                return
+        except (OSError, ValueError):  # the handle is unusable: the next write opens it again
+            pass
+        self._fh = None
+        if fh is not None:
+            try:
+                fh.close()
+            except OSError:
+                pass
+        try:
+            os.truncate(self.path, length)
+        except OSError:
+            log.error("journal: could not cut %s back to %d bytes after a failed write", self.path, length)
 
     def rotate(self, carry: list[list[Any]]) -> int:
         """Flush, then start the next segment with `carry` records first (the groups still
         buffered); returns the new segment's index. The caller holds no other writer."""
         self.flush()
+        self.close()
         self.index += 1
         self.segment_bytes = 0
         for record in carry:

@@ -9,11 +9,14 @@ holds the ledger and the run's totals, next to reward and run plots.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
 
 from echo_node.metrics import MetricsWriter, plot_rewards, plot_run, read_metrics
+
+log = logging.getLogger(__name__)
 
 
 class RunReport:
@@ -21,6 +24,7 @@ class RunReport:
         self.run_dir = run_dir
         self.title = title
         self._writer: MetricsWriter | None = None
+        self.unwritten = 0
 
     @property
     def path(self) -> Path:
@@ -30,9 +34,17 @@ class RunReport:
         self._writer = MetricsWriter(self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one record (dropped if the report is not open: nothing to write it to yet)."""
-        if self._writer is not None:
+        """Append one record (dropped if the report is not open: nothing to write it to yet).
+        A record that cannot be written (a full disk) is counted and dropped: the metrics are
+        the operator's view, not the run's state, and must never stop training."""
+        if self._writer is None:
+            return
+        try:
             self._writer.write({**record, "wall": record.get("wall", round(time.time(), 4))})
+        except OSError as exc:
+            self.unwritten += 1
+            if self.unwritten == 1 or self.unwritten % 1000 == 0:
+                log.error("could not write %s (%s): %d records lost so far", self.path, exc, self.unwritten)
 
     def close(self) -> None:
         if self._writer is not None:

@@ -3,8 +3,13 @@ junk costs one record per flush, segments rotate and go."""
 
 from __future__ import annotations
 
+import os
+import resource
+import signal
 import struct
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -109,3 +114,58 @@ def test_rotation_carries_and_old_segments_go(tmp_path: Path) -> None:
     assert [p.name for p in j.segments()] == [f"seg-{second:010d}.wal"]
     # A new journal on the same folder never appends to an old segment.
     assert Journal(j.directory).index == second + 1
+
+
+@contextmanager
+def rlimit(which: int, soft: int) -> Iterator[None]:
+    """This process under a lower soft `which` limit for a moment (the hard one stays)."""
+    old = resource.getrlimit(which)
+    resource.setrlimit(which, (soft, old[1]))
+    try:
+        yield
+    finally:
+        resource.setrlimit(which, old)
+
+
+def test_a_write_the_disk_refuses_leaves_no_torn_frame_and_its_retry_lands_whole(tmp_path: Path) -> None:
+    j = journal(tmp_path)
+    j.append(["seen", "peer", 0])
+    j.flush()
+    size = segment(j).stat().st_size
+    j.append(["seen", "peer", 1, "x" * 4000])
+    # A file-size limit makes the kernel refuse the write past it (EFBIG), after part of it
+    # landed: what a full disk does to a write in flight.
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        with rlimit(resource.RLIMIT_FSIZE, size + 100), pytest.raises(OSError):
+            j.flush()
+    finally:
+        signal.signal(signal.SIGXFSZ, previous)
+    assert segment(j).stat().st_size == size  # cut back: no torn frame for the retry to follow
+    assert j.pending  # what failed is still to be written
+    j.flush()
+    records, problem = read_segment(segment(j))
+    assert problem is None
+    assert records == [["seen", "peer", 0], ["seen", "peer", 1, "x" * 4000]]
+
+
+def test_the_journal_still_writes_when_the_process_has_no_descriptor_left(tmp_path: Path) -> None:
+    j = journal(tmp_path)
+    j.append(["seen", "peer", 0])
+    j.flush()
+    in_use = len(os.listdir("/proc/self/fd"))
+    held: list[int] = []
+    with rlimit(resource.RLIMIT_NOFILE, in_use + 8):
+        try:
+            while True:  # every descriptor taken, as by a flood of connections
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            pass
+        try:
+            for i in range(1, 4):
+                j.append(["seen", "peer", i])
+                j.flush()
+        finally:
+            for fd in held:
+                os.close(fd)
+    assert [r[2] for r in replay_records(j.directory, 0)] == [0, 1, 2, 3]
