@@ -18,7 +18,10 @@ Inputs, and who is believed:
   the broadcast time; a peer can only lower its own μ by sending less or later.
   Time before a peer's first accepted group (loading the model, fetching weights, warming up)
   is not work: its measurement starts at that arrival, which itself is not counted.
-  While a peer stands by it produces nothing, so its last rate as an active peer is kept.
+  While a peer stands by it produces nothing, so its last rate as an active peer is kept; only
+  the time it is active counts, so a peer woken during a cycle is busy from its waking.
+- The learner's waits: it says when it starts waiting for a batch (`waiting`) and when it has
+  one (`working`), on the same clock as `tick`.
 - T_train is the median of the last updates' durations; T_bcast the median, over recent
   versions, of the time from publication until ⌈n/γ⌉ of the n active peers said (in their
   heartbeats) that they installed it. Before either is measured, nobody is put on standby.
@@ -30,9 +33,22 @@ Inputs, and who is believed:
 Rules:
 - A peer is measured before it is ranked: until it has been joined for one window it generates
   (standby would leave it at μ = 0 for ever).
+- Nothing freezes a rate. Cycles start only at announcements, and nothing is announced while
+  nothing is trained: free identities that meet one cycle's demand in a burst and go silent
+  would keep their rate for ever, and a priced peer they put on standby would never be woken.
+  So: the cycle under way, while its demand is unmet, is busy time until now, however late
+  the next announcement comes. An active peer with no accepted rollout for `window_s` (or for one
+  publication period, κ·T_train + T_bcast, if longer: a fast peer that met its demand waits
+  that long for the next version) has μ = 0, and the scheduler replaces it at once.
+- The learner's wait bounds any rate that overstates what arrives (such a burst, or a trickle
+  after it that is never silent for a window): once it has waited `wake_after_s` for
+  rollouts, every standby peer is woken, and no decision puts one back on standby until it
+  trains again and `tick_s` has passed since the wake. So Sybils that win a standby decision,
+  even one forced at once (an identity leaving breaks the target), idle the learner at most
+  `wake_after_s` per `tick_s`, and to win the next one they must meet a new cycle's demand.
 - Decisions come from the real `Scheduler` on its slow tick (or at once when the active set no
   longer covers the target); each one, its inputs and the model's predicted Δ_max and learner
-  idle are recorded by the caller in metrics.jsonl.
+  idle are recorded by the caller in metrics.jsonl; a wake is recorded the same way.
 - With `rl.publish_auto`, κ follows `choose_kappa` on the measured T_train and T_bcast.
 """
 
@@ -70,6 +86,7 @@ class PeerState:
     first_arrival: float | None = None
     # (time, active) whenever the decision changed its state; active before the first.
     changes: deque[tuple[float, bool]] = field(default_factory=lambda: deque(maxlen=_CHANGES_KEPT))
+    last_arrival: float | None = None  # of its last accepted group
     mu: float = 0.0
     measured: bool = False
 
@@ -92,6 +109,11 @@ class CapacityController:
         # None until the first decision: every peer generates.
         self.active: frozenset[str] | None = None
         self.decision: Decision | None = None
+        if not cfg.wake_after_s > 0:
+            raise ValueError(f"capacity.wake_after_s must be > 0 (inf never wakes), got {cfg.wake_after_s!r}")
+        # Since when the learner has been waiting for a batch; None while it has one.
+        self.waiting_since: float | None = None
+        self._woken_at = -math.inf  # the last wake of the standby peers
 
     # -- inputs --------------------------------------------------------------------------------
 
@@ -124,10 +146,20 @@ class CapacityController:
         """`version` was announced asking each peer for `demand_rollouts`: a demand cycle starts."""
         self._cycles.append((now, version, demand_rollouts))
 
+    def waiting(self, now: float) -> None:
+        """The learner has too few admissible groups for an update and waits for rollouts."""
+        if self.waiting_since is None:
+            self.waiting_since = now
+
+    def working(self, now: float) -> None:
+        """The learner has a batch (or stopped waiting for one)."""
+        self.waiting_since = None
+
     def accepted(self, peer: str, version: int, rollouts: int, now: float) -> None:
         """The learner accepted a group of `rollouts` from `peer`, begun on `version` (its
         oldest token's)."""
         state = self._peer(peer, now)
+        state.last_arrival = now
         if state.first_arrival is None:
             state.first_arrival = now  # the end of its warm-up (module doc), not work
             return
@@ -170,9 +202,28 @@ class CapacityController:
             while len(state.changes) > 1 and state.changes[1][0] < since:
                 state.changes.popleft()  # the first one still says what held then
             if now - state.joined_at >= self.cfg.window_s and self.is_active(peer):
+                state.measured = True
+                if now - _quiet_since(state) >= self._silence_s():
+                    state.mu = 0.0  # nothing delivered for a window while active (module doc)
+                    continue
                 rollouts, busy = _work(cycles, now, state)
-                # Nothing delivered in a whole window while active: μ = 0, not "unknown".
-                state.mu, state.measured = (rollouts / busy if busy > 0 else 0.0), True
+                if busy > 0:  # else it has not worked since it was woken: its last rate stands
+                    state.mu = rollouts / busy
+
+    def _silence_s(self) -> float:
+        """How long an active peer may deliver nothing before its μ is 0 (module doc)."""
+        t_train, t_bcast = self.t_train, self.t_bcast
+        period = self.kappa * t_train + t_bcast if t_train is not None and t_bcast is not None else 0.0
+        return max(self.cfg.window_s, period)
+
+    def _starved(self, now: float) -> bool:
+        """Whether the learner has waited for rollouts past `wake_after_s`."""
+        return self.waiting_since is not None and now - self.waiting_since >= self.cfg.wake_after_s
+
+    def _held(self, now: float) -> bool:
+        """Whether standby decisions wait (module doc): the learner starves, or a wake was less
+        than a tick ago."""
+        return self._starved(now) or now < self._woken_at + self.cfg.tick_s
 
     # -- decisions -----------------------------------------------------------------------------
 
@@ -188,18 +239,59 @@ class CapacityController:
         workers = [Worker(peer, s.mu, s.price) for peer, s in sorted(self.peers.items()) if s.measured]
         if not workers:
             return None
+        if self._held(now):  # no decision: it could only put peers on standby
+            return self._wake(now, workers, t_train, t_bcast)
         decision = self.scheduler.decide(
             now, workers, kappa=self.kappa, rollouts_per_update=self.rollouts_per_update, t_train=t_train, t_bcast=t_bcast,
         )
         if decision is None:
             return None
         self.decision = decision
-        before = {p: self.is_active(p) for p in self.peers}
         # Peers not measured yet are not in the decision: they generate until they are.
-        self.active = decision.active | {p for p, s in self.peers.items() if not s.measured}
+        moved = self._apply(now, decision.active | {p for p, s in self.peers.items() if not s.measured})
+        return self._record(decision, workers, t_train, t_bcast, changed=decision.changed or moved)
+
+    def _apply(self, now: float, active: frozenset[str]) -> bool:
+        """Make `active` the active set, noting each peer whose state changed; whether any did."""
+        before = {p: self.is_active(p) for p in self.peers}
+        self.active = active
+        moved = False
         for p, state in self.peers.items():
             if self.is_active(p) != before[p]:
                 state.changes.append((now, not before[p]))
+                moved = True
+        return moved
+
+    def _wake(self, now: float, workers: list[Worker], t_train: float, t_bcast: float) -> dict[str, Any] | None:
+        """Every standby peer generates (module doc), a peer measured since the last wake too;
+        the record when any was woken."""
+        asleep = sorted(p for p in self.peers if not self.is_active(p))
+        if not asleep or self.decision is None:
+            return None
+        self._apply(now, frozenset(self.peers))
+        if self._starved(now):
+            assert self.waiting_since is not None
+            self._woken_at = now
+            why = (f"the learner waited {now - self.waiting_since:.1f} s for rollouts (wake_after_s = "
+                   f"{self.cfg.wake_after_s:g}), so the measured rates overstate what arrives")
+        else:
+            why = f"decisions wait tick_s = {self.cfg.tick_s:g} s after the wake at {self._woken_at:g}"
+        d = self.decision
+        woken = Decision(
+            active=frozenset(self.peers),
+            standby=frozenset(),
+            target=d.target,
+            mu_min=d.mu_min,
+            mu_active=math.fsum(w.mu for w in workers),
+            mu_pool=math.fsum(w.mu for w in workers),
+            cost_per_hour=math.fsum(s.price for s in self.peers.values()),
+            feasible=d.feasible,
+            changed=True,
+            reason=f"woke {len(asleep)} on standby: {why}",
+        )
+        return self._record(woken, workers, t_train, t_bcast, changed=True)
+
+    def _record(self, decision: Decision, workers: list[Worker], t_train: float, t_bcast: float, *, changed: bool) -> dict[str, Any]:
         return {
             "event": "capacity",
             "kappa": self.kappa,
@@ -216,7 +308,7 @@ class CapacityController:
             "unmeasured": sorted(p for p, s in self.peers.items() if not s.measured),
             "cost_per_hour": round(decision.cost_per_hour, 4),
             "feasible": decision.feasible,
-            "changed": decision.changed,
+            "changed": changed,
             "reason": decision.reason,
             "delta_max_predicted": delta_max(self.kappa, t_train, t_bcast),
             "idle_predicted": round(predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, decision.mu_active), 4),
@@ -264,12 +356,33 @@ def _active_at(state: PeerState, t: float) -> bool:
     return active
 
 
+def _quiet_since(state: PeerState) -> float:
+    """Since when an active peer has had nothing accepted: its last accepted group, when it
+    joined or when it was last woken, whichever came last."""
+    woken = state.changes[-1][0] if state.changes and state.changes[-1][1] else state.joined_at
+    return max(woken, state.joined_at, state.last_arrival if state.last_arrival is not None else -math.inf)
+
+
+def _active_spans(state: PeerState, start: float, end: float) -> list[tuple[float, float]]:
+    """The parts of [start, end] in which the peer was active, in order."""
+    spans: list[tuple[float, float]] = []
+    active, since = _active_at(state, start), start
+    for at, value in state.changes:
+        if not start < at < end or value == active:
+            continue
+        if active:
+            spans.append((since, at))
+        active, since = value, at
+    if active:
+        spans.append((since, end))
+    return [(a, b) for a, b in spans if b > a]
+
+
 def _work(cycles: list[tuple[float, int, float]], now: float, state: PeerState) -> tuple[float, float]:
     """(rollouts, busy seconds) of a peer over the demand cycles given (module doc): a cycle
-    counts from its start or the peer's first arrival, if the peer was active then, until the
-    arrival that met the demand (one begun on the cycle's version or later), the next cycle (for
-    the cycle under way: now, arrivals at now included), or the peer's standby, whichever came
-    first."""
+    counts from its start or the peer's first arrival, over the spans in which the peer was
+    active, until the arrival that met the demand (one begun on the cycle's version or later),
+    else until the next cycle (for the cycle under way: now, arrivals at now included)."""
     rollouts = busy = 0.0
     if state.first_arrival is None:
         return rollouts, busy
@@ -278,23 +391,21 @@ def _work(cycles: list[tuple[float, int, float]], now: float, state: PeerState) 
     for i, (start, version, demand) in enumerate(cycles):
         last = i + 1 == len(cycles)
         end = now if last else cycles[i + 1][0]
-        start = max(start, state.first_arrival)
-        if start >= end or not _active_at(state, start):
-            continue
-        standby = min((at for at, active in state.changes if start < at < end and not active), default=None)
-        if standby is not None:
-            end, last = standby, False
-        while k < len(arrivals) and arrivals[k][0] < start:
-            k += 1
-        got, stop = 0.0, end
-        while k < len(arrivals) and (arrivals[k][0] < end or (last and arrivals[k][0] == end)):
-            got += arrivals[k][2]
-            k += 1
-            if got >= demand and arrivals[k - 1][1] >= version:
-                stop = arrivals[k - 1][0]
-                break
+        got, met = 0.0, False
+        for a, b in _active_spans(state, max(start, state.first_arrival), end):
+            while k < len(arrivals) and arrivals[k][0] < a:
+                k += 1  # sent while it stood by
+            stop = b
+            while k < len(arrivals) and (arrivals[k][0] < b or (last and b == end and arrivals[k][0] == b)):
+                got += arrivals[k][2]
+                k += 1
+                if got >= demand and arrivals[k - 1][1] >= version:
+                    stop, met = arrivals[k - 1][0], True
+                    break
+            busy += stop - a
+            if met:
+                break  # the rest of the cycle it waited for the next version
         rollouts += got
-        busy += stop - start
     return rollouts, busy
 
 

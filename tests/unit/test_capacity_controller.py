@@ -133,9 +133,44 @@ def test_standby_time_is_not_counted_as_work() -> None:
     c.accepted("p", 2, 30, 13.0)
     c.accepted("p", 2, 30, 14.0)
     c.tick(21.0, ["p"])  # joined at 0 s: measured once a 20 s window has passed
-    # 20 rollouts from its first group to its standby (2 s), then 60 in the 9 s of the cycle
-    # under way.
-    assert c.peers["p"].mu == 80 / 11
+    # 20 rollouts from its first group to its standby (2 s), nothing in the 2 s from its waking
+    # to the next cycle, then 60 in the 9 s of the cycle under way.
+    assert c.peers["p"].mu == 80 / 13
+
+
+def test_a_peer_woken_during_a_cycle_is_busy_from_its_waking_until_now() -> None:
+    # Nothing is announced after version 0 (the learner trains nothing): the cycle under way,
+    # whose demand is unmet, counts from the peer's waking until now.
+    c = controller()
+    c.announced(0, 0.0, 1000.0)
+    c.accepted("p", 0, 5, 0.0)  # its first group: the end of its warm-up, not counted
+    c.accepted("p", 0, 10, 1.0)
+    c.accepted("p", 0, 10, 2.0)
+    c.peers["p"].changes.append((3.0, False))  # standby from 3 s, woken at 10 s
+    c.peers["p"].changes.append((10.0, True))
+    for t in range(11, 21):
+        c.accepted("p", 0, 10, float(t))
+    c.tick(20.0, ["p"])
+    assert c.peers["p"].mu == 120 / 13  # 20 in its first 3 s, 100 in the 10 s since its waking
+
+
+def test_a_fast_peer_waiting_for_a_slow_learner_keeps_its_rate() -> None:
+    # A version every 13 s (κ·T_train + T_bcast = 3·4 + 1): a peer that meets its demand in
+    # 1 s and then waits 12 s for the next version is silent for longer than the 5 s window,
+    # but not for longer than a publication period: it is waiting, not gone.
+    c = controller(window_s=5.0)
+    for v in range(8):
+        at = 13.0 * v
+        c.published(v, at)
+        c.announced(v, at, 20.0)
+        c.step(4.0)
+        c.accepted("fast", v, 20, at + 1.0)
+        c.heartbeat("fast", at + 1.0, installed=v, price=1.0, engine="torch", device="cpu")
+        for t in range(2, 13):
+            c.tick(at + t, ["fast"])
+            if v >= 2:
+                assert c.peers["fast"].mu > 1.0
+    assert c.t_train == 4.0 and c.t_bcast == 1.0
 
 
 def test_a_cycle_longer_than_the_window_still_measures() -> None:
