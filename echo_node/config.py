@@ -45,6 +45,11 @@ class NetConfig:
     # A rollout peer joins only the learner with this peer id (also written as the run address
     # RUN_ID@PEER_ID). Without it, any provider record for the run id may be an impostor.
     learner: str | None = None
+    # Without a pin, a peer joins only when exactly one provider of the run answers as its
+    # learner, and refuses to choose among several. This joins the first that answers instead,
+    # for a demo on one machine, where no other machine can announce the run id: refused unless
+    # every bootstrap address (and the learner) is on loopback.
+    insecure_first_learner: bool = False
     # A joining peer retries the bootstrap list with exponential backoff until this deadline.
     join_deadline_s: float = 60.0
     # A rollout peer whose learner stops answering keeps its weights and its rollouts not yet
@@ -70,6 +75,10 @@ class NetConfig:
     ban_s: float = 600.0
     # A private swarm: when not empty, the learner takes joins from these peer ids only.
     allow_peers: list[str] = field(default_factory=list)
+    # The learner dials a joiner back (to hand it out as a relay) only at the address its join
+    # came from; a loopback, link-local or private one only when the learner has an address of
+    # that scope itself. True: private ones always (a LAN swarm behind a public learner address).
+    dial_private: bool = False
     # A Prometheus endpoint (GET /metrics) on this port, for operators; None: none. It binds
     # metrics_host, the loopback by default: expose it wider only on a network you trust.
     metrics_port: int | None = None
@@ -212,6 +221,13 @@ class CapacityConfig:
     release_margin: float = 0.25
     # Peers' throughput is measured over this window (accepted rollouts per second, smoothed).
     window_s: float = 60.0
+    # A learner that has waited this long for rollouts wakes every standby peer, and none is put
+    # back on standby until it trains again and tick_s has passed: the measured rates overstate
+    # what arrives (a pool that covers the target keeps it busy), e.g. free identities that
+    # delivered a burst and went silent. 10 s: a third of tick_s, so Sybils that win a standby
+    # decision idle the learner at most this long per tick; a wake on a hiccup costs only the
+    # standby peers' price for about a tick. inf: never wake.
+    wake_after_s: float = 10.0
 
 
 @dataclass(kw_only=True, slots=True)

@@ -24,6 +24,7 @@ import math
 import shutil
 import sys
 import time
+from collections import Counter
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
@@ -33,12 +34,13 @@ import trio
 from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.journal import StorageFailed
 from echo_node.metrics import first_last_mean
 from echo_node.ml.sharded import DistInfo
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
-from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
-from echo_node.net.ratelimit import RateLimits, TokenBucket
+from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_settings, provider_key
+from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
 from echo_node.policy import Policy
 from echo_node.prom import run_exporter
 from echo_node.recovery import Resumed, ResumeRefused, RunState
@@ -49,7 +51,7 @@ from echo_node.trainer import Trainer, staleness
 from echo_node.verify import Verifier
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.weights.publisher import WeightPublisher
-from protocol.addresses import is_loopback, unroutable_reason
+from protocol.addresses import dial_back_refusal
 from protocol.admission import RunBounds
 from protocol.envelope import seal
 from protocol.errors import RemoteProtocolError
@@ -82,11 +84,20 @@ PROBES_AT_ONCE = 8
 # Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
 # until it joins again, and a flood of joins cannot queue tasks without bound.
 MAX_PENDING_PROBES = 256
+# A peer dialed back at an address is not dialed there again within this (a re-join keeps its
+# verdict); at most this many (peer, address) pairs are remembered, the oldest forgotten.
+DIAL_BACK_WINDOW_S = 600.0
+MAX_DIALED = 8192
 # Status requests answered per second: per joined peer (a pull-mode peer asks before every
 # batch), and for all peers that have not joined together (they are answered, but Sybils cannot
 # make the learner spend more than this on them).
 STATUS_PER_PEER = (50.0, 100.0)  # rate, burst
 STATUS_STRANGERS = (20.0, 40.0)
+
+
+# A journal write that fails (a full disk, descriptors gone for a moment) is retried after each
+# of these delays before the learner gives up and stops: ~15 s for an operator's alert to fire.
+IO_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
 class Learner:
@@ -161,6 +172,8 @@ class Learner:
         self.buffer.journal = self.trainer.journal = self.intake.journal = self.state.journal
         self.intake.published = self.state.history_published
         self._journal_lock = trio.Lock()
+        # Writes of the journal and checkpoints that failed (retried, or skipped for checkpoints).
+        self.io_errors: Counter[str] = Counter()
         self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
@@ -169,6 +182,12 @@ class Learner:
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
         self._probing: set[str] = set()
+        self._joins = JoinLimits()
+        # (peer, host, port) dialed back within DIAL_BACK_WINDOW_S: not dialed again.
+        self._dialed = RecentlySeen(DIAL_BACK_WINDOW_S, MAX_DIALED)
+        # This machine's addresses: a private, link-local or loopback address is dialed back
+        # only on a network of that scope this learner is on itself.
+        self._own_hosts = (*interface_hosts(), self.data.host)
         self._last_staleness = 0.0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -264,16 +283,30 @@ class Learner:
             return
         dest = run_dir / "previous" / time.strftime("%Y%m%d-%H%M%S")
         dest.mkdir(parents=True, exist_ok=True)
+        self.state.journal.close()
         for name in present:
             shutil.move(str(run_dir / name), str(dest / name))
         self.state.journal.index = 0
         log.info("started run %s over: its previous state is in %s", self.cfg.run_id, dest)
 
     async def _flush_journal(self) -> None:
-        """Make every journaled record durable (one writer at a time, in order)."""
+        """Make every journaled record durable (one writer at a time, in order). A write that
+        fails is retried with backoff (the journal cut back what landed of it); one that still
+        fails stops the learner cleanly (`StorageFailed`): nothing unjournaled may be announced."""
         async with self._journal_lock:
             data = self.state.journal.take_pending()
-            await trio.to_thread.run_sync(self.state.journal.write, data)
+            delays = iter(IO_RETRY_DELAYS_S)
+            while True:
+                try:
+                    await trio.to_thread.run_sync(self.state.journal.write, data)
+                    return
+                except OSError as exc:
+                    self.io_errors["journal"] += 1
+                    delay = next(delays, None)
+                    if delay is None:
+                        raise StorageFailed(f"could not write the journal in {self.state.journal.directory}: {exc}") from None
+                    log.warning("writing the journal failed (%s); retrying in %gs", exc, delay)
+                    await trio.sleep(delay)
 
     async def _flush_loop(self) -> None:
         while True:
@@ -282,9 +315,16 @@ class Learner:
                 await self._flush_journal()
 
     async def _checkpoint(self) -> None:
+        """A checkpoint that cannot be written costs only time at the next restart: the journal
+        segments since the last good one are kept, and the next due checkpoint tries again."""
         async with self._journal_lock:
-            version, writers = self.state.prepare()
-            await trio.to_thread.run_sync(self.state.write, version, writers)
+            try:
+                version, writers = self.state.prepare()
+                await trio.to_thread.run_sync(self.state.write, version, writers)
+            except OSError as exc:
+                self.io_errors["checkpoint"] += 1
+                log.error("could not write the checkpoint of version %d (%s): a restart replays the journal since the last one",
+                          self.version, exc)
 
     def _say(self, record: dict[str, Any]) -> None:
         self.stdout.write(json.dumps(record) + "\n")
@@ -328,25 +368,41 @@ class Learner:
             raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
         if self._allowed and remote not in self._allowed:
             raise rpc.RequestRefused("not_allowed", "this run takes only the peers its operator listed")
+        now = trio.current_time()
+        if not self._joins.take(now, remote, observed or ""):
+            raise rpc.RequestRefused("rate_limited", "too many joins; try again in a few seconds")
+        again = remote in self.peers.joined
         try:
-            self.peers.join(remote, trio.current_time())
+            self.peers.join(remote, now)
         except JoinRefused as exc:
             raise rpc.RequestRefused(exc.code, str(exc)) from None
-        self.state.journal.append(["join", remote])
-        log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
-        self._schedule_probe(remote, self._probe_candidates(request, observed))
+        if again:  # a peer that lost its learner for a while: nothing new to journal or say
+            log.debug("peer %s joined again", remote)
+        else:
+            self.state.journal.append(["join", remote])
+            log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
+        self._dial_back(remote, observed, request.data_port, now)
         return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
 
-    def _probe_candidates(self, request: JoinRequest, observed: str | None) -> list[tuple[str, int]]:
-        """Where to dial a joiner back: the address it names, then its data port at the address
-        its connection came from (a 1:1 NAT or a port forward keeps the port). Never loopback
-        unless the learner is on loopback too, and never the learner's own data address."""
-        hosts = [request.data_host] + ([observed] if observed and observed != request.data_host else [])
-        local = is_loopback(self.data.host)
-        return [
-            (h, request.data_port) for h in hosts
-            if unroutable_reason(h) is None and (local or not is_loopback(h)) and (h, request.data_port) != (self.data.host, self.data.port)
-        ]
+    def _dial_back(self, peer_id: str, observed: str | None, port: int, now: float) -> None:
+        """Decide, by a dial-back, whether `peer_id` is handed out as a relay: at the address its
+        join came from (the port may be the one it named: a 1:1 NAT or a port forward keeps it),
+        never one it names (protocol/addresses.py: `dial_back_refusal`), and once per (peer,
+        address) within `DIAL_BACK_WINDOW_S` (a re-join within it keeps the verdict)."""
+        if observed is None:
+            self._verdict(peer_id, None, "the address its join came from is unknown")
+            return
+        target = (observed, port)
+        if target == (self.data.host, self.data.port):
+            self._verdict(peer_id, None, "it named this learner's own data address")
+            return
+        refusal = dial_back_refusal(observed, own_hosts=self._own_hosts, allow_private=self.cfg.net.dial_private)
+        if refusal is not None:
+            self._verdict(peer_id, None, f"{observed} is not dialed back: {refusal}")
+            return
+        if not self._dialed.fresh((peer_id, *target), now):
+            return
+        self._schedule_probe(peer_id, [target])
 
     def _schedule_probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
         if self._nursery is None or peer_id in self._probing:
@@ -450,9 +506,14 @@ class Learner:
 
     async def _wait_for_batch(self) -> None:
         need = self.cfg.rl.groups_per_step
-        while self.buffer.count_admissible(self.version) < need:
-            await self.intake.arrived.wait()
-            self.intake.arrived = trio.Event()
+        # A long wait wakes the peers on standby (echo_node/capacity.py).
+        self.capacity.waiting(trio.current_time())
+        try:
+            while self.buffer.count_admissible(self.version) < need:
+                await self.intake.arrived.wait()
+                self.intake.arrived = trio.Event()
+        finally:
+            self.capacity.working(trio.current_time())
 
     @property
     def version(self) -> int:
@@ -602,6 +663,7 @@ class Learner:
             self.state.checkpoint_now()
         except OSError as exc:
             log.error("could not write the final checkpoint (%s): a restart resumes from the previous one and the journal", exc)
+        self.state.journal.close()
         first, last = first_last_mean(self.trainer.trained_rewards)
         ledger = self.buffer.ledger
         summary = {
@@ -641,6 +703,8 @@ class Learner:
             # the rollout ledger), by reason.
             "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
             "train_errors": self.trainer.train_errors,
+            # Journal and checkpoint writes that failed (journal writes are retried; see IO_RETRY_DELAYS_S).
+            "io_errors": dict(self.io_errors),
             # The learner's checks of peers' claims: per check, batches passed and failed; what
             # the spot checks covered; their cost against training's.
             "verification": self.verification(),

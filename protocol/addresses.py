@@ -82,6 +82,42 @@ def is_loopback(host: str) -> bool:
     return ip is not None and ip.is_loopback
 
 
+def scope_of(host: str) -> str | None:
+    """Which kind of network `host` (an IP literal) is on: "loopback", "link-local", "private"
+    (RFC 1918, unique-local IPv6 and the like) or "public"; None for a name."""
+    ip = ip_of(host)
+    if ip is None:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_loopback:
+        return "loopback"
+    if ip.is_link_local:
+        return "link-local"
+    return "private" if ip.is_private else "public"
+
+
+def dial_back_refusal(target: str, *, own_hosts: Collection[str], allow_private: bool = False) -> str | None:
+    """Why a node must not dial `target` back for a remote that asked it to (None: it may).
+
+    AutoNAT's rule: a node dials back only the address the request came from, so no remote can
+    point it at a third party; and, as a second line, it dials a loopback, link-local or
+    private address only when it has an address of that scope itself (a swarm on one machine
+    or one LAN) or its operator allowed it (`allow_private`): a cloud's metadata service at
+    169.254.169.254 or a LAN's hosts are never a remote's to choose."""
+    reason = unroutable_reason(target)
+    if reason is not None:
+        return reason
+    scope = scope_of(target)
+    if scope is None:
+        return "not an IP address"
+    if scope == "public" or allow_private:
+        return None
+    if any(scope_of(h) == scope for h in own_hosts):
+        return None
+    return f"a {scope} address, and this node has none of that scope (allow it with net.dial_private)"
+
+
 def check_port(port: object, *, where: str = "port") -> int:
     if type(port) is not int or not 1 <= port <= 65535:
         raise AddressError(f"{where}: {port!r} is not a TCP port (1-65535)")

@@ -26,15 +26,17 @@ def attach(learner: Learner, nursery: trio.Nursery) -> None:
     learner.data.port = 4002
 
 
-def test_candidates_are_the_named_address_then_the_observed_one(learner: Learner) -> None:
+def test_only_the_address_a_join_came_from_is_dialed_back_at_the_port_it_named(learner: Learner) -> None:
     peer = Identity.generate()
+    dialed: list[tuple[str, list[tuple[str, int]]]] = []
+    learner._schedule_probe = lambda peer_id, targets: dialed.append((peer_id, targets))  # type: ignore[method-assign]
     learner.data.host, learner.data.port = "203.0.113.1", 4002
-    assert learner._probe_candidates(join(learner, peer, "192.168.1.5", 4002), "198.51.100.7") == [
-        ("192.168.1.5", 4002), ("198.51.100.7", 4002)]
-    # A remote learner never dials loopback for a joiner (its own machine's services), nor itself.
-    assert learner._probe_candidates(join(learner, peer, "127.0.0.1", 22), None) == []
-    assert learner._probe_candidates(join(learner, peer, "203.0.113.1", 4002), "203.0.113.1") == []
-    assert learner._probe_candidates(join(learner, peer, "10.0.0.9", 4002), "10.0.0.9") == [("10.0.0.9", 4002)]
+    learner._dial_back(peer.peer_id, "198.51.100.7", 4003, 0.0)
+    assert dialed == [(peer.peer_id, [("198.51.100.7", 4003)])]
+    # Unknown source, or the learner's own data address: nobody is dialed.
+    learner._dial_back(Identity.generate().peer_id, None, 4003, 0.0)
+    learner._dial_back(Identity.generate().peer_id, "203.0.113.1", 4002, 0.0)
+    assert len(dialed) == 1 and len(learner.peers.unreachable) == 2
 
 
 def test_a_peer_proves_its_address_and_one_that_never_answers_is_not_a_relay(
@@ -49,9 +51,9 @@ def test_a_peer_proves_its_address_and_one_that_never_answers_is_not_a_relay(
             server = DataServer(honest, "run-1")
             await nursery.start(server.run)
             hold_port = await silent_listener(nursery)
-            answer = await learner._on_join(join(learner, honest, "127.0.0.1", server.port), honest.peer_id)
+            answer = await learner._on_join(join(learner, honest, "127.0.0.1", server.port), honest.peer_id, observed="127.0.0.1")
             assert isinstance(answer, JoinResponse)
-            await learner._on_join(join(learner, silent, "127.0.0.1", hold_port), silent.peer_id)
+            await learner._on_join(join(learner, silent, "127.0.0.1", hold_port), silent.peer_id, observed="127.0.0.1")
             with trio.fail_after(learner_module.PROBE_TIMEOUT_S + 5):
                 while len(learner.peers.relays) + len(learner.peers.unreachable) < 2:
                     await trio.sleep(0.05)
@@ -74,8 +76,9 @@ def test_a_flood_of_joins_that_never_answer_is_bounded(learner: Learner, monkeyp
             attach(learner, nursery)
             port = await silent_listener(nursery)
             with trio.fail_after(2):  # every join is answered at once, probes or not
-                for peer in joiners + joiners[:5]:  # a repeated join does not add a probe
-                    await learner._on_join(join(learner, peer, "127.0.0.1", port), peer.peer_id)
+                for i, peer in enumerate(joiners + joiners[:5]):  # a repeated join does not add a probe
+                    # Each from its own loopback address: one source's join budget is not the point here.
+                    await learner._on_join(join(learner, peer, "127.0.0.1", port), peer.peer_id, observed=f"127.0.0.{1 + i % 40}")
             pending.append(len(learner._probing))
             with trio.fail_after(10):
                 while learner._probing:
