@@ -496,6 +496,7 @@ class Soak:
         self.peer_runs: dict[int, int] = {}
         self.incarnations: list[Incarnation] = []
         self.peer_ids: dict[int, str] = {}
+        self.learner_id = ""  # its key's peer id, written at start: peers are pinned to it
         self.common: list[str] = []
         self.learner_args: list[str] = []
         self.log: list[dict[str, Any]] = []  # what the soak did, in order
@@ -594,7 +595,7 @@ class Soak:
         self.keys.mkdir(parents=True, exist_ok=True)
         self.keys.chmod(0o700)
         write_key(self.keys / "boot.key", self.seed, "boot")
-        write_key(self.keys / "learner.key", self.seed, "learner")
+        self.learner_id = write_key(self.keys / "learner.key", self.seed, "learner")
         for i in range(PEERS):
             self.peer_ids[i] = write_key(self.keys / f"peer{i}.key", self.seed, f"peer{i}")
         self.boot = self.spawn("bootstrap", 0, 1, "bootstrap", ["bootstrap", "--key-file", str(self.keys / "boot.key")], OTHER_CPUS)
@@ -646,7 +647,8 @@ class Soak:
 
     def start_peer(self, i: int) -> Incarnation:
         r = self.peer_runs[i]
-        inc = self.spawn("peer", i, r, f"peer{i}-r{r}", ["join", *self.common, "--key-file", str(self.keys / f"peer{i}.key")], OTHER_CPUS)
+        args = ["join", *self.common, "--learner", self.learner_id, "--key-file", str(self.keys / f"peer{i}.key")]
+        inc = self.spawn("peer", i, r, f"peer{i}-r{r}", args, OTHER_CPUS)
         self.peers[i] = inc
         self.peer_state[i] = "up"
         return inc

@@ -7,6 +7,7 @@ writes its summary).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
@@ -26,8 +27,8 @@ def start_learner(
         [*(module_args or []), "learn", *common, "--key-file", str(root / "learner.key"), "--runs-dir", str(root / "runs"), *learner_args],
         cpus=cpus, module=module,
     )
-    _wait_line(learner, _is_ready, ready_timeout, "ready")
-    return common, learner
+    ready = json.loads(_wait_line(learner, _is_ready, ready_timeout, "ready"))
+    return ["--bootstrap", addr, "--run-id", f"{run_id}@{ready['peer_id']}"], learner  # peers pinned to this learner
 
 
 def start_peer(

@@ -105,12 +105,13 @@ def run_one(root: Path, keys: Path, attack: str, *, verify: bool, versions: int,
         )
         _wait_line(learner, _is_ready, 240, "ready")
         for i in range(2):
-            swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(keys / f"peer{i}.key")], cpus=OTHER_CPUS)
+            swarm.spawn(f"peer{i}", ["join", *common, "--learner", peer_id("learner"), "--key-file", str(keys / f"peer{i}.key")], cpus=OTHER_CPUS)
         attacker: Child | None = None
         if attack != "clean":
             how = [LATE[attack], "--after", str(AFTER)] if attack in LATE else [attack]
             attacker = swarm.spawn(
-                "attacker", [*how, *common, "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS, module="benchmarks.attackers"
+                "attacker", [*how, *common, "--learner", peer_id("learner"), "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS,
+                module="benchmarks.attackers",
             )
         try:
             learner.proc.wait(seconds + 300)

@@ -255,6 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", default=None, choices=["torch", "vllm"], help="rollout engine (vllm: CUDA, pip install 'echo-node[vllm]')")
     p.add_argument("--price-per-hour", type=float, default=None, metavar="PRICE",
                    help="what the operator pays for this peer per hour (default 0: a volunteer); the learner activates the cheapest peers first")
+    p.add_argument("--insecure-first-learner", action="store_const", const=True, default=None,
+                   help="without a pin, join the first learner that answers (a demo on one machine: every bootstrap on loopback)")
 
     p = sub.add_parser("demo", help="bootstrap + learner + rollout peers on loopback, with live progress")
     p.add_argument("--mode", choices=["pull", "async"], default="async")
@@ -322,6 +324,7 @@ def _config(args: argparse.Namespace) -> Any:
         net__bootstrap=args.bootstrap,
         net__join_deadline_s=args.join_deadline,
         net__learner=getattr(args, "learner", None),
+        net__insecure_first_learner=getattr(args, "insecure_first_learner", None),
         net__allow_peers=_read_peer_list(args.allow_peers) if getattr(args, "allow_peers", None) else None,
         model__path=args.model,
         model__dtype=getattr(args, "dtype", None),
@@ -458,6 +461,10 @@ def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    if cfg.net.insecure_first_learner and cfg.net.learner is None:
+        from echo_node.net.discovery import check_first_learner_allowed
+
+        check_first_learner_allowed(cfg.net.bootstrap)  # refused in one line before torch loads
     with _signals_deferred():
         import torch  # noqa: F401
     from echo_node.policy import set_threads
@@ -540,6 +547,11 @@ def main(argv: list[str] | None = None) -> int:
     role = args.command
     if role not in ("demo", "tiny-model", "status", "plan"):
         _setup_logging(args.log_level, role)
+    if role in ("learn", "join", "bootstrap"):
+        from echo_node.net.budget import raise_open_file_limit
+
+        # Before any listener sizes its connection budget from the limit (echo_node/net/budget.py).
+        raise_open_file_limit()
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.
     previous_sigterm = signal.getsignal(signal.SIGTERM)
@@ -571,6 +583,7 @@ def _is_interrupt(exc: BaseException) -> bool:
 
 def _find_user_error(exc: BaseException) -> BaseException | None:
     """The user-facing error inside `exc`, looking through trio's exception groups."""
+    from echo_node.journal import StorageFailed
     from echo_node.net.discovery import JoinError
 
     if isinstance(exc, BaseExceptionGroup):
@@ -579,7 +592,7 @@ def _find_user_error(exc: BaseException) -> BaseException | None:
             if found is not None:
                 return found
         return None
-    if isinstance(exc, (JoinError, ValueError, FileNotFoundError, PermissionError)):
+    if isinstance(exc, (JoinError, StorageFailed, ValueError, FileNotFoundError, PermissionError)):
         return exc
     return None
 

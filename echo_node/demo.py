@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +40,20 @@ class Swarm:
     run_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, args: list[str], *, cpus: set[int] | None = None, module: str = "echo_node.cli") -> Child:
+    def spawn(
+        self, name: str, args: list[str], *, cpus: set[int] | None = None, module: str = "echo_node.cli",
+        env: Mapping[str, str] | None = None, preexec: Callable[[], None] | None = None,
+    ) -> Child:
+        """`env`: added to this process's environment; `preexec`: run in the child before it
+        starts (after the CPU pinning), e.g. a resource limit a benchmark runs it under."""
         logs = self.run_dir / "logs"
+
+        def child_setup() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+            if preexec is not None:
+                preexec()
+
         logs.mkdir(parents=True, exist_ok=True)
         out, err = logs / f"{name}.out", logs / f"{name}.log"
         with out.open("wb") as o, err.open("wb") as e:
@@ -52,8 +65,8 @@ class Swarm:
                 # Own process group: a terminal's Ctrl-C reaches only the demo, which then
                 # stops the children in order (learner last, so it can write its summary).
                 start_new_session=True,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                preexec_fn=child_setup if cpus or preexec is not None else None,
             )
         child = Child(name, proc, out)
         self.children.append(child)
@@ -119,10 +132,10 @@ def run_demo(args: argparse.Namespace) -> int:
                  "--staleness", str(args.staleness), "--seconds", str(args.seconds)],
             )
             progress.note("learner warming up (cached after the first run)")
-            _wait_line(learner, _is_ready, READY_TIMEOUT_S, "ready")
+            ready = json.loads(_wait_line(learner, _is_ready, READY_TIMEOUT_S, "ready"))
             progress.note(f"learner ready; starting {args.peers} rollout peers")
-            for i in range(args.peers):
-                swarm.spawn(f"peer{i}", ["join", *common, "--key-file", str(keys / f"peer{i}.key")])
+            for i in range(args.peers):  # pinned to the learner's peer id: no other announcer takes them
+                swarm.spawn(f"peer{i}", ["join", *common, "--learner", ready["peer_id"], "--key-file", str(keys / f"peer{i}.key")])
             progress.follow(learner, swarm)
             if learner.proc.returncode != 0:
                 raise RuntimeError(f"learner exited with {learner.proc.returncode}; see {run_dir / 'logs' / 'learner.log'}")

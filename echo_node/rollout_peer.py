@@ -2,7 +2,9 @@
 
 Services, each in the peer's nursery:
 - `join_run` returns the `Session`: what joining gave the peer (the learner, the run spec, the
-  learner's data address, the policy and engine built from the spec). `rejoin` joins the same
+  learner's data address, the policy and engine built from the spec). It joins only a pinned
+  learner (RUN_ID@PEER_ID), or, without a pin, the only provider of the run that answers a status
+  request for it: with several, it joins none and says how to pin one. `rejoin` joins the same
   learner again after it restarted or stopped answering: its address, data port and epoch may
   change, nothing else may (another config is an error, not something to follow).
 - `WeightFollower` (echo_node/weights/follower.py): weights from the learner to the engine,
@@ -38,7 +40,18 @@ from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import Engine
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
-from echo_node.net.discovery import Backoff, DialError, JoinError, PeerAddr, connect_bootstrap, find_providers
+from echo_node.net.discovery import (
+    Backoff,
+    DialError,
+    JoinError,
+    PeerAddr,
+    Probe,
+    check_first_learner_allowed,
+    connect_bootstrap,
+    find_providers,
+    find_sole_learner,
+    on_loopback,
+)
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.policy import Policy, build_engine, peer_policy
 from echo_node.prom import run_exporter
@@ -58,6 +71,8 @@ from protocol.messages import (
     RolloutGroup,
     RunSpec,
     Sample,
+    StatusRequest,
+    StatusResponse,
     pack_groups,
     pack_repair_response,
     worst_group_bytes,
@@ -71,6 +86,12 @@ log = logging.getLogger(__name__)
 DEMAND_WAIT_S = 3.0
 # A volunteer's status line in the log comes this often.
 STATUS_LINE_S = 30.0
+# An unpinned peer asks each provider of the run for its status before joining any, within this.
+PROBE_S = 10.0
+# A learner refuses strangers' status requests past a rate limit (after checking the run id):
+# asked again after these pauses, then counted as answering for the run, since it may be the
+# learner (an impostor that floods it must not make it look absent).
+RATE_LIMITED_RETRIES_S = (0.5, 1.0, 2.0)
 
 
 @dataclass(slots=True)
@@ -107,21 +128,31 @@ def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
 async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
     """Find the run's learner, join it, and build the policy its spec describes."""
     net = cfg.net
+    pin = net.learner
+    first_learner = pin is None and net.insecure_first_learner
+    if first_learner:
+        check_first_learner_allowed(net.bootstrap)
     backoff = Backoff(net.backoff_initial_s, net.backoff_max_s)
     deadline = trio.current_time() + net.join_deadline_s
     await connect_bootstrap(node, net.bootstrap, deadline_s=net.join_deadline_s, backoff=backoff)
-    pin = net.learner
     delays = backoff.delays()
     while True:
-        candidates = await find_providers(
-            node, provider_key(cfg.run_id), what=f"learner for run {cfg.run_id!r}",
-            deadline_s=max(0.0, deadline - trio.current_time()), backoff=backoff, pin=pin,
-        )
-        # Anyone can announce a run id: without a pin, every record is tried, and a learner is
-        # taken only if its join response (on a stream authenticated to its peer id) is for
-        # this run and names itself as the run's learner.
+        left = max(0.0, deadline - trio.current_time())
+        if pin is None and not first_learner:
+            # Nothing is joined before exactly one provider answers for the run (discovery.py).
+            probe = partial(_probe_learner, cfg, node)
+            candidates = [await find_sole_learner(node, provider_key(cfg.run_id), run_id=cfg.run_id, deadline_s=left, probe=probe, backoff=backoff)]
+        else:
+            candidates = await find_providers(
+                node, provider_key(cfg.run_id), what=f"learner for run {cfg.run_id!r}", deadline_s=left, backoff=backoff, pin=pin,
+            )
+        # A learner is taken only if its join response (on a stream authenticated to its peer
+        # id) is for this run and names itself as the run's learner.
         failures: list[str] = []
         for learner in candidates:
+            if first_learner and not on_loopback(learner):
+                failures.append(f"{learner.peer_id}: not on loopback (--insecure-first-learner joins loopback learners only)")
+                continue
             try:
                 join = await _join_learner(cfg, node, data, learner)
             except (JoinError, rpc.RequestFailed, RemoteProtocolError, trio.TooSlowError) as exc:
@@ -138,6 +169,9 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
             await trio.sleep(delay)
             continue
         break
+    if pin is None:
+        log.warning("joined run %s without a pin: to join only this learner next time, pass --run-id %s@%s",
+                    cfg.run_id, cfg.run_id, learner.peer_id)
     policy = await trio.to_thread.run_sync(peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, cfg)
     if cfg.rollout.engine == "vllm":
         from echo_node.ml.vllm_engine import check_sampling
@@ -149,8 +183,8 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
     engine.version = -1
     spec = join.spec
     log.info(
-        "joined run %s (mode %s, S=%d) via learner %s (%s; %d provider record(s) found)", cfg.run_id,
-        spec.sync_mode, spec.staleness, learner.peer_id, "pinned" if pin else "not pinned", len(candidates),
+        "joined run %s (mode %s, S=%d) via learner %s (%s)", cfg.run_id, spec.sync_mode, spec.staleness, learner.peer_id,
+        "pinned" if pin else "the first that answered: --insecure-first-learner" if first_learner else "the only one that answered",
     )
     return Session(learner, spec, join.data_host, join.data_port, policy, engine)
 
@@ -185,6 +219,39 @@ async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Sessi
         raise ValueError(f"the run's learner restarted with another config ({', '.join(changed)} changed): restart this peer to follow it")
     session.learner, session.spec = found[0], join.spec
     session.data_host, session.data_port = join.data_host, join.data_port
+
+
+async def _probe_learner(cfg: RunConfig, node: P2PNode, candidate: PeerAddr) -> Probe:
+    """Whether `candidate` answers as the run's learner, asked without joining it: a status
+    request from a peer that has not joined is no heartbeat and registers nothing (learner.py),
+    and the stream is authenticated to the candidate's peer id, so an answer for this run is that
+    peer's own claim."""
+    try:
+        with trio.fail_after(PROBE_S):
+            await node.connect(candidate)
+            return await _ask_status(cfg, node, candidate.peer_id)
+    except trio.TooSlowError:
+        return Probe(answers=False, why=f"no status answer within {PROBE_S:g}s")
+    except Exception as exc:  # unreachable or bad bytes (py-libp2p's own errors too): no learner here
+        return Probe(answers=False, why=f"{type(exc).__name__}: {exc}")
+
+
+async def _ask_status(cfg: RunConfig, node: P2PNode, peer_id: str) -> Probe:
+    pauses = iter(RATE_LIMITED_RETRIES_S)
+    while True:
+        try:
+            status = await rpc.call(node, peer_id, rpc.STATUS, StatusRequest(run_id=cfg.run_id), StatusResponse)
+        except rpc.RequestFailed as exc:
+            pause = next(pauses, None)
+            if not str(exc).startswith("rate_limited:"):
+                return Probe(answers=False, why=str(exc))
+            if pause is None:
+                return Probe(answers=True, why=str(exc))
+            await trio.sleep(pause)
+            continue
+        if status.run_id != cfg.run_id:
+            return Probe(answers=False, why=f"it answered for run {status.run_id!r}")
+        return Probe(answers=True)
 
 
 async def _join_learner(cfg: RunConfig, node: P2PNode, data: DataServer, learner: PeerAddr) -> JoinResponse:

@@ -90,7 +90,8 @@ class NetnsSwarm:
 
     def start_peer(self, host: int, *extra: str, cpus: set[int] | None = None) -> str:
         name = f"peer{host}"
-        self._spawn(host, name, ["join", *self._node_flags(host, name), *self._run_flags(), *extra], cpus=cpus)
+        pin = ["--learner", self.peer_ids["learner"]]  # start_learner wrote its key first
+        self._spawn(host, name, ["join", *self._node_flags(host, name), *self._run_flags(), *pin, *extra], cpus=cpus)
         return name
 
     def _read_line(self, proc: subprocess.Popen[Any], name: str, want: Any, timeout: float) -> str:

@@ -17,6 +17,7 @@ class Cluster:
         self.swarm = Swarm(root / "swarm")
         self.keys = root / "keys"
         self.bootstrap_addr = ""
+        self.learner_ids: dict[str, str] = {}  # run id -> the peer id its learner printed when ready
 
     def start_bootstrap(self) -> str:
         boot = self.swarm.spawn("bootstrap", ["bootstrap", "--key-file", str(self.keys / "boot.key")])
@@ -30,9 +31,14 @@ class Cluster:
              "--key-file", str(self.keys / "learner.key"), *extra],
         )
         ready = json.loads(_wait_line(learner, _is_ready, 240, "ready"))
+        self.learner_ids[run_id] = str(ready["peer_id"])
         return learner, ready
 
     def start_peer(self, name: str, run_id: str, *extra: str) -> Child:
+        """A peer of `run_id`, pinned to the learner this cluster started for it (a peer without
+        a pin joins nothing until exactly one learner answers: rollout_peer.py)."""
+        if "@" not in run_id and run_id in self.learner_ids:
+            run_id = f"{run_id}@{self.learner_ids[run_id]}"
         return self.swarm.spawn(
             name,
             ["join", "--bootstrap", self.bootstrap_addr, "--run-id", run_id, "--key-file", str(self.keys / f"{name}.key"),

@@ -34,12 +34,12 @@ AFTER_S = 10
 def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> None:
     run_id = "it-attackers"
     cluster.start_bootstrap()
-    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4")
+    learner, ready = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4")
     honest = [cluster.start_peer(f"peer{i}", run_id) for i in range(2)]
     attackers = {
         attack: cluster.swarm.spawn(
             attack,
-            [attack, "--bootstrap", cluster.bootstrap_addr, "--run-id", run_id, "--key-file", str(cluster.keys / f"{attack}.key"),
+            [attack, "--bootstrap", cluster.bootstrap_addr, "--run-id", f"{run_id}@{ready['peer_id']}", "--key-file", str(cluster.keys / f"{attack}.key"),
              "--runs-dir", str(cluster.root / "runs")],
             module="benchmarks.attackers",
         )

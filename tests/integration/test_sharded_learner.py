@@ -37,7 +37,8 @@ def start_sharded(cluster: Cluster, run_id: str, name: str, *extra: str) -> Chil
         "--runs-dir", str(cluster.root / "runs"), "--key-file", str(cluster.keys / "learner.key"), *extra,
     ]
     child = cluster.swarm.spawn(name, args, module="torch.distributed.run")
-    _wait_line(child, _is_ready, 240, "ready")
+    ready = json.loads(_wait_line(child, _is_ready, 240, "ready"))
+    cluster.learner_ids[run_id] = str(ready["peer_id"])  # what start_peer pins its peers to
     return child
 
 
