@@ -42,6 +42,7 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_new_x25519_key_pa
 from libp2p.custom_types import TProtocol
 from libp2p.kad_dht.kad_dht import DHTMode, KadDHT
 from libp2p.network.config import ConnectionConfig
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo, info_from_p2p_addr
 from libp2p.pubsub import pubsub as _pubsub_module
@@ -58,6 +59,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux
 from libp2p.tools.anyio_service import background_trio_service
 
 from echo_node.config import NetConfig
+from echo_node.net.budget import LIBP2P, Caps, Inbound, listener_caps
 from echo_node.net.discovery import DialError, PeerAddr
 from protocol.addresses import (
     AddressError,
@@ -87,6 +89,12 @@ setattr(_pubsub_module, "RpcQueue", functools.partial(RpcQueue, max_size=OUTBOUN
 logging.getLogger("libp2p").setLevel(
     logging.DEBUG if logging.getLogger().getEffectiveLevel() <= logging.DEBUG else logging.CRITICAL
 )
+
+# An inbound libp2p connection must finish its Noise and Yamux handshakes within this (a few round
+# trips); until then it holds a descriptor and a pending slot of the inbound budget.
+HANDSHAKE_DEADLINE_S = 5.0
+# Connections this node dials itself (bootstrap, DHT lookups, peers), beyond the inbound budget.
+OUTBOUND_CONNECTIONS = 256
 
 # How long the host's own addresses are reused before they are computed again (see
 # `_memoize_addrs`).
@@ -239,6 +247,9 @@ class P2PSettings:
     announce: tuple[str, ...] = ()
     # How long one address may take to answer a dial before the next one is tried.
     dial_timeout_s: float = 5.0
+    # Inbound connections (echo_node/net/budget.py); None: this process's share of its
+    # open-file limit.
+    inbound_caps: Caps | None = None
 
     def __post_init__(self) -> None:
         if self.advertise_host is not None:
@@ -307,6 +318,13 @@ def _memoize_addrs(host: IHost, ttl_s: float) -> None:
     setattr(host, "get_addrs", get_addrs)
 
 
+async def _close_quietly(conn: Any) -> None:
+    try:
+        await conn.close()
+    except Exception:  # already reset or closed by the other side
+        log.debug("closing a connection failed", exc_info=True)
+
+
 class StreamUnavailable(ConnectionError):
     """A stream to a peer could not be opened (it is gone, unreachable, or refused the protocol)."""
 
@@ -319,6 +337,8 @@ class P2PNode:
         self._announce = tuple(check_announce(a) for a in self.settings.announce)
         self._interfaces = interface_hosts()
         key_pair = create_new_key_pair(identity.seed)
+        self.inbound = Inbound(self.settings.inbound_caps or listener_caps(LIBP2P), name="libp2p")
+        most = self.inbound.caps.open + OUTBOUND_CONNECTIONS
         self._host: IHost = new_host(
             key_pair=key_pair,
             sec_opt={
@@ -327,7 +347,10 @@ class P2PNode:
                 )
             },
             muxer_opt={TProtocol(YAMUX_PROTOCOL_ID): Yamux},
-            connection_config=ConnectionConfig(max_connections_per_peer=1),
+            connection_config=ConnectionConfig(
+                max_connections_per_peer=1, max_connections=most, high_watermark=most,
+                inbound_upgrade_timeout=HANDSHAKE_DEADLINE_S,
+            ),
             # Identify, the DHT's provider and peer records and signed peer records all publish
             # what this factory returns. Observed addresses stay out: behind a NAT they name the
             # router's port of one outbound connection, which nobody can dial back.
@@ -335,6 +358,7 @@ class P2PNode:
             disable_identify_address_discovery=True,
         )
         _memoize_addrs(self._host, ADDRS_TTL_S)
+        self._guard_inbound()
         self.peer_id = self._host.get_id().to_base58()
         if self.peer_id != identity.peer_id:
             raise AssertionError("libp2p and protocol/ disagree on the peer id")
@@ -368,6 +392,42 @@ class P2PNode:
         self._subscriptions: dict[str, trio.MemoryReceiveChannel[rpc_pb2.Message]] = {}
         self._nursery: trio.Nursery | None = None
 
+    def _guard_inbound(self) -> None:
+        """Admit inbound connections through `self.inbound` instead of py-libp2p's own handler.
+
+        py-libp2p's handler takes a slot of a fixed 250-slot limiter per inbound connection and
+        gives it back only when the whole host stops, even after the connection closed (it
+        waits for the swarm's end to "keep the connection alive"): after 250 inbound
+        connections in a process's life, every later one was refused, and a stranger can make
+        250 handshakes in seconds. Here a slot is held while the connection is open, pending
+        ones are capped per source and in total, and the handshake has its deadline
+        (`HANDSHAKE_DEADLINE_S`, the host's inbound upgrade timeout).
+        """
+        swarm: Any = self._host.get_network()
+
+        async def handle(read_write_closer: Any, maddr: multiaddr.Multiaddr) -> None:
+            remote = read_write_closer.get_remote_address()
+            raw = RawConnection(read_write_closer, False)
+            with trio.CancelScope() as scope:
+                ticket = self.inbound.arrive(remote[0] if remote else "", scope)
+                try:
+                    try:
+                        muxed = await swarm.upgrade_inbound_raw_conn(raw, maddr)
+                    except Exception as exc:  # a failed or refused handshake: the stranger's problem
+                        log.debug("inbound connection from %s failed its handshake: %s", remote, exc)
+                        return
+                    if not self.inbound.promote(ticket):
+                        log.debug("inbound connection from %s refused: %d open", remote, self.inbound.opened)
+                        await muxed.close()
+                        return
+                    await muxed.event_closed.wait()
+                finally:
+                    self.inbound.leave(ticket)
+                    with trio.CancelScope(shield=True):  # cut, refused or ended: the socket goes too
+                        await _close_quietly(raw)
+
+        swarm._handle_inbound_connection = handle
+
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -376,10 +436,21 @@ class P2PNode:
             self._nursery = nursery
             mode = DHTMode.SERVER if self.settings.dht_server else DHTMode.CLIENT
             self._dht = KadDHT(self._host, mode, strict_validation=True)
-            async with background_trio_service(self._dht), background_trio_service(self._pubsub):
-                await self._pubsub.wait_until_ready()
-                task_status.started()
-                await trio.sleep_forever()
+            try:
+                async with background_trio_service(self._dht), background_trio_service(self._pubsub):
+                    await self._pubsub.wait_until_ready()
+                    task_status.started()
+                    await trio.sleep_forever()
+            finally:
+                # py-libp2p's host leaves the sockets of connections it dialed open when it stops
+                # (the process's exit closed them): a node started and stopped in one process
+                # would keep them, and its peers would see it connected.
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    for peer in list(self._host.get_connected_peers()):
+                        try:
+                            await self._host.disconnect(peer)
+                        except Exception:  # already going; closing is best effort
+                            log.debug("closing the connection to %s failed", peer, exc_info=True)
 
     # -- addresses -----------------------------------------------------------------------------
 
@@ -465,6 +536,10 @@ class P2PNode:
         unblock = getattr(self._host.get_network(), "unblock_peer", None)
         if unblock is not None:
             unblock(peer_id)
+
+    async def disconnect(self, peer_id: str) -> None:
+        """Close every connection to `peer_id` (none: nothing happens)."""
+        await self._host.disconnect(ID.from_base58(peer_id))
 
     async def connect_multiaddr(self, maddr: str) -> str:
         """Dial a full multiaddr ending in /p2p/<id>; returns the peer id. Raises DialError."""
