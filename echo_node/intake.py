@@ -15,8 +15,9 @@ Rules:
 - Any other rejected message is a counted drop with its reason and a penalty for its sender (and
   for the forwarder that relayed it); a message of another schema version is counted but not a strike
   (an honest peer on another release). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
-  are refused and its rollouts dropped as `banned` without being opened. Bans are written to
-  `bans.json` in the run directory and read back at start, so a restart does not forgive them.
+  are refused and its rollouts dropped as `banned` without being opened. Bans are appended to
+  `bans.log` in the run directory (off the event loop, echo_node/banlog.py) and read back at
+  start, so a restart does not forgive them.
 - Eviction never re-admits: the peer table evicts only peers idle for `ACTIVE_WINDOW_S`, and
   when the sequence tracker has to forget a publisher, a publisher it does not know must bring
   newer tokens than the learner's version at that moment (an old signed batch, replayed, cannot).
@@ -35,7 +36,6 @@ reason, exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 import trio
 
+from echo_node.banlog import BanLog
 from echo_node.journal import Journal
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
@@ -175,14 +176,22 @@ class PeerBook:
         `until_version` if given, else for `ban_s` seconds)."""
         self.penalties[peer_id] += strikes
         excess = len(self.penalties) - self.max_peers - MAX_STRANGERS
-        if excess > 0:  # forget the oldest strangers' counts (insertion order)
-            for p in [p for p in self.penalties if p not in self.joined and p != peer_id][:excess]:
+        if excess > 0:  # forget the oldest strangers' counts (insertion order; the first found)
+            forget = []
+            for p in self.penalties:
+                if p not in self.joined and p != peer_id:
+                    forget.append(p)
+                    if len(forget) == excess:
+                        break
+            for p in forget:
                 del self.penalties[p]
         if self.penalties[peer_id] < self.ban_after or self.is_banned(peer_id):
             return False
         bans: dict[str, Any] = self.banned if until_version is None else self.banned_until_version
         if len(bans) >= MAX_BANS:
-            del bans[min(bans, key=bans.__getitem__)]  # the ban ending first
+            # The ban ending first: every ban of a kind lasts as long (ban_s; ban_versions from
+            # the version it was given at), so the one given first. O(1), not a scan.
+            del bans[next(iter(bans))]
         bans[peer_id] = time.time() + self.ban_s if until_version is None else until_version
         self.leave(peer_id)
         return True
@@ -209,40 +218,24 @@ class PeerBook:
         banned = peer_id in self.banned or peer_id in self.banned_until_version
         return -10.0 * self.penalties.get(peer_id, 0) - (1000.0 if banned else 0.0)
 
-    def save_bans(self, path: Path) -> None:
-        """Write the live bans (atomically: a crash mid-write leaves the previous file). A
-        failure to write is logged; the ban holds in memory either way."""
+    def live_bans(self) -> tuple[dict[str, float], dict[str, int]]:
+        """The bans in force, by wall-clock end and by version (what the ban log compacts to)."""
         now, version = time.time(), self.version()
-        live = {
-            "until_time": {p: until for p, until in self.banned.items() if until > now},
-            "until_version": {p: until for p, until in self.banned_until_version.items() if until > version},
-        }
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text(json.dumps(live, indent=1, sort_keys=True))
-            tmp.replace(path)
-        except OSError as exc:
-            log.error("could not write %s: %s", path, exc)
+        return (
+            {p: until for p, until in self.banned.items() if until > now},
+            {p: until for p, until in self.banned_until_version.items() if until > version},
+        )
 
-    def load_bans(self, path: Path) -> None:
-        """Bans of an earlier run of this learner that have not ended. A file that does not
-        parse is an operator's problem worth a warning, not a reason to refuse to start."""
-        if not path.exists():
-            return
-        try:
-            data = json.loads(path.read_text())
-            if "until_time" not in data:  # the first format: {peer: until_time}
-                data = {"until_time": data, "until_version": {}}
-            bans = {str(p): float(t) for p, t in data["until_time"].items()}
-            by_version = {str(p): int(v) for p, v in data["until_version"].items()}
-        except (ValueError, AttributeError, TypeError, KeyError) as exc:
-            log.warning("ignored %s: %s", path, exc)
-            return
+    def restore_bans(self, by_time: dict[str, float], by_version: dict[str, int]) -> None:
+        """Bans of an earlier run of this learner (echo_node/banlog.py), those not ended, in the
+        order they end (the table forgets the one ending first when full)."""
         now = time.time()
-        self.banned.update({p: t for p, t in bans.items() if t > now})
+        for peer, until in sorted(by_time.items(), key=lambda kv: kv[1])[-MAX_BANS:]:
+            if until > now:
+                self.banned[peer] = until
         # A learner restarted from version 0 keeps the bans it gave in versions, whole.
-        self.banned_until_version.update(by_version)
+        for peer, until_version in sorted(by_version.items(), key=lambda kv: kv[1])[-MAX_BANS:]:
+            self.banned_until_version[peer] = until_version
 
 
 def _prune(window: deque[tuple[float, int]], now: float) -> None:
@@ -280,7 +273,6 @@ class RolloutIntake:
         self.peers = peers
         self.version = version
         self.topic = topic
-        self.bans_path = bans_path
         self.on_first_accept = on_first_accept
         # Each accepted group: its publisher, the version it was begun on, its rollouts.
         self.on_accept = on_accept
@@ -309,8 +301,10 @@ class RolloutIntake:
         self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
         self._repairing: set[str] = set()
         self._repair_slots = trio.CapacityLimiter(REPAIRS_AT_ONCE)
-        if bans_path is not None:
-            peers.load_bans(bans_path)
+        # Bans outlive the process (echo_node/banlog.py); `ban_log.run` writes them.
+        self.ban_log = BanLog(bans_path) if bans_path is not None else None
+        if self.ban_log is not None:
+            peers.restore_bans(*self.ban_log.load())
 
     # -- checks ----------------------------------------------------------------------------------
 
@@ -394,8 +388,11 @@ class RolloutIntake:
             term = f"{self.peers.ban_s:.0f}s" if until_version is None else f"until version {until_version}"
             log.warning("banned %s for %s: %s", peer_id, term, why)
             self.tracker.forget(peer_id)
-            if self.bans_path is not None:
-                self.peers.save_bans(self.bans_path)
+            if self.ban_log is not None:
+                if until_version is None:
+                    self.ban_log.record(peer_id, until_time=self.peers.banned[peer_id])
+                else:
+                    self.ban_log.record(peer_id, until_version=until_version)
         if self.node is not None:
             self.node.penalize(peer_id, self.topic)
 

@@ -141,7 +141,7 @@ class Learner:
         ) if cfg.verify.enabled else None
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
-            bans_path=cfg.run_dir / "bans.json", on_first_accept=self._first_accept, verify=self.verifier,
+            bans_path=cfg.run_dir / "bans.log", on_first_accept=self._first_accept, verify=self.verifier,
             on_accept=lambda peer, version, n: self.capacity.accepted(peer, version, n, trio.current_time()),
             on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
             ban_versions=cfg.verify.ban_versions,
@@ -203,6 +203,8 @@ class Learner:
                 await nursery.start(self.node.run)
                 await nursery.start(self.data.run)
                 nursery.start_soon(self._flush_loop)
+                if self.intake.ban_log is not None:
+                    nursery.start_soon(self.intake.ban_log.run, self.peers.live_bans)
                 # The version this start goes on from, before anyone can join or ask.
                 await self._publish_version(blob)
                 if self.cfg.net.bootstrap:
@@ -664,6 +666,12 @@ class Learner:
         except OSError as exc:
             log.error("could not write the final checkpoint (%s): a restart resumes from the previous one and the journal", exc)
         self.state.journal.close()
+        if self.intake.ban_log is not None:
+            try:
+                self.intake.ban_log.flush(self.peers.live_bans)
+            except OSError as exc:
+                log.error("could not write %s (%s): bans given since its last write are forgotten at a restart",
+                          self.intake.ban_log.path, exc)
         first, last = first_last_mean(self.trainer.trained_rewards)
         ledger = self.buffer.ledger
         summary = {

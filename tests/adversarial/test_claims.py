@@ -4,12 +4,12 @@ once, for versions, across restarts, and purges its buffered groups."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 
 import pytest
 import torch
 
+from echo_node.banlog import BanLog
 from echo_node.config import VerifyConfig
 from echo_node.learner import Learner
 from echo_node.ml.model import build_model, tiny_llama_config
@@ -108,13 +108,16 @@ def test_a_forger_is_banned_at_once_for_versions_and_its_buffered_groups_purged(
     assert [learner.buffer.origin(g) for g in learner.buffer.take(10, 0)] == [ALICE.peer_id]
     # Alice's answers were right and stay so: honest peers are never flagged.
     assert not learner.peers.penalties.get(ALICE.peer_id)
-    saved = json.loads((learner.cfg.run_dir / "bans.json").read_text())
-    assert saved["until_version"] == {MALLORY.peer_id: learner.cfg.verify.ban_versions}
+    assert learner.intake.ban_log is not None
+    learner.intake.ban_log.flush(learner.peers.live_bans)  # what the ban log's task or a stop does
+    assert BanLog(learner.cfg.run_dir / "bans.log").load()[1] == {MALLORY.peer_id: learner.cfg.verify.ban_versions}
 
 
 def test_a_version_ban_survives_a_restart_and_ends_at_its_version(learner: Learner) -> None:
     learner.peers.join(MALLORY.peer_id, 0.0)
     assert not offer(learner, seal(wrong_answers_rewarded(), MALLORY), MALLORY.peer_id)
+    assert learner.intake.ban_log is not None
+    learner.intake.ban_log.flush(learner.peers.live_bans)
     again = Learner(learner.cfg, learner.identity, learner.policy)
     assert again.peers.is_banned(MALLORY.peer_id)
     again.trainer.version = learner.cfg.verify.ban_versions

@@ -46,7 +46,10 @@ def test_three_strikes_ban_across_restarts(learner: Learner, tmp_path: Any) -> N
         return refused.value
 
     assert trio.run(rejoin, learner).code == "banned"
-    # The ban is on disk with the run: a restarted learner still refuses the peer.
+    # The ban is on disk with the run (written within a second, and at every stop): a restarted
+    # learner still refuses the peer.
+    assert learner.intake.ban_log is not None
+    learner.intake.ban_log.flush(learner.peers.live_bans)
     fresh = Learner(learner.cfg, Identity.from_seed(b"\x01" * 32), learner.policy)
     assert trio.run(rejoin, fresh).code == "banned"
 
