@@ -73,6 +73,16 @@ EFFECTIVE_REFRESH_S = 1.0
 # Verified batches waiting for the consumer; more than a subscription queue's worth means the
 # consumer fell behind and re-checks the rest.
 CHECKED_CACHE = 1024
+# Validated batches waiting in the subscription queue for the consumer (which runs the spot
+# checks one at a time) are bounded by what they hold, not by count: in total and per publisher;
+# and a publisher on probation (its batches all spot-checked) has at most one in the queue or
+# being checked. Beyond either, a batch is an `overload` drop (no strike: an honest peer meets it
+# while a slow check runs) that gap repair asks for again later. What a batch holds is its bytes
+# and its decoded form: CPython keeps ~35 bytes per number of a tuple of ints or floats (measured
+# on decoded RolloutBatches; a zstd-compressed batch decodes to ~70x its size).
+MAX_UNCHECKED_BYTES = 64 << 20
+MAX_UNCHECKED_PER_PEER = 16 << 20
+HELD_BYTES_PER_NUMBER = 40
 # Penalty counts kept for peers that never joined (forwarders, strangers), oldest forgotten
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
@@ -238,6 +248,12 @@ class PeerBook:
             self.banned_until_version[peer] = until_version
 
 
+def held_numbers(batch: RolloutBatch) -> int:
+    """The numbers a decoded batch keeps: prompt ids, and per sample its ids, log-probs and
+    token versions."""
+    return sum(len(g.prompt_ids) + sum(3 * len(x.completion_ids) for x in g.samples) for g in batch.groups)
+
+
 def _prune(window: deque[tuple[float, int]], now: float) -> None:
     """Drop a peer's contributions older than ACTIVE_WINDOW_S."""
     while window and now - window[0][0] > ACTIVE_WINDOW_S:
@@ -299,6 +315,12 @@ class RolloutIntake:
         self.arrived = trio.Event()
         # Batches the gossip validator verified, by their bytes, for the consumer to take.
         self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
+        # Batches let into the subscription queue (`queue_admits`): their bytes -> (publisher,
+        # what they hold); totals; and per publisher the ones queued or being checked.
+        self._queued: dict[bytes, tuple[str, int]] = {}
+        self.unchecked_bytes = 0
+        self._unchecked_by: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()
         self._repairing: set[str] = set()
         self._repair_slots = trio.CapacityLimiter(REPAIRS_AT_ONCE)
         # Bans outlive the process (echo_node/banlog.py); `ban_log.run` writes them.
@@ -396,14 +418,60 @@ class RolloutIntake:
         if self.node is not None:
             self.node.penalize(peer_id, self.topic)
 
+    def queue_admits(self, msg: Any) -> bool:
+        """Whether a validated message may wait in the subscription queue for the consumer (the
+        bounds above); False makes it an overload drop (`overflowed`)."""
+        batch = self._checked.get(msg.data)
+        held = len(msg.data) + (HELD_BYTES_PER_NUMBER * held_numbers(batch) if batch is not None else 70 * len(msg.data))
+        origin = msg.sender
+        if self.unchecked_bytes + held > MAX_UNCHECKED_BYTES or self._unchecked_by[origin] + held > MAX_UNCHECKED_PER_PEER:
+            return False
+        if self._in_flight[origin] and self.verify is not None and self.verify.on_probation(origin):
+            return False
+        self._queued[msg.data] = (origin, held)
+        self.unchecked_bytes += held
+        self._unchecked_by[origin] += held
+        self._in_flight[origin] += 1
+        return True
+
+    def _dequeued(self, data: bytes) -> str | None:
+        """A queued message left the queue: its bytes are released (its publisher's in-flight
+        count only when its check is done). Returns its publisher if it was queued."""
+        entry = self._queued.pop(data, None)
+        if entry is None:
+            return None
+        origin, held = entry
+        self.unchecked_bytes -= held
+        self._unchecked_by[origin] -= held
+        if not self._unchecked_by[origin]:
+            del self._unchecked_by[origin]
+        return origin
+
+    def _done(self, origin: str) -> None:
+        self._in_flight[origin] -= 1
+        if self._in_flight[origin] <= 0:
+            del self._in_flight[origin]
+
     def overflowed(self, msg: Any) -> None:
         """A validated message the subscription queue had no room for (the consumer fell
-        behind): counted as overload, so the ledger still sees every rollout it passed."""
+        behind, or the bounds on unchecked batches): counted as overload, so the ledger still
+        sees every rollout it passed."""
+        origin = self._dequeued(msg.data)
+        if origin is not None:
+            self._done(origin)
         batch = self._checked.pop(msg.data, None)
         self.buffer.reject(DropReason.OVERLOAD, batch.num_samples if batch is not None else 1)
 
     async def deliver(self, data: bytes, origin: str) -> None:
         """Admit a message the gossip validator passed, as the validator decoded it."""
+        queued = self._dequeued(data)
+        try:
+            await self._deliver(data, origin)
+        finally:
+            if queued is not None:
+                self._done(queued)
+
+    async def _deliver(self, data: bytes, origin: str) -> None:
         batch = self._checked.pop(data, None)
         if batch is None:  # fell out of the cache: check it again
             batch, reason, n = self.check(data, origin)

@@ -216,7 +216,8 @@ class Learner:
                     )
                 self.node.set_stream_handler(rpc.JOIN, self._serve_join)
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
-                await self.node.subscribe(self.rollouts_topic, self.intake.validate, on_overflow=self.intake.overflowed)
+                await self.node.subscribe(self.rollouts_topic, self.intake.validate, on_overflow=self.intake.overflowed,
+                                          admit=self.intake.queue_admits)
                 await self.node.provide(provider_key(self.cfg.run_id))
                 self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
                            "epoch": self.epoch})

@@ -229,6 +229,11 @@ class Verifier:
         self._probation[peer_id] = self.cfg.probation_batches
         self._probation.move_to_end(peer_id)
 
+    def on_probation(self, peer_id: str) -> bool:
+        """Whether `peer_id`'s next batch will be spot-checked in full (a peer not seen yet is:
+        `plan` puts it on probation)."""
+        return self._model is not None and self._probation.get(peer_id, self.cfg.probation_batches) > 0
+
     def plan(self, batch: RolloutBatch) -> list[int]:
         """Which groups of `batch` to spot-check: all while its publisher is on probation (a
         peer is, for its first batches), else all with probability `spot_rate`, else none.

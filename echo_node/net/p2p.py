@@ -208,17 +208,26 @@ class GossipMessage:
 class _Delivery:
     """Stands in for the subscription channel py-libp2p delivers validated messages into. It
     calls `send_nowait` and, when the channel is full, drops the message with a log line; this
-    tells the owner first (`on_overflow`), so the drop can be counted where it belongs."""
+    tells the owner first (`on_overflow`), so the drop can be counted where it belongs. `admit`
+    may refuse a message before it is queued (the owner's bound on what waits): the same drop."""
 
-    def __init__(self, send: trio.MemorySendChannel[rpc_pb2.Message], on_overflow: Callable[[GossipMessage], None]) -> None:
+    def __init__(
+        self, send: trio.MemorySendChannel[rpc_pb2.Message], on_overflow: Callable[[GossipMessage], None],
+        admit: Callable[[GossipMessage], bool] | None = None,
+    ) -> None:
         self._send = send
         self._on_overflow = on_overflow
+        self._admit = admit
 
     def send_nowait(self, msg: rpc_pb2.Message) -> None:
+        gossip = GossipMessage(ID(msg.from_id).to_base58(), msg.data)
+        if self._admit is not None and not self._admit(gossip):
+            self._on_overflow(gossip)
+            raise trio.WouldBlock
         try:
             self._send.send_nowait(msg)
         except trio.WouldBlock:
-            self._on_overflow(GossipMessage(ID(msg.from_id).to_base58(), msg.data))
+            self._on_overflow(gossip)
             raise
 
     async def aclose(self) -> None:
@@ -593,10 +602,13 @@ class P2PNode:
     # -- gossip ------------------------------------------------------------------------------
 
     async def subscribe(
-        self, topic: str, validator: GossipValidator, *, on_overflow: Callable[[GossipMessage], None] | None = None
+        self, topic: str, validator: GossipValidator, *, on_overflow: Callable[[GossipMessage], None] | None = None,
+        admit: Callable[[GossipMessage], bool] | None = None,
     ) -> None:
         """Subscribe; messages that pass `validator` become readable with `messages(topic)`.
-        `on_overflow` hears of each validated message dropped because the reader fell behind."""
+        `on_overflow` hears of each validated message dropped because the reader fell behind,
+        or because `admit` refused to queue it. Refusing there, not in the validator, keeps
+        the message valid to GossipSub: its forwarder's score does not pay for our backlog."""
         self.gossip_drops[topic] = {}
 
         def check(forwarder: ID, msg: rpc_pb2.Message) -> bool:
@@ -614,7 +626,7 @@ class P2PNode:
         # messages vanished in a loopback test. Swap in a channel sized by our own bound.
         send, receive = trio.open_memory_channel[rpc_pb2.Message](self.settings.subscription_queue)
         overflow = on_overflow or (lambda msg: self._count_drop(topic, "reader_behind"))
-        self._pubsub.subscribed_topics_send[topic] = _Delivery(send, overflow)  # type: ignore[assignment]
+        self._pubsub.subscribed_topics_send[topic] = _Delivery(send, overflow, admit)  # type: ignore[assignment]
         self._subscriptions[topic] = receive
 
     async def _push_msg(self, forwarder: ID, msg: rpc_pb2.Message) -> None:

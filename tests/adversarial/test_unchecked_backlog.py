@@ -1,0 +1,121 @@
+"""Batches waiting for a spot check are bounded by what they hold, not by count.
+
+Joined identities publish well-formed batches with invented log-probs as fast as gossip takes
+them while a spot check runs. Each is on probation (all its batches checked), so each may have
+one batch queued or in its check; the rest are counted `overload` drops, and what waits stays
+within its byte budgets. The queue here is the one py-libp2p delivers validated messages into
+(`echo_node.net.p2p._Delivery` over a trio channel), fed as py-libp2p feeds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from echo_node import intake as intake_module
+from echo_node.config import RunConfig, VerifyConfig
+from echo_node.learner import Learner
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.ml.tasks import get_task
+from echo_node.ml.tokenizer import CharTokenizer
+from echo_node.net.p2p import ID, _Delivery, rpc_pb2
+from echo_node.policy import Policy
+from protocol import Identity, seal
+from tests.factories import make_batch
+
+ATTACKERS = [Identity.from_seed(bytes([0x90 + i]) * 32) for i in range(8)]
+BATCHES_EACH = 30
+
+
+def checking_learner(tmp_path: Path) -> Learner:
+    """A learner whose spot checks run (the tiny model's log-probs), unlike the shared fixture."""
+    tok = CharTokenizer()
+    arch = tiny_llama_config(tok.vocab_size)
+    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
+    cfg = RunConfig(run_id="run-1", runs_dir=tmp_path, verify=VerifyConfig(logprobs=True))
+    learner = Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
+    assert learner.verifier is not None
+    learner.verifier.remember(0, policy.publication())
+    return learner
+
+
+def message(identity: Identity, data: bytes) -> rpc_pb2.Message:
+    return rpc_pb2.Message(from_id=ID.from_base58(identity.peer_id).to_bytes(), data=data)
+
+
+def publish(learner: Learner, delivery: _Delivery, identity: Identity, seq: int, groups: int = 2) -> bool:
+    """One message as py-libp2p handles it: the validator, then the subscription queue."""
+    data = seal(make_batch(identity=identity, seq=seq, groups=groups), identity)
+    if not learner.intake.validate(identity.peer_id, identity.peer_id, data):
+        return False
+    try:
+        delivery.send_nowait(message(identity, data))
+    except trio.WouldBlock:
+        return False
+    return True
+
+
+def test_peers_on_probation_queue_one_batch_each_and_the_rest_are_counted_drops(tmp_path: Path) -> None:
+    learner = checking_learner(tmp_path)
+    intake = learner.intake
+    for a in ATTACKERS:
+        learner.peers.join(a.peer_id, 0.0)
+    queued: list[int] = []
+    held: list[int] = []
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[rpc_pb2.Message](4096)
+        delivery = _Delivery(send, intake.overflowed, intake.queue_admits)
+        async with trio.open_nursery() as nursery:
+            async with intake._spot_lock:  # a long check runs: nothing leaves the queue
+                for seq in range(1, BATCHES_EACH + 1):
+                    for a in ATTACKERS:
+                        publish(learner, delivery, a, seq)
+                queued.append(receive.statistics().current_buffer_used)
+                held.append(intake.unchecked_bytes)
+                send.close()
+
+                async def consume() -> None:
+                    async for msg in receive:
+                        await intake.deliver(msg.data, ID(msg.from_id).to_base58())
+
+                nursery.start_soon(consume)
+            # The lock is free: the queued batches are checked, and their publishers caught.
+
+    trio.run(main)
+    assert queued == [len(ATTACKERS)]
+    assert 0 < held[0] <= intake_module.MAX_UNCHECKED_BYTES
+    dropped = learner.buffer.ledger.dropped
+    per_batch = 2 * make_batch(groups=1).groups[0].samples.__len__()
+    assert dropped["overload"] == len(ATTACKERS) * (BATCHES_EACH - 1) * per_batch
+    assert set(learner.peers.banned_until_version) == {a.peer_id for a in ATTACKERS}  # invented log-probs
+    assert intake.unchecked_bytes == 0 and not intake._in_flight and not intake._queued
+
+
+def test_a_peer_past_probation_is_bounded_by_its_byte_budget_and_others_still_queue(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(intake_module, "MAX_UNCHECKED_PER_PEER", 64 << 10)
+    monkeypatch.setattr(intake_module, "MAX_UNCHECKED_BYTES", 1 << 20)
+    learner = checking_learner(tmp_path)
+    intake = learner.intake
+    assert learner.verifier is not None
+    flooder, others = ATTACKERS[0], ATTACKERS[1:]
+    for a in ATTACKERS:
+        learner.peers.join(a.peer_id, 0.0)
+        learner.verifier._probation[a.peer_id] = 0  # trusted so far: spot-checked at spot_rate only
+
+    async def main() -> tuple[int, int]:
+        send, receive = trio.open_memory_channel[rpc_pb2.Message](100_000)
+        delivery = _Delivery(send, intake.overflowed, intake.queue_admits)
+        taken = sum(publish(learner, delivery, flooder, seq, groups=8) for seq in range(1, 200))
+        others_taken = sum(publish(learner, delivery, a, 1, groups=8) for a in others)
+        return taken, others_taken
+
+    taken, others_taken = trio.run(main)
+    assert 0 < taken < 199
+    assert intake._unchecked_by[flooder.peer_id] <= intake_module.MAX_UNCHECKED_PER_PEER
+    assert others_taken == len(others)  # the flooder's backlog is its own
+    assert intake.unchecked_bytes <= intake_module.MAX_UNCHECKED_BYTES
