@@ -16,6 +16,9 @@ Classes (the verification issue's a-f):
   injected after its first digit (the tokenizer's decoding drops bos, so the reward is right),
   with the log-probs the current weights honestly give those tokens: plausible, rewarded, and
   teaching the policy to emit a token no honest sample would.
+- `freeze` (benchmarks/hostile.py's `capacity_freeze`): honest, then silent on SIGUSR1 (or after
+  `--after N` batches): it generates nothing more while its weight follower keeps sending
+  heartbeats, a peer that looks present and free but delivers nothing.
 
 `--after N`: honest for the first N batches, lying from then on (a peer that earns trust first:
 past probation, only the spot rate catches it).
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import sys
 import time
 from typing import Any
@@ -193,6 +197,29 @@ class Poison(Attacker):
         return groups
 
 
+class Freeze(Attacker):
+    """Samples honestly until SIGUSR1 (or, with `after` > 0, its first `after` batches), then
+    never again; the follower's status polls (the learner's heartbeats) go on. One JSON line
+    {"event": "silent", "batches", "wall"} says when it stopped."""
+
+    # Set by the SIGUSR1 handler `main` installs before anything else: a signal that arrives
+    # while the peer still loads or joins must not kill it (the default action) or be lost.
+    told = False
+
+    async def run(self) -> None:
+        with trio.CancelScope() as honest:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._stop_when_told, honest)
+                await super().run()
+        print(json.dumps({"event": "silent", "batches": self.batches, "wall": time.time()}), flush=True)
+        await trio.sleep_forever()
+
+    async def _stop_when_told(self, scope: trio.CancelScope) -> None:
+        while not (Freeze.told or 0 < self.after <= self.batches):
+            await trio.sleep(0.1)
+        scope.cancel()
+
+
 ATTACKS: dict[str, type[Attacker]] = {
     "fake_rewards": FakeRewards,
     "garbage": Garbage,
@@ -200,6 +227,7 @@ ATTACKS: dict[str, type[Attacker]] = {
     "cherry_picked": CherryPicked,
     "copier": Copier,
     "poison": Poison,
+    "freeze": Freeze,
 }
 
 
@@ -212,6 +240,8 @@ def main(argv: list[str]) -> int:
     if rest[:1] == ["--after"]:
         after, rest = int(rest[1]), rest[2:]
     attack = type(argv[0], (ATTACKS[argv[0]],), {"after": after})
+    if issubclass(attack, Freeze):
+        signal.signal(signal.SIGUSR1, lambda signum, frame: setattr(Freeze, "told", True))
     args = build_parser().parse_args(["join", *rest])
     _setup_logging(args.log_level, "join")
     cfg = _config(args)
