@@ -64,6 +64,11 @@ CHECKS = ("completion", "prompt", "reward", "logprobs", "sampling")
 MAX_TRACKED_PEERS = 65536
 # Group fingerprints kept for copy detection.
 COPY_WINDOW = 65536
+# A spot check's forward holds rows x completion tokens x vocabulary log-probabilities (and a few
+# copies of them: tempering, the nucleus, the sampling tests): rows go through in forwards of
+# at most this many, so checking a batch costs bounded memory whatever its size (a 194-group
+# batch of a 49,152-token vocabulary at 48 tokens in one forward would take ~14 GB).
+SPOT_CHUNK_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,7 +284,7 @@ class Verifier:
             if not self._load(version):
                 self.stats.unverifiable_tokens += sum(s.token_versions.count(version) for _, s in rows)
                 continue
-            result = self._rows_at(rows, version)
+            result = self._rows_checked(rows, version)
             if isinstance(result, Failure):
                 return result
             n, low, high = result
@@ -309,9 +314,39 @@ class Verifier:
         self._loaded = version
         return True
 
-    def _rows_at(self, rows: list[tuple[RolloutGroup, Sample]], version: int) -> Failure | tuple[int, float, float]:
-        """Checks 4 and 5(a) on the tokens of `rows` (group, sample) tagged `version`, in one
-        forward (weights loaded); else (tokens, log e-values of both 5(b) tests over them)."""
+    def _rows_checked(self, rows: list[tuple[RolloutGroup, Sample]], version: int) -> Failure | tuple[int, float, float]:
+        """Checks 4 and 5(a) on the tokens of `rows` tagged `version` (weights loaded), in
+        forwards of at most `SPOT_CHUNK_ELEMENTS` log-probabilities each; else (tokens, log
+        e-values of both 5(b) tests over them). The mean log-prob gap is judged over all rows."""
+        width = max(len(s.completion_ids) for _, s in rows)
+        per = max(1, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab))
+        tokens, low, high, gap_sum = 0, 0.0, 0.0, 0.0
+        worst: _Gap | None = None
+        for start in range(0, len(rows), per):
+            part = self._rows_at(rows[start : start + per], version)
+            if isinstance(part, Failure):
+                return part
+            n, lo, hi, gaps, gap = part
+            tokens, low, high, gap_sum = tokens + n, low + lo, high + hi, gap_sum + gaps
+            if gap is not None and (worst is None or gap.value > worst.value):
+                worst = gap
+        if worst is not None and tokens and gap_sum / tokens > self.cfg.lp_tolerance_mean:
+            return self._bad_logprobs(version, gap_sum / tokens, worst)
+        return tokens, low, high
+
+    def _bad_logprobs(self, version: int, mean: float, worst: _Gap) -> Failure:
+        return Failure(
+            DropReason.BAD_LOGPROBS,
+            f"group {worst.group_id} on version {version}: claimed log-probs are {mean:.3g} from the "
+            f"learner's on average, {worst.value:.3g} at most (token {worst.token}: claimed {worst.claimed:.4g}, "
+            f"recomputed {worst.recomputed:.4g}); tolerance {self.cfg.lp_tolerance_mean:g} / {self.cfg.lp_tolerance_max:g}",
+        )
+
+    def _rows_at(
+        self, rows: list[tuple[RolloutGroup, Sample]], version: int
+    ) -> Failure | tuple[int, float, float, float, _Gap | None]:
+        """Checks 4 (per token) and 5(a) on the tokens of `rows` tagged `version`, in one
+        forward; else (tokens, both log e-values, the sum of their log-prob gaps, the largest)."""
         assert self._model is not None
         samples = [s for _, s in rows]
         with torch.inference_mode():
@@ -326,14 +361,12 @@ class Verifier:
         claimed = torch.tensor([list(s.behaviour_logprobs) + [0.0] * (t_max - len(s.behaviour_logprobs)) for s in samples])
         diff = (recomputed - claimed).abs().masked_fill(~on, -1.0)
         gap = diff[on]
-        if gap.numel() and (float(gap.max()) > self.cfg.lp_tolerance_max or float(gap.mean()) > self.cfg.lp_tolerance_mean):
+        worst = None
+        if gap.numel():
             r, t = divmod(int(diff.argmax()), t_max)
-            return Failure(
-                DropReason.BAD_LOGPROBS,
-                f"group {rows[r][0].group_id} on version {version}: claimed log-probs are {float(gap.mean()):.3g} from the "
-                f"learner's on average, {float(gap.max()):.3g} at most (token {t}: claimed {float(claimed[r, t]):.4g}, "
-                f"recomputed {float(recomputed[r, t]):.4g}); tolerance {self.cfg.lp_tolerance_mean:g} / {self.cfg.lp_tolerance_max:g}",
-            )
+            worst = _Gap(float(gap.max()), rows[r][0].group_id, t, float(claimed[r, t]), float(recomputed[r, t]))
+            if worst.value > self.cfg.lp_tolerance_max:
+                return self._bad_logprobs(version, float(gap.mean()), worst)
         # The distribution the engine samples from: tempered, then cut to the nucleus.
         logq = torch.log_softmax(top_p_filter(logp, self.top_p), dim=-1) if self.top_p < 1 else logp
         sampled = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -348,7 +381,19 @@ class Verifier:
                 f"group {rows[r][0].group_id} on version {version}: token {t} of a sample has probability "
                 f"{math.exp(float(sampled[r, t])):.2e} at temperature {self.temperature:g}, below {math.exp(floor):.1e}",
             )
-        return int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0)
+        return (int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0),
+                float(gap.sum()), worst)
+
+
+@dataclass(frozen=True, slots=True)
+class _Gap:
+    """The largest claimed-vs-recomputed log-prob gap of a check, and where (for the evidence)."""
+
+    value: float
+    group_id: str
+    token: int
+    claimed: float
+    recomputed: float
 
 
 def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:

@@ -10,9 +10,12 @@ Rules of `Inbound`:
 - A connection is *pending* from accept until it proved who it is (a signed hello, a Noise
   handshake) and *open* after. Pending connections are capped in total and per source address;
   when a cap is full, the oldest pending connection of that source (or, for the total, the oldest
-  of all) is cut to make room. Cutting the oldest, not refusing the newest, keeps the listener
-  usable under a flood: an honest peer proves itself within milliseconds, a silent one is cut
-  as soon as newer connections arrive (and by the listener's own pre-hello deadline anyway).
+  of all) is cut to make room if it has waited `CUT_AGE_S`, else the newcomer is refused (closed
+  at once, before any task or handshake state exists for it). Cutting old ones keeps the
+  listener usable under a flood: an honest peer proves itself within a round trip, a silent one
+  is cut once it is old and newer connections arrive (and by the listener's own deadline). The
+  age bounds what a flood costs: at most `pending / CUT_AGE_S` connections a second get past
+  the refusal, each a task and a handshake's start; the rest cost an accept and a close.
 - Open connections are capped in total and per source; one beyond is closed at once.
 - Loopback sources share no per-source cap: every process of a one-machine swarm connects from
   127.0.0.1, and a process on this machine can do worse to a node than open sockets. The totals
@@ -21,9 +24,11 @@ Rules of `Inbound`:
 
 from __future__ import annotations
 
+import errno
 import logging
 import resource
 from collections import Counter, OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -35,6 +40,10 @@ log = logging.getLogger(__name__)
 # Descriptors a node keeps for itself whatever strangers do: the journal and checkpoint files,
 # its own dials (bootstrap, DHT, relays, dial-back probes), the engine's and torch's files.
 RESERVED_FDS = 256
+# A pending connection is cut for a newcomer only once it has waited this long: longer than an
+# honest hello or handshake takes on a slow link (one or two round trips), short enough that a
+# flood's silent connections give their slots up quickly.
+CUT_AGE_S = 0.5
 # The soft open-file limit a node raises itself to at start, where the hard limit allows:
 # enough for every listener's default caps with room to spare.
 WANTED_FDS = 65536
@@ -83,6 +92,7 @@ class Ticket:
 
     source: str
     scope: trio.CancelScope
+    since: float
     open: bool = False
 
 
@@ -102,15 +112,23 @@ class Inbound:
     cut: int = 0
     refused: int = 0
 
-    def arrive(self, source: str, scope: trio.CancelScope) -> Ticket:
-        """Admit a new connection from `source` as pending, cutting the oldest pending one of
-        the same source or of all when a pending cap is full."""
-        limited = self._limited(source)
-        if limited and self._pending_by[source] >= self.caps.pending_per_source:
-            self._cut(next(t for t in self._pending if t.source == source))
+    def arrive(self, source: str, scope: trio.CancelScope, now: float) -> Ticket | None:
+        """Admit a new connection from `source` as pending, or None: refuse it (close it at once,
+        the cheapest answer). When a pending cap is full (the source's, else the total), the
+        oldest pending connection under it is cut if it has waited `CUT_AGE_S`, else the
+        newcomer is refused."""
+        if self._limited(source) and self._pending_by[source] >= self.caps.pending_per_source:
+            victim = next(t for t in self._pending if t.source == source)
         elif len(self._pending) >= self.caps.pending:
-            self._cut(next(iter(self._pending)))
-        ticket = Ticket(source, scope)
+            victim = next(iter(self._pending))
+        else:
+            victim = None
+        if victim is not None:
+            if now - victim.since < CUT_AGE_S:
+                self.refused += 1
+                return None
+            self._cut(victim)
+        ticket = Ticket(source, scope, now)
         self._pending[ticket] = None
         self._pending_by[source] += 1
         return ticket
@@ -190,3 +208,60 @@ def peer_host(stream: object) -> str:
         return str(sock.getpeername()[0]) if sock is not None else ""
     except OSError:  # already reset by the peer
         return ""
+
+
+# accept() errors that mean "out of descriptors or memory for a moment", not a broken listener.
+_ACCEPT_PRESSURE = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+PRESSURE_PAUSE_S = 0.1
+
+
+async def serve_admitted(
+    listeners: Sequence[trio.SocketListener], handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]],
+    inbound: Inbound,
+) -> None:
+    """Accept on `listeners` until cancelled; each connection `inbound` admits runs
+    `handler(stream, ticket)` in its own task, in the cancel scope of its ticket (a cut ends
+    it); one refused is closed at once, with no task (what `trio.serve_listeners` would spawn
+    for every connection, the flood's included). The listeners are closed when it ends."""
+    try:
+        async with trio.open_nursery() as nursery:
+            for listener in listeners:
+                nursery.start_soon(_accept_loop, listener, handler, inbound, nursery)
+    finally:
+        for listener in listeners:
+            listener.socket.close()
+
+
+async def _accept_loop(
+    listener: trio.SocketListener, handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]], inbound: Inbound,
+    nursery: trio.Nursery,
+) -> None:
+    while True:
+        try:
+            stream = await listener.accept()
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_PRESSURE:
+                raise
+            log.warning("%s: accept failed (%s); pausing %gs", inbound.name, exc.strerror, PRESSURE_PAUSE_S)
+            await trio.sleep(PRESSURE_PAUSE_S)
+            continue
+        scope = trio.CancelScope()
+        ticket = inbound.arrive(peer_host(stream), scope, trio.current_time())
+        if ticket is None:
+            stream.socket.close()
+            continue
+        nursery.start_soon(_serve_one, stream, ticket, handler, inbound)
+
+
+async def _serve_one(
+    stream: trio.SocketStream, ticket: Ticket, handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]],
+    inbound: Inbound,
+) -> None:
+    try:
+        with ticket.scope:
+            await handler(stream, ticket)
+    finally:
+        inbound.leave(ticket)
+        # Served, cut before it proved itself, or the node stopping: the socket goes with the
+        # task (closing twice is harmless; a handler done with it may have closed it already).
+        stream.socket.close()

@@ -416,9 +416,12 @@ class P2PNode:
 
         async def handle(read_write_closer: Any, maddr: multiaddr.Multiaddr) -> None:
             remote = read_write_closer.get_remote_address()
-            raw = RawConnection(read_write_closer, False)
             with trio.CancelScope() as scope:
-                ticket = self.inbound.arrive(remote[0] if remote else "", scope)
+                ticket = self.inbound.arrive(remote[0] if remote else "", scope, trio.current_time())
+                if ticket is None:  # refused before any handshake state exists: the cheapest answer
+                    await _close_quietly(read_write_closer)
+                    return
+                raw = RawConnection(read_write_closer, False)
                 try:
                     try:
                         muxed = await swarm.upgrade_inbound_raw_conn(raw, maddr)

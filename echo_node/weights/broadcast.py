@@ -46,7 +46,7 @@ from typing import Protocol
 
 import trio
 
-from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, peer_host
+from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, serve_admitted
 from echo_node.net.framing import read_frame, write_frame
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
@@ -335,21 +335,10 @@ class DataServer:
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(self.port, host=self.bind_host)
         self.port = listeners[0].socket.getsockname()[1]
-        async with trio.open_nursery() as nursery:
-            task_status.started(self.port)
-            await trio.serve_listeners(self._handle, listeners, handler_nursery=nursery)
+        task_status.started(self.port)
+        await serve_admitted(listeners, self._handle, self.inbound)
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
-        with trio.CancelScope() as scope:
-            ticket = self.inbound.arrive(peer_host(stream), scope)
-            try:
-                await self._serve_connection(stream, ticket)
-            finally:
-                self.inbound.leave(ticket)
-        if scope.cancelled_caught:  # cut by the budget before its hello: a newer connection needed the slot
-            await stream.aclose()
-
-    async def _serve_connection(self, stream: trio.SocketStream, ticket: Ticket) -> None:
+    async def _handle(self, stream: trio.SocketStream, ticket: Ticket) -> None:
         try:
             with trio.fail_after(HELLO_DEADLINE_S):
                 raw = await read_frame(stream, max_len=HELLO_MAX)

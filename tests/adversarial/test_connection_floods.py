@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 import trio
 
-from echo_node.net.budget import Caps, Inbound, Ticket
+from echo_node.net.budget import CUT_AGE_S, Caps, Inbound
 from echo_node.net.discovery import PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings
 from echo_node.weights.broadcast import DataServer, probe
@@ -62,7 +62,7 @@ def test_a_silent_flood_holds_at_most_the_pending_budget_and_an_honest_probe_is_
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.run)
             await flood(port, FLOOD, "127.0.0.2", held)
-            await trio.sleep(0.2)
+            await trio.sleep(CUT_AGE_S + 0.1)  # the flood's connections are old enough to be cut
             result["pending"] = server.inbound.pending
             with trio.fail_after(5):  # the honest dial-back proves who is there, mid-flood
                 await probe(HONEST, "run-1", SERVER.peer_id, "127.0.0.1", port)
@@ -74,7 +74,7 @@ def test_a_silent_flood_holds_at_most_the_pending_budget_and_an_honest_probe_is_
     trio.run(main)
     assert result["pending"] <= SMALL.pending
     assert result["cut"] >= FLOOD - SMALL.pending
-    assert server.inbound.cut >= FLOOD - SMALL.pending
+    assert server.inbound.cut + server.inbound.refused >= FLOOD - SMALL.pending
 
 
 def test_one_source_flooding_cuts_only_its_own_connections() -> None:
@@ -115,14 +115,18 @@ def test_one_source_flooding_cuts_only_its_own_connections() -> None:
 def test_the_open_cap_is_a_refusal_and_a_closed_connection_gives_its_slot_back() -> None:
     async def main() -> None:
         budget = Inbound(Caps(pending=4, pending_per_source=4, open=2, open_per_source=2), exempt_loopback=False)
-        tickets = [budget.arrive("10.0.0.1", trio.CancelScope()) for _ in range(3)]
-        assert [budget.promote(t) for t in tickets] == [True, True, False]
-        budget.leave(tickets[0])
-        again = budget.arrive("10.0.0.1", trio.CancelScope())
-        assert budget.promote(again) and budget.opened == 2
-        # Cutting happens to the oldest pending connection, and only to a pending one.
-        pending: list[Ticket] = [budget.arrive("10.0.0.2", trio.CancelScope()) for _ in range(5)]
-        assert pending[0].scope.cancel_called and not any(t.scope.cancel_called for t in pending[1:])
+        tickets = [budget.arrive("10.0.0.1", trio.CancelScope(), 0.0) for _ in range(3)]
+        assert [budget.promote(t) for t in tickets if t is not None] == [True, True, False]
+        budget.leave(tickets[0])  # type: ignore[arg-type]
+        again = budget.arrive("10.0.0.1", trio.CancelScope(), 0.0)
+        assert again is not None and budget.promote(again) and budget.opened == 2
+        # A full pending budget refuses a newcomer while its oldest is young, and cuts the
+        # oldest (only a pending one) once it has waited CUT_AGE_S.
+        pending = [budget.arrive("10.0.0.2", trio.CancelScope(), 0.0) for _ in range(5)]
+        assert pending[4] is None and budget.refused == 2
+        late = budget.arrive("10.0.0.3", trio.CancelScope(), CUT_AGE_S)
+        assert late is not None and pending[0] is not None and pending[0].scope.cancel_called
+        assert not any(t.scope.cancel_called for t in pending[1:4] if t is not None)
         assert budget.pending == 4 and budget.opened == 2
 
     trio.run(main)
@@ -145,6 +149,7 @@ def test_a_silent_flood_on_the_libp2p_port_does_not_keep_an_honest_peer_out() ->
             await nursery.start(server.run)
             port = int(server.addrs[0].split("/tcp/")[1].split("/")[0])
             await flood(port, FLOOD, "127.0.0.2", held)
+            await trio.sleep(CUT_AGE_S + 0.1)  # a peer arriving sooner is refused and dials again
             client = node(HONEST)
             await nursery.start(client.run)
             with trio.fail_after(10):
@@ -158,7 +163,7 @@ def test_a_silent_flood_on_the_libp2p_port_does_not_keep_an_honest_peer_out() ->
     trio.run(main)
     gc.collect()
     assert connected == [HONEST.peer_id]
-    assert server.inbound.cut >= FLOOD - SMALL.pending
+    assert server.inbound.cut + server.inbound.refused >= FLOOD - SMALL.pending
 
 
 def test_libp2p_slots_come_back_when_connections_close() -> None:
