@@ -15,6 +15,7 @@ from echo_node.config import VerifyConfig
 from echo_node.learner import Learner
 from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.model import state_to_bytes
+from echo_node import verify as verify_module
 from echo_node.verify import Verifier
 from protocol import DropReason, RolloutBatch, RolloutGroup, seal
 from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, offer
@@ -98,6 +99,31 @@ def test_a_forged_sample_fails_its_spot_check(
     )))  # every reward is the run's: only the spot check can catch it
     assert spot(v, batch) is reason
     assert v.stats.failed == {reason.value.removeprefix("bad_"): 1}
+
+
+def test_a_big_batch_is_checked_in_bounded_forwards_with_the_same_verdicts(
+    model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """However many rows a batch has, no forward of its check holds more than
+    SPOT_CHUNK_ELEMENTS log-probabilities (a forger's 194-group batch of a real vocabulary would
+    otherwise need gigabytes), and chunking changes no verdict."""
+    honest = sample_batch(model, seq=5, groups=16)
+    forged = each_group(honest, lambda g: replace(g, samples=tuple(
+        replace(s, behaviour_logprobs=tuple(x - 0.3 for x in s.behaviour_logprobs)) for s in g.samples)))
+    whole = [spot(verifier(model), b) for b in (honest, forged)]
+    widths: list[int] = []
+    real = verify_module.completion_log_softmax
+
+    def counted(*args: object, **kw: object) -> object:
+        out = real(*args, **kw)  # type: ignore[arg-type]
+        widths.append(out[0].numel())
+        return out
+
+    monkeypatch.setattr(verify_module, "completion_log_softmax", counted)
+    monkeypatch.setattr(verify_module, "SPOT_CHUNK_ELEMENTS", 2_000)
+    chunked = [spot(verifier(model), b) for b in (honest, forged)]
+    assert chunked == whole == [None, DropReason.BAD_LOGPROBS]
+    assert len(widths) > 4 and max(widths) <= 2_000
 
 
 def test_a_version_no_longer_kept_is_counted_not_failed(model: torch.nn.Module) -> None:
