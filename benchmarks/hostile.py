@@ -53,6 +53,9 @@ Measured per class:
   metrics.jsonl: `trained` delta over wall time, minus whatever the attackers had accepted),
   and `honest_rate_run`: sum of `accepted` over the honest peers in summary.json / summary
   `wall_s` (the whole run, warm-up included); ratios are against `clean`;
+- `learner_wait_share`: the share of the window the learner waited for rollouts (train
+  records' `wait_s`): where the honest rate falls while this stays high, the attacker took the
+  honest peers' core (its `attacker_cpu_s`), not the learner's time;
 - the summary's `rollouts_dropped`, `banned` (`banned_count`; lists over 16 become counts),
   `penalties`, and what the attacker saw (`attack`);
 - `learner_fds`: descriptors the learner holds (start, max, growth), sampled with the RSS;
@@ -1282,6 +1285,11 @@ def run_class(name: str, seconds: float, peers: int, root: Path) -> dict[str, An
             attacker_accepted = sum(int(v["accepted"]) for p, v in summary["peers"].items() if p in attackers)
         out["window_s"] = round(secs, 2)
         out["window_trained"] = trained
+        # The share of the window the learner spent waiting for rollouts: near 0, the learner is
+        # the bottleneck (the attack costs it time); high, its peers are (e.g. an attacker's CPU
+        # on the peers' core, where this benchmark pins attackers).
+        waits = [r for r in hs.records() if window["t0"] < r["wall"] <= window["t1"]]
+        out["learner_wait_share"] = round(sum(float(r.get("wait_s", 0.0)) for r in waits) / secs, 3) if secs > 0 else None
         out["attacker_accepted"] = attacker_accepted
         out["honest_rate"] = round(max(0, trained - attacker_accepted) / secs, 2) if secs > 0 else None
         out["attack"] = {k: v for k, v in window["attack"].items() if k not in ("data_addr",)}

@@ -69,6 +69,9 @@ COPY_WINDOW = 65536
 # at most this many, so checking a batch costs bounded memory whatever its size (a 194-group
 # batch of a 49,152-token vocabulary at 48 tokens in one forward would take ~14 GB).
 SPOT_CHUNK_ELEMENTS = 1 << 24
+# ... and of at most this many rows: the forward's activations grow with rows x tokens x width,
+# whatever the vocabulary (a 1,552-row batch of the toy grew the learner by ~100 MB at once).
+SPOT_CHUNK_ROWS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,7 +322,7 @@ class Verifier:
         forwards of at most `SPOT_CHUNK_ELEMENTS` log-probabilities each; else (tokens, log
         e-values of both 5(b) tests over them). The mean log-prob gap is judged over all rows."""
         width = max(len(s.completion_ids) for _, s in rows)
-        per = max(1, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab))
+        per = max(1, min(SPOT_CHUNK_ROWS, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab)))
         tokens, low, high, gap_sum = 0, 0.0, 0.0, 0.0
         worst: _Gap | None = None
         for start in range(0, len(rows), per):
