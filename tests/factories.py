@@ -38,6 +38,20 @@ async def silent_listener(nursery: trio.Nursery) -> int:
     return port
 
 
+async def closed_by_server(streams: list[trio.SocketStream], *, wait_s: float = 0.01) -> int:
+    """How many of `streams` the server at their other end has closed (a read sees the end, or
+    a reset, within `wait_s`)."""
+    closed = 0
+    for stream in streams:
+        with trio.move_on_after(wait_s):
+            try:
+                if await stream.receive_some(1) == b"":
+                    closed += 1
+            except trio.BrokenResourceError:
+                closed += 1
+    return closed
+
+
 # The default run's tokenizer: bos=1, eos=2, digit d = 3 + d, '+' = 13, '=' = 14.
 TOKENIZER = CharTokenizer()
 TASK = get_task("addition")

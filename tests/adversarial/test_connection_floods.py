@@ -20,6 +20,7 @@ from echo_node.net.discovery import PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings
 from echo_node.weights.broadcast import DataServer, probe
 from protocol import Identity
+from tests.factories import closed_by_server
 
 SERVER = Identity.from_seed(b"\x61" * 32)
 HONEST = Identity.from_seed(b"\x62" * 32)
@@ -40,19 +41,6 @@ async def flood(port: int, n: int, source: str, held: list[trio.SocketStream]) -
         held.append(await trio.open_tcp_stream("127.0.0.1", port, local_address=source))
 
 
-async def cut_by_server(held: list[trio.SocketStream]) -> int:
-    """How many of `held` the server closed (a read sees the end at once)."""
-    closed = 0
-    for stream in held:
-        with trio.move_on_after(0.05):
-            try:
-                if await stream.receive_some(1) == b"":
-                    closed += 1
-            except trio.BrokenResourceError:
-                closed += 1
-    return closed
-
-
 def test_a_silent_flood_holds_at_most_the_pending_budget_and_an_honest_probe_is_answered() -> None:
     server = DataServer(SERVER, "run-1", caps=SMALL)
     result: dict[str, int] = {}
@@ -66,7 +54,7 @@ def test_a_silent_flood_holds_at_most_the_pending_budget_and_an_honest_probe_is_
             result["pending"] = server.inbound.pending
             with trio.fail_after(5):  # the honest dial-back proves who is there, mid-flood
                 await probe(HONEST, "run-1", SERVER.peer_id, "127.0.0.1", port)
-            result["cut"] = await cut_by_server(held)
+            result["cut"] = await closed_by_server(held)
             nursery.cancel_scope.cancel()
         for stream in held:
             await stream.aclose()

@@ -23,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from echo_node import prom
 from echo_node.prom import CONTENT_TYPE, HEAD_TIMEOUT_S, MAX_CONNECTIONS, MAX_HEAD_BYTES, MetricsExporter, serve_metrics
+from tests.factories import closed_by_server
 
 LEARNER_SNAPSHOT = {
     "version": 12,
@@ -298,11 +299,7 @@ def test_a_hundred_connections_are_bounded_and_the_server_recovers() -> None:
             for _ in range(prom.MAX_CONNECTIONS_PER_SOURCE)
         ]
         await trio.sleep(1)  # the server accepts them all (virtual time: until it is idle)
-        closed = 0
-        for stream in streams:
-            with trio.move_on_after(0.01):
-                if await stream.receive_some(1) == b"":
-                    closed += 1
+        closed = await closed_by_server(streams)
         refused = await exchange(port, b"GET /metrics HTTP/1.1\r\n\r\n", "127.0.1.1")  # no slot left
         await trio.sleep(HEAD_TIMEOUT_S)  # the held connections time out
         for stream in streams:
