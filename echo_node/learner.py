@@ -183,7 +183,7 @@ class Learner:
         self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
         self._probing: set[str] = set()
         self._joins = JoinLimits()
-        # (peer, host, port) dialed back within DIAL_BACK_WINDOW_S: not dialed again.
+        # (peer, host, port) decided within DIAL_BACK_WINDOW_S: not dialed or recorded again.
         self._dialed = RecentlySeen(DIAL_BACK_WINDOW_S, MAX_DIALED)
         # This machine's addresses: a private, link-local or loopback address is dialed back
         # only on a network of that scope this learner is on itself.
@@ -392,6 +392,8 @@ class Learner:
         join came from (the port may be the one it named: a 1:1 NAT or a port forward keeps it),
         never one it names (protocol/addresses.py: `dial_back_refusal`), and once per (peer,
         address) within `DIAL_BACK_WINDOW_S` (a re-join within it keeps the verdict)."""
+        if not self._dialed.fresh((peer_id, observed, port), now):
+            return  # decided within the window, dialed or not: no second probe, record or line
         if observed is None:
             self._verdict(peer_id, None, "the address its join came from is unknown")
             return
@@ -402,8 +404,6 @@ class Learner:
         refusal = dial_back_refusal(observed, own_hosts=self._own_hosts, allow_private=self.cfg.net.dial_private)
         if refusal is not None:
             self._verdict(peer_id, None, f"{observed} is not dialed back: {refusal}")
-            return
-        if not self._dialed.fresh((peer_id, *target), now):
             return
         self._schedule_probe(peer_id, [target])
 
