@@ -83,6 +83,8 @@ CHECKED_CACHE = 1024
 MAX_UNCHECKED_BYTES = 64 << 20
 MAX_UNCHECKED_PER_PEER = 16 << 20
 HELD_BYTES_PER_NUMBER = 40
+# What a batch that fell out of the validator's cache is taken to hold, per byte of the wire.
+DECODED_PER_WIRE_BYTE = 70
 # Penalty counts kept for peers that never joined (forwarders, strangers), oldest forgotten
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
@@ -316,8 +318,9 @@ class RolloutIntake:
         # Batches the gossip validator verified, by their bytes, for the consumer to take.
         self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
         # Batches let into the subscription queue (`queue_admits`): their bytes -> (publisher,
-        # what they hold); totals; and per publisher the ones queued or being checked.
-        self._queued: dict[bytes, tuple[str, int]] = {}
+        # what each copy holds, copies queued); totals; and per publisher the ones queued or
+        # being checked.
+        self._queued: dict[bytes, tuple[str, int, int]] = {}
         self.unchecked_bytes = 0
         self._unchecked_by: Counter[str] = Counter()
         self._in_flight: Counter[str] = Counter()
@@ -422,13 +425,17 @@ class RolloutIntake:
         """Whether a validated message may wait in the subscription queue for the consumer (the
         bounds above); False makes it an overload drop (`overflowed`)."""
         batch = self._checked.get(msg.data)
-        held = len(msg.data) + (HELD_BYTES_PER_NUMBER * held_numbers(batch) if batch is not None else 70 * len(msg.data))
+        decoded = HELD_BYTES_PER_NUMBER * held_numbers(batch) if batch is not None else DECODED_PER_WIRE_BYTE * len(msg.data)
+        held = len(msg.data) + decoded
         origin = msg.sender
         if self.unchecked_bytes + held > MAX_UNCHECKED_BYTES or self._unchecked_by[origin] + held > MAX_UNCHECKED_PER_PEER:
             return False
         if self._in_flight[origin] and self.verify is not None and self.verify.on_probation(origin):
             return False
-        self._queued[msg.data] = (origin, held)
+        # The same bytes may be queued twice (republished under another gossip seqno): each copy
+        # is accounted and released on its own, or a replayed message would leak the budget.
+        _, _, copies = self._queued.get(msg.data, (origin, held, 0))
+        self._queued[msg.data] = (origin, held, copies + 1)
         self.unchecked_bytes += held
         self._unchecked_by[origin] += held
         self._in_flight[origin] += 1
@@ -437,10 +444,14 @@ class RolloutIntake:
     def _dequeued(self, data: bytes) -> str | None:
         """A queued message left the queue: its bytes are released (its publisher's in-flight
         count only when its check is done). Returns its publisher if it was queued."""
-        entry = self._queued.pop(data, None)
+        entry = self._queued.get(data)
         if entry is None:
             return None
-        origin, held = entry
+        origin, held, copies = entry
+        if copies > 1:
+            self._queued[data] = (origin, held, copies - 1)
+        else:
+            del self._queued[data]
         self.unchecked_bytes -= held
         self._unchecked_by[origin] -= held
         if not self._unchecked_by[origin]:

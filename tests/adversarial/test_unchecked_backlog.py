@@ -119,3 +119,35 @@ def test_a_peer_past_probation_is_bounded_by_its_byte_budget_and_others_still_qu
     assert intake._unchecked_by[flooder.peer_id] <= intake_module.MAX_UNCHECKED_PER_PEER
     assert others_taken == len(others)  # the flooder's backlog is its own
     assert intake.unchecked_bytes <= intake_module.MAX_UNCHECKED_BYTES
+
+
+def test_the_same_bytes_queued_twice_are_released_twice_so_a_replay_cannot_leak_the_budget(tmp_path: Path) -> None:
+    """A publisher republishing one batch's bytes under new gossip seqnos gets each copy
+    accounted and released on its own: after the consumer drained the queue nothing is held,
+    and the budget is whole for everyone."""
+    learner = checking_learner(tmp_path)
+    intake = learner.intake
+    assert learner.verifier is not None
+    replayer = ATTACKERS[0]
+    learner.peers.join(replayer.peer_id, 0.0)
+    learner.verifier._probation[replayer.peer_id] = 0  # past probation: several may wait
+    data = seal(make_batch(identity=replayer, seq=1, groups=2), replayer)
+
+    async def main() -> int:
+        send, receive = trio.open_memory_channel[rpc_pb2.Message](2)  # room for two copies only
+        delivery = _Delivery(send, intake.overflowed, intake.queue_admits)
+        queued = 0
+        for _ in range(5):
+            if intake.validate(replayer.peer_id, replayer.peer_id, data):
+                try:
+                    delivery.send_nowait(message(replayer, data))
+                    queued += 1
+                except trio.WouldBlock:
+                    pass
+        send.close()
+        async for msg in receive:
+            await intake.deliver(msg.data, ID(msg.from_id).to_base58())
+        return queued
+
+    assert trio.run(main) == 2
+    assert intake.unchecked_bytes == 0 and not intake._queued and not intake._in_flight and not intake._unchecked_by
