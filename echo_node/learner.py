@@ -543,6 +543,11 @@ class Learner:
                 self._write({"event": "train_error", "version": self.version, "groups": len(groups),
                              "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
                 return
+            if stats.get("skipped"):  # no reward variance: no new version (trainer.py)
+                self._write({"event": "no_signal", "version": self.version, "groups": len(groups),
+                             "reward_mean": stats.get("reward_mean", 0.0), "wait_s": round(wait_s, 4),
+                             "dropped": dict(self.buffer.ledger.dropped)})
+                return
             due = self.version % self.capacity.kappa == 0
             t2 = time.monotonic()
             blob = await trio.to_thread.run_sync(self.policy.publication) if due else None
@@ -712,6 +717,8 @@ class Learner:
             # the rollout ledger), by reason.
             "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
             "train_errors": self.trainer.train_errors,
+            # Batches without reward variance: dropped as no_signal, no version made of them.
+            "no_signal_steps": self.trainer.no_signal_steps,
             # Journal and checkpoint writes that failed (journal writes are retried; see IO_RETRY_DELAYS_S).
             "io_errors": dict(self.io_errors),
             # The learner's checks of peers' claims: per check, batches passed and failed; what

@@ -239,8 +239,9 @@ class ReplayBuffer:
             self._release(g)
 
     def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:
-        """Count taken groups whose training step failed as dropped (they are not put back: a
-        batch that broke a step once would break it again)."""
+        """Count taken groups that were not trained as dropped with `reason`: their step failed
+        (not put back: a batch that broke a step once would break it again), or their batch had
+        no reward variance at all (nothing to learn from)."""
         groups = list(groups)
         self._dropped(reason, groups)
         for g in groups:

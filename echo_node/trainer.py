@@ -5,6 +5,10 @@ Rules:
   the ledger entry happen together, shielded from cancellation (a deadline between `take` and
   the step once lost a batch from the ledger; one after the step would leave trained weights
   under the old version number). An interrupt (Ctrl-C) before the step puts the batch back.
+- A version is a change of weights. A batch in which no group has reward variance has no
+  advantage to train on: it is dropped as `no_signal` and the version stays (no bump, nothing
+  published), so peers' rollouts on the current version stay admissible and nobody waits for
+  weights that would not differ (docs/architecture.md, "Versions").
 - A step that raises drops its batch as `train_error` and training goes on. Admission should
   make that unreachable, so the first is logged with its traceback (a bug here or a check
   missing there), later ones as a count.
@@ -62,6 +66,8 @@ class Trainer:
         self.journal: Journal | None = None
         self.trained_rewards: list[float] = []
         self.train_errors = 0
+        # Batches dropped as no_signal (no version made of them).
+        self.no_signal_steps = 0
         self.idle_s = 0.0
         self.train_s = 0.0
 
@@ -71,7 +77,9 @@ class Trainer:
 
     async def step(self, groups: list[RolloutGroup]) -> dict[str, float] | None:
         """Train on `groups` (taken from the buffer) and bump the version; None if the step
-        failed and the batch was dropped. Call inside a shielded scope (see the rules)."""
+        failed and the batch was dropped. A batch without reward variance is dropped as
+        `no_signal` and the version stays (`stats["skipped"]` is 1). Call inside a shielded
+        scope (see the rules)."""
         t0 = time.monotonic()
         try:
             batch = [_train_group(g, self.version) for g in groups]
@@ -82,6 +90,10 @@ class Trainer:
         except BaseException:
             self.buffer.restore(groups)  # e.g. Ctrl-C: counted as unused, not lost
             raise
+        if stats.get("skipped"):
+            self.buffer.mark_failed(groups, DropReason.NO_SIGNAL)
+            self.no_signal_steps += 1
+            return stats
         self._trained(groups)
         self.train_s += time.monotonic() - t0
         return stats

@@ -42,4 +42,5 @@ class DropReason(enum.StrEnum):
     OVERLOAD = "overload"  # the receiver had no room (buffer full, rate limit)
     PURGED = "purged"  # admitted, then removed when its publisher was caught cheating
     TRAIN_ERROR = "train_error"  # admitted, but the training step on its batch failed
+    NO_SIGNAL = "no_signal"  # admitted, but no group of its batch had reward variance: nothing to train
     UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped

@@ -224,10 +224,10 @@ class WeightFollower:
         await trio.to_thread.run_sync(self.load_pending)
 
     def needs(self, target: Target) -> bool:
-        """Whether `target` is weights this peer does not hold and should: a newer version, or a
-        newer epoch's version whatever its number."""
-        if target.sha256 == self._blob_sha:
-            return False
+        """Whether this peer should move to `target`: a newer version, or a newer epoch's
+        version whatever its number. A newer number for the weights it already holds (a
+        publication whose bits did not change) is moved to without a transfer (`_fetch`), so
+        the peer's rollouts carry the number the learner counts staleness by."""
         return target.version > self._blob_version or target.epoch > self._blob_epoch
 
     async def _fetch(self, target: Target) -> None:
@@ -235,6 +235,9 @@ class WeightFollower:
         Nothing is handed over unless the whole version verified: an abandoned download leaves
         the engine on the weights it has."""
         t0 = time.monotonic()
+        if self._blob is not None and target.sha256 == self._blob_sha:
+            self._renumber(target)
+            return
         blob: bytes | memoryview | None = None
         delta = False
         with trio.fail_after(FETCH_TIMEOUT_S), trio.CancelScope() as scope:
@@ -253,6 +256,17 @@ class WeightFollower:
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
                                 "fetch_s": round(time.monotonic() - t0, 4), "delta": delta, "sha256": target.sha256.hex(),
+                                "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
+
+    def _renumber(self, target: Target) -> None:
+        """`target` names the weights this peer holds (verified by their digest): they go on
+        under its number and epoch, nothing fetched."""
+        assert self._blob is not None
+        self._hand_over(self._blob, target.version)
+        self._blob_epoch = target.epoch
+        if self.metrics is not None:
+            self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": 0,
+                                "fetch_s": 0.0, "delta": False, "renumbered": True, "sha256": target.sha256.hex(),
                                 "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
 
     def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
