@@ -67,6 +67,8 @@ class WeightPublisher:
         self.published = 0
         self.bytes_served = 0
         self.deltas_offered = 0
+        # Deltas encoded (offered or not): one per (version, base) at most.
+        self.deltas_encoded = 0
         # The weights of every version still served, oldest first: the bases deltas are cut
         # against (a peer that skipped versions names the newest one it holds).
         self._blobs: OrderedDict[int, bytes] = OrderedDict()
@@ -98,14 +100,24 @@ class WeightPublisher:
         """Offer `version` (`blob` is its weights) in full and, up front when it pays, as a
         delta against the previously published one. Returns the full snapshot's manifest."""
         previous = self.published
-        manifest = self.offer(version, blob, manifest).store.manifest
-        self.published = version
-        if version >= self._next_delta_try:
-            if await self._offer_delta(version, previous) is None:
-                self._next_delta_try = version + self._delta_retry
-                self._delta_retry = min(2 * self._delta_retry, DELTA_RETRY_MAX_VERSIONS)
-            else:
-                self._delta_retry = DELTA_RETRY_VERSIONS
+        key = (version, previous)
+        up_front = version >= self._next_delta_try and key not in self._building
+        # Claimed before the version is registered: a peer that asks for this very delta while
+        # it is being cut waits for this encode (`delta_on_demand`) instead of starting another.
+        if up_front:
+            self._building[key] = trio.Event()
+        try:
+            manifest = self.offer(version, blob, manifest).store.manifest
+            self.published = version
+            if up_front:
+                if await self._offer_delta(version, previous) is None:
+                    self._next_delta_try = version + self._delta_retry
+                    self._delta_retry = min(2 * self._delta_retry, DELTA_RETRY_MAX_VERSIONS)
+                else:
+                    self._delta_retry = DELTA_RETRY_VERSIONS
+        finally:
+            if up_front:
+                self._building.pop(key).set()
         return manifest
 
     def manifest(self, version: int) -> WeightManifest:
@@ -148,6 +160,7 @@ class WeightPublisher:
         if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
             self._no_delta.add((version, base))
             return None
+        self.deltas_encoded += 1
         delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
             self._no_delta.add((version, base))

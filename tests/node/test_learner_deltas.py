@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import trio
@@ -9,7 +11,7 @@ import trio
 from echo_node.learner import Learner
 from echo_node.ml.model import state_to_bytes
 from echo_node.weights import publisher as publisher_module
-from echo_node.weights.broadcast import DataServer, Unavailable, open_version, receive_version
+from echo_node.weights.broadcast import FULL, DataServer, Unavailable, open_version, receive_version
 from protocol import Identity
 from protocol.weights.delta import decode_delta
 
@@ -101,3 +103,41 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
         trio.run(main)
     assert tried == [1, 51, 151, 351]
     assert learner.weights.deltas_offered == 0
+
+
+def test_a_peer_asking_for_the_up_front_delta_while_it_is_cut_waits_for_that_encode(learner: Learner) -> None:
+    """The version is fetchable (registered) before its up-front delta exists; a peer that asks
+    for that delta meanwhile gets the same one, from the same single encode."""
+    encodes: list[tuple[int, int]] = []
+    encode = publisher_module.encode_delta
+
+    def slow_counting_encode(blob: bytes, previous: bytes) -> bytes:
+        encodes.append((len(blob), len(previous)))
+        time.sleep(0.2)  # a worker thread: long enough for the peer's request to arrive meanwhile
+        return encode(blob, previous)
+
+    got: list[object] = []
+
+    async def main() -> None:
+        weights = learner.weights
+        weights.offer(0, state_to_bytes(learner.policy.model))
+        blob = next_weights(learner, 1)
+        learner.trainer.version += 1
+
+        async def peer_asks() -> None:
+            while (1, FULL) not in weights.sources:
+                await trio.sleep(0.001)
+            got.append(await weights.delta_on_demand(1, 0))
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer_asks)
+                await weights.publish(1, blob)
+        got.append(weights.sources.get((1, 0)))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(publisher_module, "encode_delta", slow_counting_encode)
+        trio.run(main)
+    assert len(encodes) == 1
+    assert got[0] is not None and got[0] is got[1]
+    assert learner.weights.deltas_offered == 1 and learner.weights.deltas_encoded == 1
