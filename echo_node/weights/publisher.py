@@ -26,7 +26,8 @@ import trio
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
 from protocol.envelope import seal
 from protocol.identity import Identity
-from protocol.weights.delta import encode_delta, estimate_delta_ratio
+from echo_node.weights.delta_encoder import encode_delta
+from protocol.weights.delta import estimate_delta_ratio
 from protocol.weights.manifest import WeightManifest, build_manifest, choose_piece_size
 
 DELTA_MIN_SAVING = 0.7
