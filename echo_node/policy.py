@@ -24,7 +24,8 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel
@@ -33,12 +34,22 @@ from echo_node.config import RunConfig, TaskConfig
 from echo_node.ml import defaults
 from echo_node.ml.device import DTYPES, dtype_name, resolve_device, resolve_dtype
 from echo_node.ml.engine import Engine, TorchEngine
-from echo_node.ml.model import build_model, load_pretrained, state_to_bytes, tiny_llama_config
+from echo_node.ml.model import (
+    build_model,
+    canonical_state,
+    load_pretrained,
+    state_layout,
+    state_to_bytes,
+    tiny_llama_config,
+    write_state,
+)
 from echo_node.ml.tasks import TASKS, Task, build_task
 from echo_node.ml.tokenizer import CharTokenizer, HFTokenizerAdapter, Tokenizer, load_tokenizer
 from echo_node.ml.warmup import warmup
 
 log = logging.getLogger(__name__)
+
+B = TypeVar("B")  # a writable buffer
 
 # Config keys that say how a model was loaded, not what it computes.
 _LOAD_KEYS = frozenset({"dtype", "torch_dtype", "_name_or_path", "transformers_version", "_attn_implementation_autoset", "attn_implementation", "_attn_implementation"})
@@ -58,6 +69,15 @@ class Policy:
     def publication(self) -> bytes:
         """The weights as the swarm gets them: the canonical state in the rollout dtype."""
         return state_to_bytes(self.model, dtype=self.rollout_dtype)
+
+    def publication_into(self, alloc: Callable[[int], B]) -> B:
+        """The same bytes as `publication`, written straight into `alloc(size)` (e.g. a version's
+        file, mapped): each tensor cast into its place, no whole-model copy on the way."""
+        state = canonical_state(self.model)
+        layout = state_layout(state, self.rollout_dtype)
+        out = alloc(layout.size)
+        write_state(state, layout, out)
+        return out
 
 
 def set_threads(n: int) -> None:

@@ -14,7 +14,13 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
+import json
+import math
 import os
+import struct
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -181,3 +187,134 @@ def load_checkpoint(path: str | os.PathLike[str]) -> tuple[bytes, int]:
     if _VERSION_KEY not in metadata:
         raise ValueError(f"{path} is not an echo-node checkpoint (no version in its metadata)")
     return tensors_to_bytes(tensors), int(metadata[_VERSION_KEY])
+
+
+# --- The canonical state written in place (publication without whole-model copies) ------------
+
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_ST_TORCH = {v: k for k, v in _ST_DTYPES.items()}
+_ST_HEADER_LEN = 8
+# A state's header lists every tensor once; no model here has a header near this.
+MAX_STATE_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class StateLayout:
+    """Where each tensor of a canonical state lies in its safetensors blob: the header bytes
+    and, per tensor, (name, dtype, shape, start, end) with absolute byte offsets."""
+
+    header: bytes
+    slots: tuple[tuple[str, torch.dtype, tuple[int, ...], int, int], ...]
+    size: int
+
+
+def state_layout(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None = None) -> StateLayout:
+    """The layout `tensors_to_bytes(cast_state(tensors, dtype))` has, without serializing them:
+    safetensors' own order (asked of it on one-element stand-ins: the order depends only on
+    names and dtypes), offsets packed in that order, the compact JSON header padded to 8 bytes."""
+    dtypes = {k: dtype if dtype is not None and v.is_floating_point() else v.dtype for k, v in tensors.items()}
+    standin = st_save({k: torch.zeros(1, dtype=d) for k, d in dtypes.items()})
+    (n,) = struct.unpack_from("<Q", standin)
+    order = list(json.loads(standin[_ST_HEADER_LEN : _ST_HEADER_LEN + n]))
+    entries: dict[str, Any] = {}
+    placed: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
+    offset = 0
+    for name in order:
+        if name == "__metadata__":
+            continue
+        d, shape = dtypes[name], tuple(tensors[name].shape)
+        size = tensors[name].numel() * torch.empty(0, dtype=d).element_size()
+        entries[name] = {"dtype": _ST_DTYPES[d], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        placed.append((name, d, shape, offset, offset + size))
+        offset += size
+    head = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)
+    start = _ST_HEADER_LEN + len(head)
+    slots = tuple((name, d, shape, start + lo, start + hi) for name, d, shape, lo, hi in placed)
+    return StateLayout(struct.pack("<Q", len(head)) + head, slots, start + offset)
+
+
+def write_state(tensors: dict[str, torch.Tensor], layout: StateLayout, out: Any) -> None:
+    """Write `tensors` (cast per `layout`, rounding to nearest as `Tensor.to` does) into `out`, a
+    writable buffer of `layout.size` bytes: the bytes `tensors_to_bytes(cast_state(...))` gives,
+    with no intermediate copy of the state."""
+    view = memoryview(out).cast("B")
+    if len(view) != layout.size:
+        raise ValueError(f"a state of {layout.size} B does not fit a buffer of {len(view)} B")
+    view[: len(layout.header)] = layout.header
+    with torch.no_grad():
+        for name, dtype, shape, lo, hi in layout.slots:
+            if hi > lo:
+                torch.frombuffer(view, dtype=dtype, count=(hi - lo) // _itemsize(dtype), offset=lo).view(shape).copy_(tensors[name])
+
+
+def state_tensors(data: Any) -> dict[str, torch.Tensor]:
+    """A safetensors blob's tensors as views of `data` (bytes, mmap, any buffer), no copy. The
+    header is parsed strictly and bounded (length, JSON, known dtypes, offsets that tile the
+    data exactly), ValueError otherwise."""
+    view = memoryview(data).cast("B")
+    if len(view) < _ST_HEADER_LEN:
+        raise ValueError("not a safetensors blob: shorter than its header length")
+    (n,) = struct.unpack_from("<Q", view)
+    if n > min(MAX_STATE_HEADER_BYTES, len(view) - _ST_HEADER_LEN):
+        raise ValueError(f"not a safetensors blob: header of {n} B in {len(view)} B")
+    try:
+        header = json.loads(bytes(view[_ST_HEADER_LEN : _ST_HEADER_LEN + n]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ValueError(f"not a safetensors blob: {exc}") from None
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors blob: its header is not a map")
+    start = _ST_HEADER_LEN + n
+    spans: list[tuple[int, int]] = []
+    out: dict[str, torch.Tensor] = {}
+    readonly = view.readonly
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_TORCH[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            lo, hi = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a safetensors blob: tensor {name!r}: {exc!r}") from None
+        count = math.prod(shape)
+        if min(shape, default=0) < 0 or not 0 <= lo <= hi <= len(view) - start or hi - lo != count * _itemsize(dtype):
+            raise ValueError(f"not a safetensors blob: tensor {name!r} does not fit its offsets")
+        spans.append((lo, hi))
+        out[name] = _view(view, dtype, count, start + lo, readonly).view(shape)
+    spans.sort()
+    if [lo for lo, _ in spans] != [0, *(hi for _, hi in spans[:-1])] or (spans and spans[-1][1] != len(view) - start):
+        raise ValueError("not a safetensors blob: tensors do not tile its data")
+    return out
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
+
+
+def _view(view: memoryview, dtype: torch.dtype, count: int, offset: int, readonly: bool) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(0, dtype=dtype)
+    if readonly:  # only ever read: torch warns that it could write through the view
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+    return torch.frombuffer(view, dtype=dtype, count=count, offset=offset)
+
+
+def copy_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """A deep copy of `model` whose floating parameters and buffers are in `dtype`, made without
+    a full-precision copy first (each tensor is cast straight into the copy; ties stay tied)."""
+    memo: dict[int, Any] = {}
+    with torch.no_grad():
+        for p in model.parameters():
+            if id(p) not in memo:
+                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype if p.is_floating_point() else p.dtype), requires_grad=False)
+        for b in model.buffers():
+            if id(b) not in memo:
+                memo[id(b)] = b.detach().to(dtype if b.is_floating_point() else b.dtype)
+    return copy.deepcopy(model, memo)
