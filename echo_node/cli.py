@@ -435,9 +435,7 @@ def _lead_learner(args: argparse.Namespace, cfg: Any, dist: Any) -> int:
     finally:
         learner.trainer.close()  # releases the other ranks (sharded), also on an error
     if summary is not None:
-        log.info(
-            "run %s finished: %d versions, reward %.3f -> %.3f", summary["run_id"], summary["versions"], summary["reward_first"], summary["reward_last"]
-        )
+        log.info("run %s finished: %d versions, %s", summary["run_id"], summary["versions"], _reward_change(summary))
     else:
         _log_stopped(summary_path, cfg.run_id, signum, stale=earlier)
     return _exit_status(signum)
@@ -450,6 +448,14 @@ def _mtime(path: Path) -> float | None:
         return None
 
 
+def _reward_change(summary: dict[str, Any]) -> str:
+    """The summary's first and last update rewards for a log line (None: no update was trained)."""
+    first, last = summary["reward_first"], summary["reward_last"]
+    if first is None or last is None:
+        return "no update trained"
+    return f"reward {float(first):.3f} -> {float(last):.3f}"
+
+
 def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | None) -> None:
     """The learner's last line when a signal stopped it: what summary.json says, if this run wrote
     it (a file still at modification time `stale` is an earlier run's under the same id)."""
@@ -459,7 +465,7 @@ def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | 
         return
     try:
         s = json.loads(path.read_text())
-        totals = f"{s['versions']:d} versions, reward {s['reward_first']:.3f} -> {s['reward_last']:.3f}"
+        totals = f"{s['versions']:d} versions, {_reward_change(s)}"
     except (OSError, ValueError, KeyError, TypeError):  # only the log line's numbers are lost
         totals = "its totals unreadable"
     log.info("run %s %s: %s; summary in %s", run_id, how, totals, path)

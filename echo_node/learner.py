@@ -35,7 +35,7 @@ from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.journal import StorageFailed
-from echo_node.metrics import first_last_mean
+from echo_node.metrics import first_last_update_rewards, read_metrics
 from echo_node.ml.sharded import DistInfo
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
@@ -678,7 +678,8 @@ class Learner:
             except OSError as exc:
                 log.error("could not write %s (%s): bans given since its last write are forgotten at a restart",
                           self.intake.ban_log.path, exc)
-        first, last = first_last_mean(self.trainer.trained_rewards)
+        # By version, from the train records (metrics.jsonl keeps them across restarts).
+        first, last = first_last_update_rewards(read_metrics(self.report.path))
         ledger = self.buffer.ledger
         summary = {
             "run_id": self.cfg.run_id,

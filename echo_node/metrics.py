@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -45,12 +45,22 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return out
 
 
-def first_last_mean(values: Sequence[float], fraction: float = 0.1) -> tuple[float, float]:
-    """Mean over the first and the last `fraction` of a sequence (at least one element each)."""
-    if not values:
-        return math.nan, math.nan
-    k = max(1, int(len(values) * fraction))
-    return sum(values[:k]) / k, sum(values[-k:]) / k
+def first_last_update_rewards(records: Iterable[dict[str, Any]]) -> tuple[float | None, float | None]:
+    """The mean reward of the run's first and last updates: the `train` records of the lowest and
+    the highest version (each record's `reward_mean` is over the groups that update trained).
+
+    None for both when no update was recorded, never NaN (summary.json must stay strict JSON). A
+    version recorded twice (a step redone from the journal after a crash) counts once, as its
+    latest record says; records without a finite reward are skipped.
+    """
+    by_version: dict[int, float] = {}
+    for r in records:
+        version, reward = r.get("version"), _num(r, "reward_mean")
+        if r.get("event") == "train" and isinstance(version, int) and not isinstance(version, bool) and reward is not None:
+            by_version[version] = reward
+    if not by_version:
+        return None, None
+    return by_version[min(by_version)], by_version[max(by_version)]
 
 
 def _train_steps(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from echo_node.metrics import MetricsWriter, plot_run, read_metrics, summarize_run
+from echo_node.metrics import MetricsWriter, first_last_update_rewards, plot_run, read_metrics, summarize_run
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 RUN_FILES = {"idle.png", "staleness.png", "tokens.png", "is_weights.png", "drops.png", "verification.png"}
@@ -139,3 +140,36 @@ def test_plot_run_writes_every_figure(tmp_path: Path) -> None:
 def test_plot_run_tolerates_missing_data(tmp_path: Path, records: list[dict[str, Any]]) -> None:
     run_dir = tmp_path / "run"
     assert_pngs(plot_run(records, run_dir, title="old"), run_dir)
+
+
+def _train(version: int, reward: object) -> dict[str, Any]:
+    return {"event": "train", "version": version, "reward_mean": reward, "groups": 2}
+
+
+def test_reward_first_and_last_are_the_first_and_last_updates_by_version() -> None:
+    # The run that reported 0.0 -> 0.0: per-update means 0, 0.25, 0.125, 0.125 (the old fields
+    # averaged the first and last 10% of *samples*, all zeros here).
+    records = [{"event": "published", "version": 0}] + [_train(v, r) for v, r in zip(range(1, 5), (0.0, 0.25, 0.125, 0.125))]
+    assert first_last_update_rewards(records) == (0.0, 0.125)
+    # Order in the file does not matter, the version does; a version redone after a restart
+    # counts once, as its latest record says.
+    assert first_last_update_rewards([_train(3, 0.5), _train(2, 0.25), _train(3, 0.75)]) == (0.25, 0.75)
+    assert first_last_update_rewards([_train(7, 0.5)]) == (0.5, 0.5)
+
+
+def test_reward_first_and_last_are_null_without_an_update_never_nan() -> None:
+    assert first_last_update_rewards([]) == (None, None)
+    # Records with a non-finite, missing or non-numeric reward or version are not updates to report.
+    bad = [_train(1, float("nan")), _train(2, None), _train(3, "0.5"), {"event": "train", "reward_mean": 0.5},
+           {**_train(4, 0.5), "version": True}, {"event": "caught", "version": 5, "reward_mean": 0.5}]
+    first, last = first_last_update_rewards(bad)
+    assert (first, last) == (None, None)
+    json.dumps({"reward_first": first, "reward_last": last}, allow_nan=False)
+    assert first_last_update_rewards([*bad, _train(6, 0.25)]) == (0.25, 0.25)
+
+
+def test_the_learners_last_line_says_when_no_update_was_trained() -> None:
+    from echo_node.cli import _reward_change
+
+    assert _reward_change({"reward_first": None, "reward_last": None}) == "no update trained"
+    assert _reward_change({"reward_first": 0.0, "reward_last": 0.125}) == "reward 0.000 -> 0.125"
