@@ -383,6 +383,7 @@ def _cmd_learn(args: argparse.Namespace) -> int:
     from echo_node.policy import set_threads
 
     set_threads(cfg.threads)
+    _log_device_choice(cfg.model.device, cfg.model.dtype)
     # Under torchrun (WORLD_SIZE > 1) the update is sharded over the job's ranks: rank 0 is the
     # learner the swarm sees, the other ranks only take their part of each update.
     dist = init_from_env()
@@ -399,6 +400,17 @@ def _cmd_learn(args: argparse.Namespace) -> int:
     finally:
         if dist is not None:
             torch.distributed.destroy_process_group()
+
+
+def _log_device_choice(device: str, dtype: str | None) -> None:
+    """What `auto` chose and why, once at start (echo_node/ml/device.py); a device that cannot be
+    used is the role's own one-line error a moment later, not this line's."""
+    from echo_node.ml.device import describe_choice
+
+    try:
+        log.info("%s", describe_choice(device, dtype))
+    except ValueError:
+        pass
 
 
 def _follow_learner(cfg: Any, dist: Any) -> int:
@@ -483,6 +495,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     from echo_node.rollout_peer import RolloutPeer
 
     set_threads(cfg.threads)
+    if cfg.rollout.engine == "torch":
+        _log_device_choice(cfg.model.device, None)
     if cfg.rollout.engine == "vllm":
         from echo_node.ml.vllm_engine import check_vllm_available
 
