@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -37,7 +38,7 @@ import trio
 from echo_node.checkpoint import replace_durable
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
-from echo_node.ml.engine import Engine
+from echo_node.ml.engine import Engine, GenerationCancelled, WeightState
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
 from echo_node.net.discovery import (
@@ -291,6 +292,9 @@ class Generator:
         self.produced = 0
         self.produced_version = -1
         self.swaps_mid_generation = 0
+        self.batches_abandoned = 0  # stopped mid-generation (a signal), never published
+        # Set when the batch being generated is to be abandoned (`generate_stoppably`).
+        self._stop: threading.Event | None = None
 
     async def run(self) -> None:
         follower = self.follower
@@ -314,7 +318,7 @@ class Generator:
             version, seq = self.engine.version, self.publisher.seq
             prompts = self.assigned_prompts(version, seq, min(left, self.cfg.rollout.groups_per_batch))
             seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, version, seq)
-            groups = await trio.to_thread.run_sync(self._generate, prompts, seed)
+            groups = await self.generate_stoppably(prompts, seed)
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
@@ -355,9 +359,51 @@ class Generator:
         if waited.cancelled_caught:
             self.produced = max(0, follower.demand - self.cfg.rollout.groups_per_batch)
 
+    async def generate_stoppably(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        """`_generate` in a worker thread that a cancellation (SIGTERM, SIGINT) stops at the next
+        decoding step instead of after the whole batch: with a real model on a busy CPU a batch
+        takes tens of seconds, and a peer asked to stop must go in a few. An abandoned batch is
+        counted and never published (its tokens were not all sampled)."""
+        stop = self._stop = threading.Event()
+
+        async def stop_when_cancelled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                stop.set()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(stop_when_cancelled)
+            try:
+                # Not abandoned on cancel: the thread holds the engine, and the process must not
+                # exit (or start another batch) while it still runs; it ends at the next step.
+                return await trio.to_thread.run_sync(self._generate, prompts, seed)
+            except GenerationCancelled:
+                self.batches_abandoned += 1
+                log.info("stopping: abandoned a batch of %d groups mid-generation (not published; %d so far)",
+                         len(prompts), self.batches_abandoned)
+                await trio.lowlevel.checkpoint()  # the cancellation that set `stop` is raised here
+                raise  # `stop` is set only by a cancellation, so this is not reached
+            finally:
+                nursery.cancel_scope.cancel()
+
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        """One batch, in a worker thread (subclasses in benchmarks/attackers.py wrap it)."""
         s = self.spec.sampling
         policy = self.session.policy
+        stop = self._stop
+        take = self.follower.take_pending if self.spec.sync_mode == "async" else None
+
+        def between_steps() -> tuple[WeightState, int] | None:
+            """The engine's hook before each decoding step: stop, or new weights (async)."""
+            if stop is not None and stop.is_set():
+                raise GenerationCancelled
+            return None if take is None else take()
+
+        # vLLM generates in chunks when given a hook; a pull batch on a GPU is short enough to
+        # finish, so it gets none (its async hook still stops it between chunks).
+        swap = take if stop is None or (take is None and self.cfg.rollout.engine == "vllm") else between_steps
         return generate_groups(
             self.engine,
             policy.tokenizer,
@@ -367,7 +413,7 @@ class Generator:
             temperature=s.temperature,
             top_p=s.top_p,
             seed=seed,
-            swap=self.follower.take_pending if self.spec.sync_mode == "async" else None,
+            swap=swap,
             max_new_tokens=s.max_new_tokens,  # the learner refuses longer completions
         )
 

@@ -19,6 +19,10 @@ Conventions (every engine keeps them):
   token i tagged v was sampled from exactly pi_v given its whole prefix: the learner's
   recomputation at v reproduces `logprobs[i]`. Rows that finished before a swap keep their
   tokens and tags; the hook, not the engine, decides which versions are worth taking.
+- Generation is abandonable between decoding steps the same way: a `swap` hook that raises
+  `GenerationCancelled` ends the call there (a peer stopping mid-batch: echo_node/rollout_peer.py).
+  The exception propagates out of `generate`; the engine keeps nothing of the abandoned call
+  (every call starts its own cache), so the next call is unaffected.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ if TYPE_CHECKING:
 WeightState = bytes | bytearray | memoryview | dict[str, Tensor]
 # Called by the generation loop before each decode step: None to go on, or new weights.
 SwapHook = Callable[[], tuple[WeightState, int] | None]
+
+
+class GenerationCancelled(Exception):
+    """Raised by a `swap` hook to abandon a `generate` call between two decoding steps."""
 
 
 @dataclass(slots=True)
