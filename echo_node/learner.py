@@ -251,11 +251,13 @@ class Learner:
         if self.resumed is None:
             self.trainer.version = floor
             self.state.history.last = floor - 1
-        blob = self.resumed.blobs.get(self.version) if self.resumed is not None else None
+        self.weights.open_store(run_dir / "versions")
+        blob = self.resumed.blobs.pop(self.version, None) if self.resumed is not None else None
         if blob is not None:  # snapshotted and checked against its published digest by the resume
             digest = self.state.history.versions[self.version][0]
+            blob = self.weights.keep(self.version, blob)
         else:
-            blob = self.policy.publication()
+            blob = self.weights.snapshot(self.version, self.policy.publication_into)
             digest = payload_digest(blob)
         # First in this start's journal: where it goes on from (a later restart replaying this
         # journal checks that it got to the same weights).
@@ -266,6 +268,7 @@ class Learner:
             for version, old in sorted(self.resumed.blobs.items()):
                 if version < self.version:  # still admissible: served, and spot-checkable
                     self._offer(version, old)
+            self.resumed.blobs.clear()  # kept in the version store from here on
             r = self.resumed
             log.info(
                 "resumed run %s at version %d (epoch %d): checkpoint %s, %d journal records, %d steps redone in %.1fs%s",
@@ -550,7 +553,7 @@ class Learner:
                 return
             due = self.version % self.capacity.kappa == 0
             t2 = time.monotonic()
-            blob = await trio.to_thread.run_sync(self.policy.publication) if due else None
+            blob = await trio.to_thread.run_sync(self.weights.snapshot, self.version, self.policy.publication_into) if due else None
             t3 = time.monotonic()
             trainer.train_s += t3 - t2  # the snapshot is the learner's work too
             if blob is not None:
@@ -563,10 +566,10 @@ class Learner:
         if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
             await self._checkpoint()
 
-    def _offer(self, version: int, blob: bytes) -> None:
+    def _offer(self, version: int, blob: Any) -> None:
         self.weights.offer(version, blob)
         if self.verifier is not None:
-            self.verifier.remember(version, blob)
+            self.verifier.remember(version, self.weights.keep(version, blob))
 
     def snapshot(self) -> dict[str, Any]:
         """The operator's view, once a second (Prometheus, `echo-node status`)."""
@@ -605,7 +608,7 @@ class Learner:
                     record["cost_per_hour"], record["reason"],
                 )
 
-    async def _publish_version(self, blob: bytes) -> None:
+    async def _publish_version(self, blob: Any) -> None:
         """Make the current version fetchable and announce it: journaled and durable first, so
         a version number anyone saw names these weights for the life of the run."""
         version = self.version

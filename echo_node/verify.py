@@ -33,7 +33,6 @@ can, rarely, be assigned one prompt and sample the same tokens.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 import random
@@ -48,7 +47,7 @@ from torch import Tensor
 from echo_node.config import VerifyConfig
 from echo_node.ml.engine import top_p_filter
 from echo_node.ml.grpo import completion_log_softmax
-from echo_node.ml.model import load_state_bytes
+from echo_node.ml.model import copy_model, load_state_tensors, state_tensors
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
 from protocol._wire import pack
@@ -140,7 +139,7 @@ class Verifier:
         self.stats = VerifyStats()
         # The spot checker's own copy of the model: the trainer's changes under it while it runs.
         self._model = (
-            copy.deepcopy(model).to(dtype=rollout_dtype).eval().requires_grad_(False) if cfg.logprobs else None
+            copy_model(model, rollout_dtype).eval() if cfg.logprobs else None
         )
         self._loaded = -1
         self._vocab = int(model.config.vocab_size)
@@ -313,7 +312,7 @@ class Verifier:
         if blob is None:
             return False
         assert self._model is not None
-        load_state_bytes(self._model, blob)
+        load_state_tensors(self._model, state_tensors(blob))
         self._loaded = version
         return True
 

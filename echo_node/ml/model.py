@@ -313,8 +313,8 @@ def copy_model(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     with torch.no_grad():
         for p in model.parameters():
             if id(p) not in memo:
-                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype if p.is_floating_point() else p.dtype), requires_grad=False)
+                memo[id(p)] = torch.nn.Parameter(p.detach().to(dtype if p.is_floating_point() else p.dtype, copy=True), requires_grad=False)
         for b in model.buffers():
             if id(b) not in memo:
-                memo[id(b)] = b.detach().to(dtype if b.is_floating_point() else b.dtype)
+                memo[id(b)] = b.detach().to(dtype if b.is_floating_point() else b.dtype, copy=True)
     return copy.deepcopy(model, memo)

@@ -12,21 +12,29 @@ Rules:
   to `DELTA_RETRY_MAX_VERSIONS`; a delta that pays resets the wait. (bf16 weights after an RL
   step make deltas of a few % of the size; fp32 weights never pay: see benchmarks/results.)
 - The last `keep_versions` versions stay served; older sources are dropped with their bytes.
+- A version's weights live in the `VersionStore` (a mapped file per version in the run folder
+  once `open_store` names it), written there by the snapshot itself; pieces are served and
+  deltas cut from those mappings, and each version's pages are released from memory once its
+  publication is done. Each (version, base) delta is encoded at most once, the up-front one
+  included.
 - Pieces: `SMALL_VERSION_PIECE` for versions up to `SMALL_VERSION_BYTES` (per-piece costs
   dominate small versions), the protocol's default above (the WAN pipeline fill dominates).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Container, Mapping
+from collections.abc import Callable, Container, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any
 
 import trio
 
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
+from echo_node.weights.delta_encoder import encode_delta, worker_count
+from echo_node.weights.store import VersionStore
 from protocol.envelope import seal
 from protocol.identity import Identity
-from echo_node.weights.delta_encoder import encode_delta
 from protocol.weights.delta import estimate_delta_ratio
 from protocol.weights.manifest import WeightManifest, build_manifest, choose_piece_size
 
@@ -70,34 +78,49 @@ class WeightPublisher:
         self.deltas_offered = 0
         # Deltas encoded (offered or not): one per (version, base) at most.
         self.deltas_encoded = 0
-        # The weights of every version still served, oldest first: the bases deltas are cut
-        # against (a peer that skipped versions names the newest one it holds).
-        self._blobs: OrderedDict[int, bytes] = OrderedDict()
+        # The weights of every version still served: the bases deltas are cut against (a peer
+        # that skipped versions names the newest one it holds). In memory until `open_store`.
+        self.store = VersionStore(None)
         self._no_delta: set[tuple[int, int]] = set()
         self._building: dict[tuple[int, int], trio.Event] = {}
         self._next_delta_try = 1
         self._delta_retry = DELTA_RETRY_VERSIONS
         data.resolve = self.delta_on_demand
 
-    def build(self, version: int, blob: bytes) -> WeightManifest:
-        """The full snapshot's manifest of `version` (hashes every piece: a worker thread's job)."""
-        return build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)))
+    def open_store(self, directory: Path) -> None:
+        """Keep versions as files in `directory` from now on (before the first version)."""
+        self.store = VersionStore(directory)
 
-    def offer(self, version: int, blob: bytes, manifest: WeightManifest | None = None) -> Source:
+    def snapshot(self, version: int, write: Callable[[Callable[[int], Any]], Any]) -> Any:
+        """`version`'s weights, written by `write` (e.g. `Policy.publication_into`) straight
+        into the store: the buffer to publish (a worker thread's job)."""
+        return write(partial(self.store.create, version))
+
+    def keep(self, version: int, blob: Any) -> Any:
+        """`version`'s buffer in the store, `blob` copied there unless it is that buffer already."""
+        return blob if self.store.get(version) is blob else self.store.put(version, blob)
+
+    def build(self, version: int, blob: Any) -> WeightManifest:
+        """The full snapshot's manifest of `version` (hashes every piece, in threads: a worker
+        thread's job)."""
+        return build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)),
+                              workers=worker_count())
+
+    def offer(self, version: int, blob: Any, manifest: WeightManifest | None = None) -> Source:
         """Make `version` fetchable in full: a signed manifest (`build`'s, if not given) and a
-        broadcast source."""
+        broadcast source. `blob` is `snapshot`'s buffer, or bytes (copied into the store)."""
+        blob = self.keep(version, blob)
         manifest = manifest or self.build(version, blob)
         source = self._offer(manifest, blob)
         self.served.add(version)
-        self._blobs[version] = blob
-        for old in [v for v in self._blobs if v not in self.served]:
-            del self._blobs[old]
+        for old in [v for v in self.store.versions() if v not in self.served]:
+            self.store.drop(old)
         for key in [k for k in self.sources if k[0] not in self.served]:
             self.bytes_served += self.sources.pop(key).stats.bytes_up
         self._no_delta = {k for k in self._no_delta if k[0] in self.served}
         return source
 
-    async def publish(self, version: int, blob: bytes, manifest: WeightManifest | None = None) -> WeightManifest:
+    async def publish(self, version: int, blob: Any, manifest: WeightManifest | None = None) -> WeightManifest:
         """Offer `version` (`blob` is its weights) in full and, up front when it pays, as a
         delta against the previously published one. Returns the full snapshot's manifest."""
         previous = self.published
@@ -119,6 +142,7 @@ class WeightPublisher:
         finally:
             if up_front:
                 self._building.pop(key).set()
+            self.store.release(version, previous)
         return manifest
 
     def manifest(self, version: int) -> WeightManifest:
@@ -145,8 +169,9 @@ class WeightPublisher:
             return await self._offer_delta(version, base)
         finally:
             self._building.pop(key).set()
+            self.store.release(version, base)
 
-    def _offer(self, manifest: WeightManifest, payload: bytes) -> Source:
+    def _offer(self, manifest: WeightManifest, payload: Any) -> Source:
         source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.members, self.relays)
         base = base_of(manifest)
         self.sources[(manifest.version, base)] = source
@@ -155,7 +180,7 @@ class WeightPublisher:
 
     async def _offer_delta(self, version: int, base: int) -> Source | None:
         """Offer `version` as a delta against `base` if both are kept and the delta pays."""
-        blob, previous = self._blobs.get(version), self._blobs.get(base)
+        blob, previous = self.store.get(version), self.store.get(base)
         if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
             return None
         if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
@@ -170,6 +195,7 @@ class WeightPublisher:
         manifest = build_manifest(
             run_id=self.run_id, version=version, payload=delta, codec="xor-zstd", base_version=base,
             weights_size=full.weights_size, weights_sha256=full.weights_sha256, piece_size=piece_size_for(len(delta)),
+            workers=worker_count(),
         )
         self.deltas_offered += 1
         return self._offer(manifest, delta)

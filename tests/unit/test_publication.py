@@ -69,6 +69,10 @@ def test_copy_model_casts_without_a_full_precision_copy() -> None:
     assert ours.lm_head.weight is ours.model.embed_tokens.weight  # ties stay tied
     assert all(not p.requires_grad for p in ours.parameters())
     assert next(model.parameters()).dtype == torch.float32  # the original is untouched
+    same = copy_model(model, torch.float32)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    assert not torch.equal(next(same.parameters()), next(model.parameters()))  # a copy, not an alias
 
 
 @pytest.mark.parametrize("size", [1, 16 * 1024, 5_000_003])
