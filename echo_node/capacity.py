@@ -315,6 +315,11 @@ class CapacityController:
             "workers": {w.peer_id: {"mu": round(w.mu, 3), "price": w.price} for w in workers},
         }
 
+    def engine_of(self, peer: str) -> tuple[str, str] | None:
+        """The (engine, device) `peer`'s last heartbeat claimed; None before its first."""
+        state = self.peers.get(peer)
+        return None if state is None or not state.engine else (state.engine, state.device)
+
     def is_active(self, peer: str) -> bool:
         state = self.peers.get(peer)
         unmeasured = state is None or not state.measured

@@ -42,6 +42,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -500,11 +501,11 @@ class RolloutIntake:
             return
         # Batches judged per peer, in the order judged: a refused one when refused, a passed one here.
         self.peers.batches[origin] += 1
-        indices = self.verify.plan(batch) if self.verify is not None else []
-        if indices:
+        plan = self.verify.plan(batch) if self.verify is not None else None
+        if plan is not None:
             assert self.verify is not None
             async with self._spot_lock:
-                failure = await trio.to_thread.run_sync(self.verify.spot, batch, indices)
+                failure = await trio.to_thread.run_sync(partial(self.verify.spot, batch, plan.groups, rows=plan.rows))
             if failure is not None:
                 self.buffer.reject(failure.reason, batch.num_samples)
                 self._evidence = failure.evidence

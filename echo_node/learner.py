@@ -29,10 +29,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
+import torch
 import trio
 
 from echo_node.capacity import CapacityController
-from echo_node.config import RunConfig, to_dict
+from echo_node.config import RunConfig, VerifyConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.journal import StorageFailed
 from echo_node.metrics import first_last_update_rewards, read_metrics
@@ -137,7 +138,8 @@ class Learner:
         self.verifier = Verifier(
             cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
-            rollout_dtype=policy.rollout_dtype,
+            rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
+            engine_of=lambda peer: self.capacity.engine_of(peer),
         ) if cfg.verify.enabled else None
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
@@ -760,6 +762,15 @@ class Learner:
             "share_of_train_time": round(seconds / max(1e-9, self.trainer.train_s), 4),
             "share_of_learner_time": round(seconds / max(1e-9, wall), 4),
         }
+
+
+def check_dtype(cfg: VerifyConfig, policy: Policy) -> torch.dtype:
+    """The dtype spot checks recompute log-probs in: `verify.check_dtype`, "auto" being float32
+    on a CPU (bf16 is emulated there and would round on both sides of the comparison) and the
+    rollout dtype on a GPU."""
+    if cfg.check_dtype == "float32" or (cfg.check_dtype == "auto" and policy.device.type == "cpu"):
+        return torch.float32
+    return policy.rollout_dtype
 
 
 def run_bounds(cfg: RunConfig, policy: Policy) -> RunBounds:

@@ -142,8 +142,10 @@ def cast_state(tensors: dict[str, torch.Tensor], dtype: torch.dtype | None) -> d
     }
 
 
-def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Copy `tensors` into the model in place; strict on keys, shapes and dtypes."""
+def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor], *, widen: bool = False) -> None:
+    """Copy `tensors` into the model in place; strict on keys, shapes and dtypes. `widen`: a
+    floating tensor may be of a narrower floating dtype than the model's (bf16 weights into a
+    float32 model), cast exactly by the copy itself, with no temporary of the whole state."""
     target = canonical_state(model)
     missing = sorted(target.keys() - tensors.keys())
     extra = sorted(tensors.keys() - target.keys())
@@ -151,7 +153,8 @@ def load_state_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor])
         raise ValueError(f"state does not fit the model: missing {missing[:5]}, unexpected {extra[:5]}")
     for name, dst in target.items():
         src = tensors[name]
-        if src.shape != dst.shape or src.dtype != dst.dtype:
+        widened = widen and src.is_floating_point() and dst.is_floating_point() and src.dtype.itemsize <= dst.dtype.itemsize
+        if src.shape != dst.shape or (src.dtype != dst.dtype and not widened):
             raise ValueError(
                 f"{name}: got {src.dtype} {tuple(src.shape)}, model has {dst.dtype} {tuple(dst.shape)}"
             )

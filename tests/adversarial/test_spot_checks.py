@@ -133,13 +133,18 @@ def test_a_version_no_longer_kept_is_counted_not_failed(model: torch.nn.Module) 
 
 
 def test_probation_checks_everything_then_the_spot_rate_takes_over(model: torch.nn.Module) -> None:
-    v = verifier(model, spot_rate=0.25, probation_batches=2)
+    v = verifier(model, spot_rate=0.25, probation_batches=2, budget=1.0)
     batch = sample_batch(model, groups=8)
-    assert [len(v.plan(batch)) for _ in range(2)] == [8, 8]
-    later = [len(v.plan(batch)) for _ in range(400)]
+
+    def planned() -> int:
+        plan = v.plan(batch)
+        return 0 if plan is None else len(plan.groups)
+
+    assert [planned() for _ in range(2)] == [8, 8]
+    later = [planned() for _ in range(400)]
     assert set(later) == {0, 8} and 0.18 < later.count(8) / 400 < 0.32  # whole batches, at the spot rate
     v.suspect(ALICE.peer_id)  # e.g. after a refused message
-    assert len(v.plan(batch)) == 8
+    assert planned() == 8
 
 
 def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, learner: Learner) -> None:
@@ -178,3 +183,97 @@ def test_a_peer_caught_is_caught_once_though_more_of_its_batches_were_queued(lea
     trio.run(go)
     assert [(r["reason"], r["batches"]) for r in caught] == [("bad_logprobs", 1)]
     assert learner.buffer.ledger.dropped == {"bad_logprobs": 32, "banned": 64}
+
+
+def shifted(batch: RolloutBatch, by: float) -> RolloutBatch:
+    """Every claimed log-prob moved by `by`: a forger's room inside (or outside) a tolerance."""
+    return each_group(batch, lambda g: replace(g, samples=tuple(
+        replace(s, behaviour_logprobs=tuple(x - by for x in s.behaviour_logprobs)) for s in g.samples)))
+
+
+def test_log_probs_are_judged_by_the_envelope_of_the_peers_engine(model: torch.nn.Module) -> None:
+    """A measured pair is refused beyond its own envelope; a pair nobody measured (here vLLM on
+    CUDA) beyond its dtype's envelope gets a warning and a count, not a ban, and is refused
+    only far outside every envelope measured."""
+    honest = sample_batch(model, seq=6)
+    pairs = {ALICE.peer_id: ("torch", "cpu")}
+    v = Verifier(VerifyConfig(), run_id=RUN, tokenizer=TOKENIZER, task=TASK, model=model, temperature=1.0,
+                 keep_versions=4, engine_of=pairs.get)
+    v.remember(0, state_to_bytes(model))
+    assert v.judgement(ALICE.peer_id).calibrated and not v.judgement(MALLORY.peer_id).calibrated
+    assert spot(v, honest) is None
+    assert spot(v, shifted(honest, 0.08)) is DropReason.BAD_LOGPROBS  # fp32: 0.05 per token at most
+    pairs[ALICE.peer_id] = ("vllm", "cuda:0")
+    assert spot(v, shifted(honest, 0.08)) is None and v.stats.excursions == 1
+    assert spot(v, shifted(honest, 3.0)) is DropReason.BAD_LOGPROBS
+    # Limits set by hand replace the envelopes.
+    fixed = verifier(model, lp_tolerance_max=0.5, lp_tolerance_mean=0.2)
+    assert spot(fixed, shifted(honest, 0.1)) is None and spot(fixed, shifted(honest, 0.3)) is DropReason.BAD_LOGPROBS
+
+
+def test_spot_checks_stay_within_their_budget(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows checked follow the credit the budget left: none beyond probation when it is spent,
+    the smallest check on probation whatever the credit, more rows as credit accrues."""
+    v = verifier(model, spot_rate=1.0, probation_batches=1, budget=0.05, min_rows=2)
+    batch = sample_batch(model, groups=8)
+    first = v.plan(batch)
+    assert first is not None and first.rows == 2  # probation, nothing measured yet
+    assert spot_rows(v, batch, first.rows) is None
+    assert v.stats.rows_spot_checked == 2 and v.stats.spot_s > 0
+    clock = [1000.0]
+    monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])
+    v._budget_from = clock[0]
+    assert v.plan(batch) is None and v.stats.over_budget == 1  # no credit: not checked
+    v.suspect(ALICE.peer_id)
+    again = v.plan(batch)
+    assert again is not None and again.rows == 2  # probation: the smallest check anyway
+    assert v._cost_per_row is not None
+    clock[0] += (v.stats.spot_s + 10 * v._cost_per_row) / 0.05  # credit for ~10 rows
+    rows = v.plan(batch)
+    assert rows is not None and rows.rows is not None and 8 <= rows.rows <= 12
+    clock[0] += 1e6  # plenty: the whole batch
+    full = v.plan(batch)
+    assert full is not None and full.rows == batch.num_samples
+
+
+def spot_rows(v: Verifier, batch: RolloutBatch, rows: int | None) -> DropReason | None:
+    failure = v.spot(batch, list(range(len(batch.groups))), rows=rows)
+    return None if failure is None else failure.reason
+
+
+def test_a_forged_share_of_rows_is_caught_by_random_rows(model: torch.nn.Module) -> None:
+    """Rows are drawn at random, so forging half the rows of a batch is caught by a 4-row check
+    in at least 1 - 2^-4 of checks (here: every one of 12, or nearly)."""
+    honest = sample_batch(model, groups=8, seq=9)
+    forged_groups = tuple(
+        replace(g, samples=tuple(replace(s, behaviour_logprobs=tuple(x - 2.0 for x in s.behaviour_logprobs)) if i % 2 else s
+                                 for i, s in enumerate(g.samples)))
+        for g in honest.groups
+    )
+    batch = replace(honest, groups=forged_groups)
+    caught = sum(spot_rows(verifier(model), batch, 4) is DropReason.BAD_LOGPROBS for _ in range(12))
+    assert caught >= 10
+
+
+def test_evidence_of_a_weak_bias_accumulates_across_checks(model: torch.nn.Module) -> None:
+    """Sampling at temperature 0.6 where the run samples at 1.0, with the log-probs the run's
+    temperature gives: too few tokens in one small check (one group, 32 tokens) to convict, but
+    the evidence is kept per publisher (an e-CUSUM), so a later check convicts (the 11th here);
+    an honest publisher's stays low."""
+    sharp = sharpened(model, 3.0)
+    biased, honest = verifier(sharp), verifier(sharp)
+    convicted_at = None
+    for seq in range(1, 30):
+        batch = each_group(sample_batch(sharp, seq=seq, temperature=0.6, groups=1), lambda g: with_true_logprobs(sharp, g))
+        if seq == 1:
+            assert biased.spot(batch, [0]) is None, "one small check alone is not enough"
+            continue
+        failure = biased.spot(batch, [0])
+        if failure is not None:
+            assert failure.reason is DropReason.BAD_SAMPLING and "more likely" in failure.evidence
+            convicted_at = seq
+            break
+    assert convicted_at is not None
+    for seq in range(1, 30):
+        assert honest.spot(sample_batch(sharp, seq=seq, groups=1), [0]) is None
+    assert honest.stats.log_e_max["greedy"] < 10
