@@ -52,7 +52,7 @@ from echo_node.banlog import BanLog
 from echo_node.journal import Journal
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
-from echo_node.verify import Copies, Verifier
+from echo_node.verify import Copies, Failure, Verifier
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -389,6 +389,11 @@ class RolloutIntake:
             if forwarder != origin:
                 self.penalize(forwarder, f"relayed a refused rollout of {origin}")
         return False
+
+    def catch(self, peer_id: str, failure: Failure) -> None:
+        """`caught`, for a failure found outside the intake (the learner's audit of a step)."""
+        self._evidence = failure.evidence
+        self.caught(peer_id, failure.reason)
 
     def caught(self, peer_id: str, reason: DropReason) -> None:
         """A batch failed verification: ban its publisher at once for `ban_versions` versions

@@ -542,12 +542,14 @@ class Learner:
         trainer = self.trainer
         t1 = time.monotonic()
         groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
+        origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
         with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
             stats = await trainer.step(groups)
             if stats is None:
                 self._write({"event": "train_error", "version": self.version, "groups": len(groups),
                              "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
                 return
+            self._audit(groups, origins, trained_on)
             if stats.get("skipped"):  # no reward variance: no new version (trainer.py)
                 self._write({"event": "no_signal", "version": self.version, "groups": len(groups),
                              "reward_mean": stats.get("reward_mean", 0.0), "wait_s": round(wait_s, 4),
@@ -567,6 +569,21 @@ class Learner:
         journal = self.state.journal
         if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
             await self._checkpoint()
+
+    def _audit(self, groups: list[RolloutGroup], origins: list[str], trained_on: int) -> None:
+        """The step's own forward re-checked the claimed log-probs of every token sampled on the
+        weights it trained (echo_node/verify.py, audits of training): a group off the envelope
+        gets its publisher caught as a spot check would."""
+        gaps = self.trainer.audit_gaps()
+        if self.verifier is None or not gaps:
+            return
+        for index, g in gaps.items():
+            origin = origins[index]
+            if not origin or self.peers.is_banned(origin):
+                continue
+            failure = self.verifier.audit(origin, trained_on, groups[index].group_id, g.tokens, g.total, g.largest)
+            if failure is not None:
+                self.intake.catch(origin, failure)
 
     def _offer(self, version: int, blob: Any) -> None:
         self.weights.offer(version, blob)

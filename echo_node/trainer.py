@@ -33,7 +33,7 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.journal import Journal
 from echo_node.ml.device import autocast_dtype
-from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
+from echo_node.ml.grpo import LogprobGaps, PolicyOptimizer, TrainGroup
 from echo_node.ml.model import canonical_state, load_state_tensors
 from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
@@ -97,6 +97,15 @@ class Trainer:
         self._trained(groups)
         self.train_s += time.monotonic() - t0
         return stats
+
+    def audit_gaps(self) -> dict[int, LogprobGaps]:
+        """The last step's on-policy log-prob gaps per group (index into its batch), where they
+        judge what peers claimed: the weights trained are exactly the published ones (float32
+        rollouts, one process, no autocast); else none."""
+        opt = self.optimizer
+        if not isinstance(opt, PolicyOptimizer) or opt.autocast_dtype is not None or self.policy.rollout_dtype != torch.float32:
+            return {}
+        return opt.last_gaps
 
     def _optimize(self, batch: list[TrainGroup]) -> dict[str, float]:
         stats = self.optimizer.step(batch)

@@ -31,6 +31,13 @@ as large as `verify.budget` affords, per version its tokens claim, with that ver
    n * `false_alarm` (1e-9 per check by default), and a biased one cannot bank its honest
    batches against a later bias.
 
+Audits of training (free): where the weights a step trains are exactly the published ones (the
+rollout dtype is float32, one process, no autocast), the step's own forward gives the learner's
+log-probs of every token sampled on the current version; `audit` judges each trained group's
+on-policy tokens by the same envelope as check 4. It comes after the step (the group is trained
+already), so it bans and purges what is left, as a spot check does; it covers every on-policy
+token of every trained group (all of them in pull mode) and costs nothing.
+
 A version whose weights the learner no longer keeps cannot be spot-checked; such tokens are
 counted (`unverifiable_tokens`), not failed. A batch is signed by its publisher, so one failed
 group fails the batch; the intake then bans the publisher and purges its buffered groups.
@@ -120,6 +127,8 @@ class VerifyStats:
     failed: Counter[str] = field(default_factory=Counter)
     groups_seen: int = 0
     groups_spot_checked: int = 0
+    # Trained tokens re-checked by the training forward itself (`Verifier.audit`).
+    tokens_audited: int = 0
     rows_seen: int = 0
     rows_spot_checked: int = 0
     tokens_spot_checked: int = 0
@@ -148,6 +157,7 @@ class VerifyStats:
             "rows_spot_checked": self.rows_spot_checked,
             "row_rate_achieved": round(self.rows_spot_checked / max(1, self.rows_seen), 4),
             "tokens_spot_checked": self.tokens_spot_checked,
+            "tokens_audited": self.tokens_audited,
             "unverifiable_tokens": self.unverifiable_tokens,
             "over_budget": self.over_budget,
             "excursions": self.excursions,
@@ -368,6 +378,23 @@ class Verifier:
                 break
             self.stats.passed[name] += 1
         return failure
+
+    def audit(self, peer_id: str, version: int, group_id: str, tokens: int, total: float, largest: float) -> Failure | None:
+        """Judge the on-policy log-prob gaps the training forward found in one of `peer_id`'s
+        trained groups (module docstring: audits of training); a failure as a spot check's."""
+        if tokens <= 0 or self._model is None:  # no log-prob checks in this run
+            return None
+        self.stats.tokens_audited += tokens
+        limits = self.judgement(peer_id).refuse
+        mean = total / tokens
+        if largest <= limits.token and mean <= limits.mean_limit(tokens):
+            return None
+        return Failure(
+            DropReason.BAD_LOGPROBS,
+            f"group {group_id} trained on version {version}: its claimed log-probs are {mean:.3g} from the learner's "
+            f"training forward on average over {tokens} tokens, {largest:.3g} at most; honest peers stay within "
+            f"{limits.mean_limit(tokens):.3g} on average and {limits.token:.3g} per token",
+        )
 
     def judgement(self, peer_id: str) -> Judgement:
         """How `peer_id`'s log-probs are judged: by hand-set limits, or by the envelope of the

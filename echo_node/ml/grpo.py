@@ -400,17 +400,46 @@ def grpo_loss(
     return loss, stats
 
 
-def _logprob_gaps(rows: list[list[bool]], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
-    """|learner log-prob - claimed behaviour log-prob| over the tokens sampled by the weights
-    being trained (`rows`: `TrainGroup.on_policy` of each row): what an honest peer's engine and
-    the learner's forward disagree by, and what a forged log-prob shows up as."""
+@dataclass(frozen=True, slots=True)
+class LogprobGaps:
+    """|learner log-prob - claimed behaviour log-prob| over one group's tokens sampled by the
+    weights being trained: how many, their sum and the largest."""
+
+    tokens: int
+    total: float
+    largest: float
+
+
+def _on_policy_gaps(rows: list[list[bool]], prox: Tensor, mu: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(gaps, which tokens count) of `rows` (`TrainGroup.on_policy` of each row)."""
     t_max = prox.shape[1]
     on = torch.tensor([r + [False] * (t_max - len(r)) for r in rows], dtype=torch.bool, device=mask.device) & mask
+    return (prox - mu).abs().masked_fill(~on, 0.0), on
+
+
+def _logprob_gaps(rows: list[list[bool]], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[str, float]:
+    """|learner log-prob - claimed behaviour log-prob| over the tokens sampled by the weights
+    being trained: what an honest peer's engine and the learner's forward disagree by, and what
+    a forged log-prob shows up as."""
+    gap, on = _on_policy_gaps(rows, prox, mu, mask)
     n = int(on.sum())
     if n == 0:
         return {}
-    gap = (prox - mu).abs()[on]
-    return {"lp_gap_tokens": float(n), "lp_gap_mean": float(gap.mean()), "lp_gap_max": float(gap.max())}
+    return {"lp_gap_tokens": float(n), "lp_gap_mean": float(gap.sum()) / n, "lp_gap_max": float(gap.max())}
+
+
+def _group_gaps(rows: list[list[bool]], row_group: list[int], prox: Tensor, mu: Tensor, mask: Tensor) -> dict[int, LogprobGaps]:
+    """The gaps of `_logprob_gaps` per group (`row_group`: each row's group index)."""
+    if prox.shape[1] == 0:
+        return {}
+    gap, on = _on_policy_gaps(rows, prox, mu, mask)
+    counts, sums, maxes = on.sum(1).tolist(), gap.sum(1).tolist(), gap.max(1).values.tolist()
+    out: dict[int, LogprobGaps] = {}
+    for g, n, total, largest in zip(row_group, counts, sums, maxes):
+        if n:
+            was = out.get(g, LogprobGaps(0, 0.0, 0.0))
+            out[g] = LogprobGaps(was.tokens + int(n), was.total + total, max(was.largest, largest))
+    return out
 
 
 def tis_loss(
@@ -561,6 +590,9 @@ class PolicyOptimizer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
+        # The last step's on-policy log-prob gaps per group (index into its `groups`): the
+        # learner's own forward re-checks claimed log-probs at no extra cost (echo_node/verify.py).
+        self.last_gaps: dict[int, LogprobGaps] = {}
         # Train mode only changes what a forward computes where there is dropout; the lean Llama
         # forward has none, and walking the modules twice per update is a visible share of a step.
         self._mode_matters = not (is_lean_llama(model) and _attention_dropout(model) == 0)
@@ -588,8 +620,10 @@ class PolicyOptimizer:
         }
         # A group whose rewards are all equal has zero advantage: no signal, and it would only
         # dilute the token mean.
-        used = [g for g in groups if min(g.rewards, default=0.0) != max(g.rewards, default=0.0)]
+        used_at = [i for i, g in enumerate(groups) if min(g.rewards, default=0.0) != max(g.rewards, default=0.0)]
+        used = [groups[i] for i in used_at]
         stats["groups_used"] = float(len(used))
+        self.last_gaps = {}
         if not used:
             stats["skipped"] = 1.0
             return stats
@@ -635,6 +669,9 @@ class PolicyOptimizer:
         )
         weights, is_stats = importance_weights(prox, mu, mask, cap=self.is_cap)
         stats.update(_logprob_gaps([on_policy[i] for i in rows], prox, mu, mask))
+        if share is None:  # rows are every completion, in order
+            row_group = [i for i, g in zip(used_at, used) for _ in g.completions]
+            self.last_gaps = _group_gaps(on_policy, row_group, prox, mu, mask)
         if self.correction == "none":
             weights = mask.float()
         stats.update(is_stats)

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 import trio
 
-from echo_node.config import VerifyConfig
+from echo_node.config import RLConfig, RunConfig, VerifyConfig
 from echo_node.learner import Learner
 from echo_node.ml.grpo import sequence_logprobs
-from echo_node.ml.model import state_to_bytes
+from echo_node.ml.model import build_model, state_to_bytes, tiny_llama_config
+from echo_node.ml.tokenizer import CharTokenizer
+from echo_node.policy import Policy
 from echo_node import verify as verify_module
 from echo_node.verify import Verifier
-from protocol import DropReason, RolloutBatch, RolloutGroup, seal
-from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, offer
+from protocol import DropReason, Identity, RolloutBatch, RolloutGroup, seal
+from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, make_batch, offer
 from tests.sampling import RUN, perturbed, sample_batch, sharpened, tiny_model
 
 
@@ -150,7 +153,7 @@ def test_probation_checks_everything_then_the_spot_rate_takes_over(model: torch.
 def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, learner: Learner) -> None:
     """Through the learner's intake: Alice's honest batches are trained, Mallory's first batch
     passes (honest), her second carries another model's samples and gets her banned."""
-    learner.verifier = v = verifier(learner.policy.model)
+    learner.verifier = v = verifier(learner.policy.model, min_rows=1000)  # every row: the verdict is not the point
     learner.intake.verify = v
     for who in (ALICE, MALLORY):
         learner.peers.join(who.peer_id, 0.0)
@@ -166,7 +169,7 @@ def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, le
 def test_a_peer_caught_is_caught_once_though_more_of_its_batches_were_queued(learner: Learner) -> None:
     """Batches pass the validator before the consumer spot-checks the first: once that one gets
     its publisher banned, the ones queued behind it are dropped as `banned`, not judged again."""
-    learner.verifier = v = verifier(learner.policy.model)
+    learner.verifier = v = verifier(learner.policy.model, min_rows=1000)  # every row: the verdict is not the point
     learner.intake.verify = v
     learner.peers.join(MALLORY.peer_id, 0.0)
     caught: list[dict[str, object]] = []
@@ -277,3 +280,49 @@ def test_evidence_of_a_weak_bias_accumulates_across_checks(model: torch.nn.Modul
     for seq in range(1, 30):
         assert honest.spot(sample_batch(sharp, seq=seq, groups=1), [0]) is None
     assert honest.stats.log_e_max["greedy"] < 10
+
+
+def test_the_training_forward_audits_every_on_policy_token_it_trains(tmp_path: Path) -> None:
+    """No spot check runs here (no probation, spot rate 0): the step's own forward re-checks
+    the claimed log-probs of the tokens sampled on the weights it trains, at no cost. Alice's
+    are the model's, Mallory's are moved by 0.3 nats: Mallory is caught after the step, banned
+    and purged; Alice is not."""
+    cfg = RunConfig(run_id=RUN, runs_dir=tmp_path, rl=RLConfig(groups_per_step=2, staleness=4),
+                    verify=VerifyConfig(probation_batches=0, spot_rate=0.0))
+    tok = CharTokenizer()
+    arch = tiny_llama_config(tok.vocab_size)
+    learner = Learner(cfg, Identity.from_seed(b"\x01" * 32),
+                      Policy(build_model(arch), tok, TASK, {"kind": "embedded", **arch}, tok.to_dict()))
+
+    async def announce(topic: str, data: bytes) -> None:  # the host is not started
+        pass
+
+    learner.node.publish = announce  # type: ignore[method-assign]
+    model = learner.policy.model
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+
+    def batch(who: Identity, seq: int, shift: float) -> bytes:
+        honest = each_group(make_batch(identity=who, seq=seq), lambda g: with_true_logprobs(model, g))
+        return seal(shifted(honest, shift) if shift else honest, who)
+
+    async def go() -> None:
+        blob = learner._start()
+        await learner._publish_version(blob)
+        for who in (ALICE, MALLORY):
+            learner.peers.join(who.peer_id, 0.0)
+        for seq in (1, 2):
+            for who, shift in ((ALICE, 0.0), (MALLORY, 0.3)):
+                data = batch(who, seq, shift)
+                assert learner.intake.validate(who.peer_id, who.peer_id, data)
+                await learner.intake.deliver(data, who.peer_id)
+        await learner.update()
+
+    trio.run(go)
+    learner._finish()
+    assert learner.version == 1 and learner.verifier is not None
+    assert [r["reason"] for r in caught] == ["bad_logprobs"] and caught[0]["peer"] == MALLORY.peer_id
+    assert "training forward" in str(caught[0]["evidence"])
+    assert learner.peers.is_banned(MALLORY.peer_id) and not learner.peers.is_banned(ALICE.peer_id)
+    assert learner.buffer.ledger.dropped.get("purged") == 8  # Mallory's second batch, untrained
+    assert learner.verifier.stats.tokens_audited == 2 * 8 * 4 and learner.verifier.stats.tokens_spot_checked == 0
