@@ -175,7 +175,7 @@ def test_honest_bf16_batches_pass_and_forgeries_are_refused(real: tuple[torch.nn
     assert 1e-3 < stats.lp_gap_max, "bf16 rounds: a gap of 0 would mean the check compared a model with itself"
 
     found = batches_to_ban(real, published=published, honest=honest)
-    for name, (n, reason) in found.items():
+    for name, (_, reason) in found.items():
         assert reason is None or reason in ATTACK_REASONS[name], (name, reason)
     batches = {name: n for name, (n, _) in found.items()}
     assert all(n is not None for n in batches.values()), batches
