@@ -24,11 +24,14 @@ decoded within the bound below, k * (w + 2) <= len(base)). The signed manifest c
 that bind the delta's output to a version (manifest.py, `weights_sha256`).
 
 Invariants:
-- `decode_delta` allocates the output (len(base) B, plus one copy to return it as bytes) and at
-  most len(base) B of decompressed streams, plus temporaries bounded by one chunk, whatever the
-  delta's bytes: every zstd frame must declare its exact expected content size before anything is
-  decompressed (a zstd bomb is refused up front), the sparse header must satisfy
-  k * (w + 2) <= len(base), and the frames must fill the delta exactly.
+- `decode_delta` writes the output into the caller's buffer `out` (exactly len(base) B; without
+  one it allocates it, plus one copy to return it as bytes) and allocates at most len(base) B of
+  decompressed sparse streams, plus temporaries bounded by one chunk, whatever the delta's bytes
+  (a plain delta is decompressed chunk by chunk into `out`): every zstd frame must declare its
+  exact expected content size before anything is decompressed (a zstd bomb is refused up front),
+  the sparse header must satisfy k * (w + 2) <= len(base), and the frames must fill the delta
+  exactly. Nothing is ever written outside `out`; after a failure its contents are undefined
+  (the caller discards it: the weights it holds are the base, untouched).
 - `decode_delta(encode_delta(new, base), base, max_size=len(base)) == new` for every pair of
   equal-length byte strings.
 - Every failure on a peer's delta is a RemoteProtocolError; misuse on our side (different
@@ -48,6 +51,7 @@ from array import array
 from collections import deque
 from itertools import accumulate, islice, repeat
 from operator import add
+from typing import overload
 
 import zstandard
 
@@ -292,30 +296,51 @@ def _encode_sparse(mn: memoryview, mb: memoryview, gaps: list[int], level: int) 
 # --- Decoding ----------------------------------------------------------------------------------
 
 
-def decode_delta(delta: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview, *, max_size: int) -> bytes:
+@overload
+def decode_delta(
+    delta: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview, *, max_size: int, out: None = None
+) -> bytes: ...
+@overload
+def decode_delta(
+    delta: bytes | bytearray | memoryview, base: bytes | bytearray | memoryview, *, max_size: int, out: bytearray | memoryview
+) -> memoryview: ...
+def decode_delta(
+    delta: bytes | bytearray | memoryview,
+    base: bytes | bytearray | memoryview,
+    *,
+    max_size: int,
+    out: bytearray | memoryview | None = None,
+) -> bytes | memoryview:
     """The new weights from a peer's `delta` against our `base`; bounded, bit-exact.
 
     `max_size` is the most bytes the caller will hold for the result (e.g. the manifest's
     `weights_size`); a base larger than that is the caller's mistake (LocalProtocolError).
-    RemoteProtocolError unless `delta` is a well-formed plain or sparse delta (module docstring)
-    of exactly `len(base)` bytes of weights.
+    `out`: a writable buffer of exactly len(base) B (not overlapping `base`) to decode into,
+    returned as a read-only view; without it the result is new bytes. RemoteProtocolError
+    unless `delta` is a well-formed plain or sparse delta (module docstring) of exactly
+    `len(base)` bytes of weights.
     """
     n = len(base)
     if n > max_size:
         raise LocalProtocolError(f"base of {n} B is larger than max_size={max_size}")
+    target = memoryview(bytearray(n) if out is None else out).cast("B")
+    if target.readonly or len(target) != n:
+        raise LocalProtocolError(f"cannot decode {n} B of weights into a {'read-only ' * target.readonly}buffer of {len(target)} B")
     data = bytes(delta)
     if len(data) > max_delta_size(n):
         raise RemoteProtocolError(f"delta of {len(data)} B is larger than any delta of {n} B weights")
+    mb = memoryview(base).cast("B")
     if data[:1] == bytes([_TAG_SPARSE]):
-        return _decode_sparse(data, memoryview(base).cast("B"))
-    if not data.startswith(_ZSTD_MAGIC):
+        _decode_sparse(data, mb, target)
+    elif data.startswith(_ZSTD_MAGIC):
+        _decode_plain(data, mb, target)
+    else:
         raise RemoteProtocolError("delta is neither a sparse delta nor a zstd frame (bad magic number)")
-    diff = _decompress_exact(data, n, "delta")
-    return xor_bytes(diff, base)
+    return bytes(target) if out is None else target.toreadonly()
 
 
-def _decompress_exact(frame: bytes, size: int, what: str) -> bytes:
-    """`frame`, exactly one zstd frame declaring exactly `size` bytes, decompressed."""
+def _check_frame(frame: bytes, size: int, what: str) -> None:
+    """`frame` is exactly one zstd frame declaring exactly `size` bytes (nothing decompressed)."""
     if not frame.startswith(_ZSTD_MAGIC):
         raise RemoteProtocolError(f"{what} is not a zstd frame (bad magic number)")
     try:
@@ -333,6 +358,32 @@ def _decompress_exact(frame: bytes, size: int, what: str) -> bytes:
         raise RemoteProtocolError(f"{what}: corrupt zstd frame: {exc}") from None
     if end != len(frame):
         raise RemoteProtocolError(f"{what}: {len(frame) - end} trailing bytes after the zstd frame")
+
+
+def _decode_plain(data: bytes, base: memoryview, out: memoryview) -> None:
+    """out = base XOR zstd-decompress(data), one chunk of decompressed bytes at a time."""
+    n = len(base)
+    _check_frame(data, n, "delta")
+    reader = zstandard.ZstdDecompressor().stream_reader(data, read_across_frames=False)
+    pos = 0
+    try:
+        while pos < n:
+            chunk = reader.read(min(_XOR_CHUNK, n - pos))
+            if not chunk:
+                raise RemoteProtocolError(f"delta decompressed to {pos} B, expected {n} B")
+            hi = pos + len(chunk)
+            x = int.from_bytes(chunk, "little") ^ int.from_bytes(base[pos:hi], "little")
+            out[pos:hi] = x.to_bytes(hi - pos, "little")
+            pos = hi
+        if reader.read(1):  # defensive: zstd already checks the output against the declared size
+            raise RemoteProtocolError(f"delta decompresses to more than {n} B")
+    except zstandard.ZstdError as exc:
+        raise RemoteProtocolError(f"delta does not decompress to {n} B: {exc}") from None
+
+
+def _decompress_exact(frame: bytes, size: int, what: str) -> bytes:
+    """`frame`, exactly one zstd frame declaring exactly `size` bytes, decompressed."""
+    _check_frame(frame, size, what)
     try:
         out = zstandard.ZstdDecompressor().decompress(frame)
     except zstandard.ZstdError as exc:
@@ -342,7 +393,7 @@ def _decompress_exact(frame: bytes, size: int, what: str) -> bytes:
     return out
 
 
-def _decode_sparse(data: bytes, base: memoryview) -> bytes:
+def _decode_sparse(data: bytes, base: memoryview, out: memoryview) -> None:
     n = len(base)
     lanes_total = n // 2
     odd = n & 1
@@ -377,10 +428,16 @@ def _decode_sparse(data: bytes, base: memoryview) -> bytes:
         gaps.byteswap()
     zz_lo, zz_hi = streams[width], streams[width + 1]
     del streams
-    out = array(_LANE_CODE)
-    out.frombytes(base[: 2 * lanes_total])
+    out[:] = base
+    # The changed lanes are rewritten in place: through a 16-bit view of `out`, or on a
+    # big-endian host through a byte-swapped copy written back at the end.
+    lanes: memoryview | array  # type: ignore[type-arg]
     if _BIG_ENDIAN:
-        out.byteswap()
+        lanes = array(_LANE_CODE)
+        lanes.frombytes(out[: 2 * lanes_total])
+        lanes.byteswap()
+    else:
+        lanes = out[: 2 * lanes_total].cast(_LANE_CODE)
     masks: dict[int, _Lanes] = {}
     positions = _positions(gaps)
     next(positions)
@@ -393,14 +450,13 @@ def _decode_sparse(data: bytes, base: memoryview) -> bytes:
         zz[0::2] = zz_lo[done : done + c]
         zz[1::2] = zz_hi[done : done + c]
         done += c
-        bv = _lane_values(array(_LANE_CODE, map(out.__getitem__, chunk)))
+        bv = _lane_values(array(_LANE_CODE, map(lanes.__getitem__, chunk)))
         nv = _apply_zigzag(bv, int.from_bytes(zz, "little"), _lanes_for(c, masks))
-        deque(map(out.__setitem__, chunk, _lane_array(nv, c)), maxlen=0)
-    if _BIG_ENDIAN:
-        out.byteswap()
+        deque(map(lanes.__setitem__, chunk, _lane_array(nv, c)), maxlen=0)
+    if isinstance(lanes, array):
+        lanes.byteswap()
+        out[: 2 * lanes_total] = memoryview(lanes).cast("B")
+    else:
+        lanes.release()
     if odd:
-        out_bytes = bytearray(out.tobytes())
-        del out
-        out_bytes.append(base[-1] ^ data[_SPARSE_HEAD.size])
-        return bytes(out_bytes)
-    return out.tobytes()
+        out[-1] = base[-1] ^ data[_SPARSE_HEAD.size]

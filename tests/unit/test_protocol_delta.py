@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import os
 import random
 
 import pytest
@@ -263,8 +264,8 @@ def _sparse_build(k: int, w: int, frames: list[bytes], *, tail: bytes = b"") -> 
     return struct.pack("<BQB", 1, k, w) + tail + struct.pack(f"<{len(frames)}Q", *map(len, frames)) + b"".join(frames)
 
 
-def test_bad_sparse_deltas_are_remote_errors() -> None:
-    new, base, good = _sparse_fixture()
+def bad_sparse_deltas(base: bytes, good: bytes) -> dict[str, bytes]:
+    """Malformed variants of the sparse delta `good` against `base`, by what is wrong."""
     k, w, frames = _sparse_parts(good)
     assert _sparse_build(k, w, frames) == good
     z = zstandard.ZstdCompressor(write_content_size=True)
@@ -273,7 +274,7 @@ def test_bad_sparse_deltas_are_remote_errors() -> None:
     wide = [z.compress(past_end[0::2]), z.compress(past_end[1::2]), *frames[w:]]
     just_fits = (lanes - k).to_bytes(2, "little") + bytes(2 * (k - 1))  # last change at the last lane
     assert decode_delta(_sparse_build(k, 2, [z.compress(just_fits[0::2]), z.compress(just_fits[1::2]), *frames[w:]]), base, max_size=len(base))
-    cases = {
+    return {
         "truncated": good[: len(good) // 2],
         "header only": good[:10],
         "tag only": good[:1],
@@ -290,7 +291,11 @@ def test_bad_sparse_deltas_are_remote_errors() -> None:
         "position past the end": _sparse_build(k, 2, wide),  # RemoteProtocolError "past the"
         "all gaps max": _sparse_build(k, w, [z.compress(b"\xff" * k)] * w + frames[w:]),
     }
-    for name, delta in cases.items():
+
+
+def test_bad_sparse_deltas_are_remote_errors() -> None:
+    new, base, good = _sparse_fixture()
+    for name, delta in bad_sparse_deltas(base, good).items():
         with pytest.raises(RemoteProtocolError):
             decode_delta(delta, base, max_size=len(base))
             pytest.fail(name)
@@ -302,6 +307,70 @@ def test_bad_sparse_deltas_are_remote_errors() -> None:
         pass
     else:
         assert len(out) == len(base)
+
+
+def guarded(n: int) -> tuple[bytearray, memoryview]:
+    """A buffer of `n` B between two guard bands (what a decode must never write)."""
+    whole = bytearray(GUARD + bytes(n) + GUARD)
+    return whole, memoryview(whole)[len(GUARD) : len(GUARD) + n]
+
+
+GUARD = b"\xa5" * 64
+
+
+@pytest.mark.parametrize("extra", [b"", b"\x7f"])
+def test_decoding_into_a_buffer_is_the_same_and_stays_inside_it(extra: bytes) -> None:
+    new, base = bf16_after_step(20_000, fraction=0.05, seed=16)
+    new, base = new + extra, base + extra
+    rng = random.Random(16)
+    dense_new = rng.randbytes(len(base))
+    for delta, want in [(encode_delta(new, base), new), (forced_sparse(new, base), new), (encode_delta(dense_new, base), dense_new)]:
+        whole, out = guarded(len(base))
+        got = decode_delta(delta, base, max_size=len(base), out=out)
+        assert got.readonly and bytes(got) == want and bytes(out) == want
+        assert whole[: len(GUARD)] == GUARD and whole[-len(GUARD) :] == GUARD
+    with pytest.raises(LocalProtocolError, match="buffer of"):
+        decode_delta(encode_delta(new, base), base, max_size=len(base), out=bytearray(len(base) - 1))
+    with pytest.raises(LocalProtocolError, match="read-only"):
+        decode_delta(encode_delta(new, base), base, max_size=len(base), out=memoryview(bytearray(len(base))).toreadonly())
+
+
+def test_a_bad_delta_into_a_buffer_fails_cleanly_and_never_writes_past_it() -> None:
+    """Hostile input: every malformed delta (plain, sparse, random mutations) decoded into a
+    provided buffer is a RemoteProtocolError; the guard bands around the buffer and the base
+    are untouched."""
+    new, base_bytes, good = _sparse_fixture()
+    base = bytearray(base_bytes)  # writable, so "untouched" means something
+    plain = encode_delta(os.urandom(len(base)), base)
+    assert plain[:1] == b"\x28"
+    cases = dict(bad_sparse_deltas(base_bytes, good))
+    cases |= {
+        "plain truncated": plain[: len(plain) // 2],
+        "plain trailing": plain + b"\x00",
+        "plain two frames": plain + plain,
+        "plain short content": zstandard.ZstdCompressor(write_content_size=True).compress(bytes(len(base) - 2)),
+        "plain long content": zstandard.ZstdCompressor(write_content_size=True).compress(bytes(len(base) + 2)),
+        "oversize": good + bytes(max_delta_size(len(base))),
+    }
+    rng = random.Random(17)
+    for i in range(200):
+        data = bytearray(good if i % 2 else plain)
+        for _ in range(rng.randint(1, 4)):
+            data[rng.randrange(len(data))] = rng.getrandbits(8)
+        cases[f"mutant {i}"] = bytes(data)
+    base_before = bytes(base)
+    failed = 0
+    for name, delta in cases.items():
+        whole, out = guarded(len(base))
+        try:
+            decode_delta(delta, base, max_size=len(base), out=out)
+        except RemoteProtocolError:
+            failed += 1
+        else:
+            assert name.startswith("mutant"), name  # some mutations still decode (the digest catches them)
+        assert whole[: len(GUARD)] == GUARD and whole[-len(GUARD) :] == GUARD, name
+        assert base == base_before, name
+    assert failed > len(cases) // 2
 
 
 def test_sparse_bombs_are_refused_before_allocating() -> None:
