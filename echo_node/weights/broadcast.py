@@ -227,12 +227,26 @@ class Link:
 class PieceStore:
     """A version's pieces, assembled in place: each verified piece is copied into its slot as it
     arrives, so completing costs nothing. (Joining 64 MiB at the end cost 30-40 ms per peer, and
-    eight peers finishing at once on one core serialised that into 0.3 s of the broadcast.)"""
+    eight peers finishing at once on one core serialised that into 0.3 s of the broadcast.)
 
-    def __init__(self, manifest: WeightManifest, payload: bytes | None = None) -> None:
+    `payload`: the whole version, held already (a source). `into`: a writable buffer of exactly
+    the manifest's payload size to assemble into (a peer's mapped version file); by default a
+    new bytearray. Either way the size is the signed manifest's, never a remote's say."""
+
+    def __init__(
+        self, manifest: WeightManifest, payload: bytes | memoryview | None = None, *, into: bytearray | memoryview | None = None
+    ) -> None:
         self.manifest = manifest
         n = manifest.num_pieces
-        self._buffer = memoryview(bytearray(manifest.payload_size) if payload is None else payload)
+        if payload is not None and into is not None:
+            raise ValueError("a piece store either holds its payload or assembles it, not both")
+        if into is not None:
+            buffer = memoryview(into).cast("B")
+            if buffer.readonly or len(buffer) != manifest.payload_size:
+                raise ValueError(f"cannot assemble {manifest.payload_size} B into a buffer of {len(buffer)} B")
+        else:
+            buffer = memoryview(bytearray(manifest.payload_size) if payload is None else payload)
+        self._buffer = buffer
         self._held = [payload is not None] * n
         self.count = n if payload is not None else 0
 
@@ -476,12 +490,15 @@ async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
 class Receiver:
     """A rollout peer's side for one version: pull from the source, push to peers, repair."""
 
-    def __init__(self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0) -> None:
+    def __init__(
+        self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0,
+        into: bytearray | memoryview | None = None,
+    ) -> None:
         self.server = server
         self.identity = server.identity
         self.manifest = manifest
         self.source_id = source_id
-        self.store = PieceStore(manifest)
+        self.store = PieceStore(manifest, into=into)  # `into`: where to assemble (PieceStore)
         self.stats = Stats()
         self.links: dict[str, Link] = {}
         self.members: set[str] = {source_id}
@@ -714,10 +731,12 @@ async def receive_version(
     learner_id: str,
     connect: Connector = tcp_connect,
     on_start: Callable[[Receiver], None] | None = None,
+    into: bytearray | memoryview | None = None,
 ) -> tuple[memoryview, Receiver]:
     """After `open_version`: register a receiver for the manifest and download the payload
-    (`on_start` is handed the receiver first, e.g. to watch its progress)."""
-    receiver = Receiver(server, manifest, source_id=learner_id)
+    (`on_start` is handed the receiver first, e.g. to watch its progress; `into`: a buffer of
+    the manifest's payload size to assemble it in, e.g. a mapped file)."""
+    receiver = Receiver(server, manifest, source_id=learner_id, into=into)
     receiver.connect = connect
     if on_start is not None:
         on_start(receiver)
@@ -811,6 +830,9 @@ class Served:
         self._scopes: OrderedDict[int, trio.CancelScope | None] = OrderedDict()
 
     def add(self, version: int, scope: trio.CancelScope | None = None) -> None:
+        replaced = self._scopes.pop(version, None)
+        if replaced is not None and replaced is not scope:
+            replaced.cancel()  # the same number fetched again (a new epoch's, or full after a delta)
         self._scopes[version] = scope
         while len(self._scopes) > self.keep:
             old, old_scope = self._scopes.popitem(last=False)
