@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-from echo_node.ml.model import load_state_bytes, load_state_tensors
+from echo_node.ml.model import load_state_tensors, state_tensors
 
 if TYPE_CHECKING:
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -403,7 +403,9 @@ class TorchEngine:
 
     def load_weights(self, state: WeightState, version: int) -> None:
         if isinstance(state, (bytes, bytearray, memoryview)):
-            load_state_bytes(self.model, bytes(state))
+            # Zero-copy views of the blob (a peer's mapped version file), copied into the model
+            # in place: no bytes copy of the blob, no tensors of its own.
+            load_state_tensors(self.model, state_tensors(state))
         else:
             load_state_tensors(self.model, state)
         self.version = version
