@@ -576,7 +576,8 @@ class RolloutPeer:
                 self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
                 self.publisher.metrics = metrics
                 self.follower = WeightFollower(
-                    self.cfg, self.node, self.data, session, metrics=metrics, rejoin=partial(rejoin, self.cfg, self.node, self.data, session)
+                    self.cfg, self.node, self.data, session, metrics=metrics, rejoin=partial(rejoin, self.cfg, self.node, self.data, session),
+                    versions_dir=self.cfg.run_dir / "peers" / f"{self.node.peer_id}.versions",
                 )
                 self.follower.device = "cuda" if self.cfg.rollout.engine == "vllm" else str(session.policy.device)
                 await nursery.start(self.follower.run)  # the initial weights, before the first token

@@ -15,6 +15,16 @@ base the learner still keeps, and after the learner said it has none, only full 
 `DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
 until it is `keep_versions` old.
 
+Memory (docs/architecture.md, "Memory per parameter"): no weights are held as Python bytes.
+A payload is assembled, piece by piece as each verifies, in a mapping of the `payloads` store;
+a delta decodes into a mapping of the `decoded` store; the engine copies the weights out of the
+mapping through zero-copy views. With a run folder these mappings are files
+(runs/<id>/peers/<peer>.versions) whose pages are released once the version verified and again
+once the engine loaded it, and at the start of every download, so what is kept costs page
+cache, not this process's memory; relaying reads them back from the cache. A store holds what
+is relayed (`keep_versions` payloads) and the newest verified weights (the delta base), each
+the size of the learner's signed manifest; everything else is unlinked.
+
 Learner restarts: every announcement and status answer names the learner's epoch. An older
 epoch's is ignored; a newer epoch is followed at once (the peer re-joins it, and fetches its
 newest version even if the number is not above the peer's newest); within an epoch a version
@@ -26,12 +36,14 @@ looked for again (`reconnect`: the DHT, the same peer id, a new address maybe) w
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any, Protocol
 
 import trio
@@ -42,6 +54,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, JoinError, PeerAddr
 from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version, receive_version
+from echo_node.weights.store import VersionStore
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RunSpec, StatusRequest, StatusResponse, VersionAnnounce
@@ -115,7 +128,7 @@ class Joined(Protocol):
 class WeightFollower:
     def __init__(
         self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None,
-        rejoin: Callable[[], Awaitable[None]] | None = None,
+        rejoin: Callable[[], Awaitable[None]] | None = None, versions_dir: Path | None = None,
     ) -> None:
         self.cfg = cfg
         self.node = node
@@ -125,9 +138,14 @@ class WeightFollower:
         self.metrics = metrics
         self.served = Served(data, cfg.net.keep_versions)
         self._nursery: trio.Nursery | None = None
-        # The newest verified weights this peer holds (running or about to be swapped in), as
-        # bytes: the base a delta applies to.
+        # Received payloads (full or delta; relayed while served) and weights decoded from a
+        # delta, as mappings (module docstring); files under `versions_dir` if given.
+        self.payloads = VersionStore(versions_dir, suffix=".payload")
+        self.decoded = VersionStore(versions_dir, suffix=".weights")
+        # The newest verified weights this peer holds (running or about to be swapped in): the
+        # base a delta applies to; `_blob_map` is the store mapping they are a view of.
         self._blob: bytes | memoryview | None = None
+        self._blob_map: mmap.mmap | None = None
         self._blob_version = -1
         self._blob_sha: bytes | None = None
         self._blob_epoch = -1
@@ -156,6 +174,8 @@ class WeightFollower:
         # decoding steps (async) or before a batch, hence the lock.
         self._pending: tuple[bytes | memoryview, int] | None = None
         self._pending_lock = threading.Lock()
+        # A version handed over whose pages are to be released once the engine runs it.
+        self._release_after: int | None = None
         self._delta_from = 0
         self.deltas_used = 0
         # The learner's capacity controller's word on this peer (its last status answer): False
@@ -238,20 +258,22 @@ class WeightFollower:
         if self._blob is not None and target.sha256 == self._blob_sha:
             self._renumber(target)
             return
-        blob: bytes | memoryview | None = None
+        self.release_pages()  # what relaying or the last install mapped in: back to the page cache
+        got: tuple[memoryview, mmap.mmap] | None = None
         delta = False
         with trio.fail_after(FETCH_TIMEOUT_S), trio.CancelScope() as scope:
             self._fetching, self._progress = (target, scope), None
             try:
-                blob = await self._fetch_delta(target)
-                delta = blob is not None
-                if blob is None:
-                    blob = await self._nursery_start(target, FULL)
+                got = await self._fetch_delta(target)
+                delta = got is not None
+                if got is None:
+                    got = await self._nursery_start(target, FULL)
             finally:
                 self._fetching = self._progress = None
-        if blob is None:
+        if got is None:
             raise TransferAbandoned(f"version {target.version}: {self._abandoned}")
-        self._hand_over(blob, target.version)
+        self._hand_over(got[0], target.version, got[1])
+        self.release_pages()
         self._blob_sha, self._blob_epoch = target.sha256, target.epoch
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
@@ -262,20 +284,46 @@ class WeightFollower:
         """`target` names the weights this peer holds (verified by their digest): they go on
         under its number and epoch, nothing fetched."""
         assert self._blob is not None
-        self._hand_over(self._blob, target.version)
+        self._hand_over(self._blob, target.version, self._blob_map)
         self._blob_epoch = target.epoch
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": 0,
                                 "fetch_s": 0.0, "delta": False, "renumbered": True, "sha256": target.sha256.hex(),
                                 "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
 
-    def _hand_over(self, blob: bytes | memoryview, version: int) -> None:
+    def _hand_over(self, blob: bytes | memoryview, version: int, blob_map: mmap.mmap | None = None) -> None:
         """Verified weights become the delta base and wait for the engine (`take_pending`)."""
-        self._blob, self._blob_version = blob, version
+        self._blob, self._blob_map, self._blob_version = blob, blob_map, version
         self._installed.set()
         with self._pending_lock:
             self._pending = (blob, version)
+        self._release_after = version
+        self._prune()
         log.debug("version %d verified", version)
+
+    def _prune(self) -> None:
+        """Unlink what is neither relayed (a payload of a served version) nor the delta base."""
+        fetching = None if self._fetching is None else self._fetching[0].version
+        for store in (self.payloads, self.decoded):
+            for v in store.versions():
+                buf = store.get(v)
+                if buf is not self._blob_map and v != fetching and not (store is self.payloads and v in self.served):
+                    store.drop(v)
+
+    def release_pages(self) -> None:
+        """Hand the pages of every stored mapping back to the page cache (file-backed stores;
+        any thread: a mapping read or written meanwhile maps them again)."""
+        self.payloads.release_all()
+        self.decoded.release_all()
+        if self._blob_map is not None:  # replaced in its store by a newer epoch's same number
+            self.payloads.release_buffer(self._blob_map)
+
+    def _release_if_loaded(self) -> None:
+        """Once the engine runs the version handed over last, release its pages (it copied them)."""
+        version = self._release_after
+        if version is not None and self.engine.version >= version:
+            self._release_after = None
+            self.release_pages()
 
     def take_pending(self) -> tuple[bytes | memoryview, int] | None:
         """The engine's swap hook (runs in the generation thread): newer verified weights, once."""
@@ -293,36 +341,45 @@ class WeightFollower:
         pending = self.take_pending()
         if pending is not None:
             self.engine.load_weights(*pending)
+            self._release_if_loaded()
 
-    async def _fetch_delta(self, target: Target) -> bytes | None:
-        """The new weights via a delta against the newest ones we hold, if the learner offers one."""
+    async def _fetch_delta(self, target: Target) -> tuple[memoryview, mmap.mmap] | None:
+        """The new weights via a delta against the newest ones we hold, if the learner offers
+        one: decoded into a new mapping of the `decoded` store, which is returned with a view."""
         base = self._blob_version
         behind = target.version - base
         # The learner keeps (and cuts deltas against) its last keep_versions versions; a new
         # epoch's learner holds only what it redid, so the first version of an epoch comes full.
+        # A delta decodes to the size of its base: a version of another size comes full.
         if (self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from
-                or target.epoch != self._blob_epoch):
+                or target.epoch != self._blob_epoch or len(self._blob) != target.size):
             return None
         try:
-            delta = await self._nursery_start(target, base)
+            delta, _ = await self._nursery_start(target, base)
         except Unavailable:
             # Deltas do not pay now (fp32 weights early in training) or our base is too old;
             # either way full snapshots for a while, and no round trip per version to learn it.
             self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
-        blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size))
-        if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
-            raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
+        out = self.decoded.create(target.version, target.size)
+        try:
+            blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size, out=memoryview(out)))
+            if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
+                raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
+        except BaseException:
+            if self.decoded.get(target.version) is out:
+                self.decoded.drop(target.version)
+            raise
         self.deltas_used += 1
-        return blob
+        return blob, out
 
-    async def _nursery_start(self, target: Target, base: int) -> memoryview:
+    async def _nursery_start(self, target: Target, base: int) -> tuple[memoryview, mmap.mmap]:
         assert self._nursery is not None
-        payload: memoryview = await self._nursery.start(self._serve_version, target, base)
-        return payload
+        got: tuple[memoryview, mmap.mmap] = await self._nursery.start(self._serve_version, target, base)
+        return got
 
     async def _serve_version(
-        self, target: Target, base: int, *, task_status: trio.TaskStatus[memoryview] = trio.TASK_STATUS_IGNORED
+        self, target: Target, base: int, *, task_status: trio.TaskStatus[tuple[memoryview, mmap.mmap]] = trio.TASK_STATUS_IGNORED
     ) -> None:
         """Fetch `target` (full, or a delta on `base`) from the swarm, then keep relaying it
         until it is K versions old."""
@@ -339,6 +396,13 @@ class WeightFollower:
         )
         served = False
         receivers: list[Receiver] = []
+        # Assembled in place, in a mapping the size of the signed manifest's payload.
+        try:
+            buf = self.payloads.create(target.version, manifest.payload_size)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
 
         def started(receiver: Receiver) -> None:
             receivers.append(receiver)
@@ -350,11 +414,13 @@ class WeightFollower:
                 async with trio.open_nursery() as links:
                     payload, receiver = await receive_version(
                         self.data, links, manifest, stream, learner_id=self.session.learner.peer_id, on_start=started,
+                        into=buf,
                     )
                     self._note_reachability(receiver.reachable)
                     self.served.add(target.version, scope)
                     served = True
-                    task_status.started(payload)
+                    self._prune()  # the version no longer served: its payload goes
+                    task_status.started((payload, buf))
                     await trio.sleep_forever()
         finally:
             for receiver in receivers:
@@ -363,6 +429,8 @@ class WeightFollower:
                 self._received_done += receiver.stats.bytes_down
             if not served:  # abandoned before it verified: stop routing peers to it
                 self.data.unregister(target.version)
+                if self.payloads.get(target.version) is buf:
+                    self.payloads.drop(target.version)
 
     @property
     def installed_version(self) -> int:
@@ -390,6 +458,7 @@ class WeightFollower:
         from whoever serves it then)."""
         while True:
             await trio.sleep(1.0)
+            self._release_if_loaded()  # async mode: the engine took the weights between two steps
             if self._progress is None:
                 continue
             receiver, missing, since = self._progress

@@ -159,12 +159,12 @@ def fetch_that_stalls(f: WeightFollower, *, pieces_every_s: float | None) -> Non
     async def no_delta(target: Target) -> None:
         return None
 
-    async def download(target: Target, base: int) -> bytes:
+    async def download(target: Target, base: int) -> tuple[bytes, None]:
         f._watch(receiver)  # type: ignore[arg-type]
         while receiver.swarm.missing:
             await trio.sleep(pieces_every_s if pieces_every_s is not None else 3600)
             receiver.swarm.missing -= 1
-        return b"weights of 9"
+        return b"weights of 9", None  # the payload, and no store mapping
 
     f._fetch_delta = no_delta  # type: ignore[method-assign,assignment]
     f._nursery_start = download  # type: ignore[method-assign,assignment]

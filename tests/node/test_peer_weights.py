@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import trio
 
 from echo_node.config import RunConfig
@@ -12,6 +14,7 @@ from echo_node.net.discovery import PeerAddr
 from echo_node.weights.broadcast import DataServer, Source
 from echo_node.weights.follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from protocol import Identity, seal
+from protocol.errors import RemoteProtocolError
 from protocol.weights.delta import encode_delta
 from protocol.weights.manifest import build_manifest, payload_digest
 
@@ -53,9 +56,11 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             peer._nursery = nursery
             peer._blob, peer._blob_version, peer._blob_epoch = v7, 7, 0
             with trio.fail_after(10):
-                results.append(await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4, 0)))
+                got = await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4, 0))
+                results.append(None if got is None else bytes(got[0]))
                 peer._blob, peer._blob_version = v8_b, 8
-                results.append(await peer._fetch_delta(Target(9, len(v9), full9.weights_sha256, 4, 0)))
+                got = await peer._fetch_delta(Target(9, len(v9), full9.weights_sha256, 4, 0))
+                results.append(None if got is None else bytes(got[0]))
             nursery.cancel_scope.cancel()
 
     trio.run(main)
@@ -64,3 +69,77 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
     assert peer.deltas_used == 1
     # No delta for version 9: the peer falls back to the full snapshot and stops asking a while.
     assert results[1] is None and peer._delta_from == 9 + DELTA_BACKOFF_VERSIONS
+
+
+def test_a_peer_keeps_its_versions_as_files_and_unlinks_what_it_no_longer_serves(tmp_path: Path) -> None:
+    """Full, then deltas, into mapped files under the peer's folder: a received payload is
+    kept while it is relayed (keep_versions), decoded weights only while they are the delta
+    base; a delta that decodes to the wrong weights leaves the base as it was and no file; a
+    newer number for the same weights moves over without a transfer or a file."""
+    step = [bytearray(os.urandom(16 * PIECE))]
+    for v in range(1, 5):
+        nxt = bytearray(step[-1])
+        nxt[v::89] = bytes((b + v) % 256 for b in nxt[v::89])
+        step.append(nxt)
+    blobs = [bytes(b) for b in step]  # versions 1..5 are blobs[0..4]
+    full = {v: build_manifest(run_id="run-1", version=v, payload=blobs[v - 1], piece_size=PIECE) for v in range(1, 6)}
+    members = {PEER.peer_id}
+    learner = DataServer(LEARNER, "run-1")
+    learner.register(1, Source(LEARNER, full[1], seal(full[1], LEARNER), blobs[0], members))
+    for v in (2, 3, 4):
+        delta = encode_delta(blobs[v - 1], blobs[v - 2])
+        m = build_manifest(run_id="run-1", version=v, payload=delta, codec="xor-zstd", base_version=v - 1,
+                           weights_size=len(blobs[v - 1]), weights_sha256=full[v].weights_sha256, piece_size=PIECE)
+        learner.register(v, Source(LEARNER, m, seal(m, LEARNER), delta, members), base=v - 1)
+    # Version 5 as a delta cut against the wrong base (it decodes, to other weights).
+    bad = encode_delta(blobs[4], blobs[0])
+    m5 = build_manifest(run_id="run-1", version=5, payload=bad, codec="xor-zstd", base_version=4,
+                        weights_size=len(blobs[4]), weights_sha256=full[5].weights_sha256, piece_size=PIECE)
+    learner.register(5, Source(LEARNER, m5, seal(m5, LEARNER), bad, members), base=4)
+    folder = tmp_path / "peers" / f"{PEER.peer_id}.versions"
+    folder.mkdir(parents=True)
+    (folder / "7.payload").write_bytes(b"left by an earlier process")
+    loaded: list[tuple[bytes, int]] = []
+
+    def load_weights(blob: memoryview, version: int) -> None:
+        loaded.append((bytes(blob), version))
+        engine.version = version
+
+    engine = SimpleNamespace(version=-1, load_weights=load_weights)
+    files: list[set[str]] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(learner.run)
+            peer_data = DataServer(PEER, "run-1")
+            await nursery.start(peer_data.run)
+            session = SimpleNamespace(learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port,
+                                      engine=engine, spec=SimpleNamespace(epoch=0))
+            cfg = RunConfig(run_id="run-1")
+            cfg.net.keep_versions = 2
+            peer = WeightFollower(cfg, None, peer_data, session, versions_dir=folder)  # type: ignore[arg-type]
+            assert not (folder / "7.payload").exists(), "files of an earlier process are removed"
+            peer._nursery = nursery
+            with trio.fail_after(20):
+                for v in (1, 2, 3, 4):
+                    await peer._fetch(Target(v, len(blobs[v - 1]), full[v].weights_sha256, 4, 0))
+                    peer.load_pending()
+                    files.append({p.name for p in folder.iterdir()})
+                with pytest.raises(RemoteProtocolError, match="wrong weights"):
+                    await peer._fetch(Target(5, len(blobs[4]), full[5].weights_sha256, 4, 0))
+                files.append({p.name for p in folder.iterdir()})
+                assert peer._blob_version == 4 and bytes(peer._blob) == blobs[3]  # type: ignore[arg-type]
+                await peer._fetch(Target(6, len(blobs[3]), full[4].weights_sha256, 4, 0))  # renumbered
+                peer.load_pending()
+                files.append({p.name for p in folder.iterdir()})
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert loaded == [(blobs[0], 1), (blobs[1], 2), (blobs[2], 3), (blobs[3], 4), (blobs[3], 6)]
+    assert files[0] == {"1.payload"}
+    assert files[1] == {"1.payload", "2.payload", "2.weights"}
+    # Version 1's full payload is no longer relayed (keep_versions 2); 2's weights are no base.
+    assert files[2] == {"2.payload", "3.payload", "3.weights"}
+    assert files[3] == {"3.payload", "4.payload", "4.weights"}
+    assert files[4] == {"4.payload", "5.payload", "4.weights"}, "a bad delta's output is not kept"
+    assert files[5] == files[4]
