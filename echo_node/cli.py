@@ -377,12 +377,16 @@ def _read_peer_list(path: Path) -> list[str]:
 
 def _cmd_learn(args: argparse.Namespace) -> int:
     cfg = _config(args)
+    from echo_node.heap import limit_heap_growth
+
+    heap = limit_heap_growth()  # before the model's first allocations (echo_node/heap.py)
     with _signals_deferred():
         import torch
     from echo_node.ml.sharded import init_from_env
     from echo_node.policy import set_threads
 
     set_threads(cfg.threads)
+    log.info("%s", heap)
     _log_device_choice(cfg.model.device, cfg.model.dtype)
     # Under torchrun (WORLD_SIZE > 1) the update is sharded over the job's ranks: rank 0 is the
     # learner the swarm sees, the other ranks only take their part of each update.
