@@ -32,7 +32,7 @@ from typing import Any
 
 from benchmarks.swarm import metrics_path, start_learner, start_peer
 from echo_node.demo import Swarm
-from echo_node.metrics import read_metrics
+from echo_node.metrics import read_metrics, rounded
 
 LEARNER_CPUS, OTHER_CPUS = {0}, {1}
 
@@ -77,8 +77,8 @@ def measure(root: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
         "installs_as_delta": deltas,
         "bytes_per_version": round(sent / versions),
         "bytes_ratio": round(sent / versions / max(size, 1), 4),
-        "reward_first": round(summary["reward_first"], 4),
-        "reward_last": round(summary["reward_last"], 4),
+        "reward_first": rounded(summary["reward_first"]),
+        "reward_last": rounded(summary["reward_last"]),
     }
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from echo_node.cli import Stopped
-from echo_node.metrics import read_metrics
+from echo_node.metrics import read_metrics, rounded
 
 READY_TIMEOUT_S = 240.0
 STOP_GRACE_S = 10.0
@@ -164,8 +164,8 @@ def run_demo(args: argparse.Namespace) -> int:
         "rollouts_accepted": summary["rollouts_accepted"],
         "rollouts_dropped": summary["rollouts_dropped"],
         "rollouts_buffered": summary["rollouts_buffered"],
-        "reward_first": round(summary["reward_first"], 4),
-        "reward_last": round(summary["reward_last"], 4),
+        "reward_first": rounded(summary["reward_first"]),
+        "reward_last": rounded(summary["reward_last"]),
         "learner_idle_ratio": round(summary["learner_idle_ratio"], 4),
         "train_s": summary["wall_s"],
         "wall_s": round(time.monotonic() - t0, 2),

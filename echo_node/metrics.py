@@ -63,6 +63,11 @@ def first_last_update_rewards(records: Iterable[dict[str, Any]]) -> tuple[float 
     return by_version[min(by_version)], by_version[max(by_version)]
 
 
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """`round`, for a summary field that is null when there is nothing to say (no update)."""
+    return None if value is None else round(value, digits)
+
+
 def _train_steps(records: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if r.get("event") == "train"]
 

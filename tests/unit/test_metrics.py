@@ -173,3 +173,9 @@ def test_the_learners_last_line_says_when_no_update_was_trained() -> None:
 
     assert _reward_change({"reward_first": None, "reward_last": None}) == "no update trained"
     assert _reward_change({"reward_first": 0.0, "reward_last": 0.125}) == "reward 0.000 -> 0.125"
+
+
+def test_summary_fields_without_an_update_stay_null() -> None:
+    from echo_node.metrics import rounded
+
+    assert rounded(None) is None and rounded(0.123456) == 0.1235
