@@ -25,7 +25,9 @@ S = 4, K = 2; 0.16 with every version published (the peer fetching one version p
     .venv/bin/python -m benchmarks.utilization --seconds 20    # a quick look
 
 Last stdout line: one JSON object with `pull_samples_per_s`, `async_samples_per_s`, `ratio`,
-`learner_idle_pull`, `learner_idle_async` and per-mode details.
+`learner_idle_pull`, `learner_idle_async` and per-mode details, among them the learner's
+`profile`: wall and CPU seconds per stage of its work over the whole run and their shares
+(echo_node/profile.py).
 """
 
 from __future__ import annotations
@@ -95,7 +97,11 @@ def run_mode(mode: str, seconds: float, settle_s: float, publish_every: int = 1,
                 time.sleep(0.5)
         finally:
             swarm.stop_all()
-        return steady_window(read_metrics(metrics_path(root, run_id)), settle_s)
+        result = steady_window(read_metrics(metrics_path(root, run_id)), settle_s)
+        summary = metrics_path(root, run_id).with_name("summary.json")
+        if summary.is_file():  # where the learner's time went, per stage (echo_node/profile.py)
+            result["profile"] = json.loads(summary.read_text()).get("profile")
+        return result
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,7 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
 from echo_node.policy import Policy
+from echo_node.profile import Profile
 from echo_node.prom import run_exporter
 from echo_node.recovery import Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
@@ -161,7 +162,10 @@ class Learner:
         self.weights = WeightPublisher(
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
+        # Where the learner's time goes, per stage (echo_node/profile.py): in the summary.
+        self.profile = Profile()
         self.trainer = Trainer(cfg, policy, self.buffer, dist=dist)
+        self.trainer.profile = self.profile
         # Which peers generate, and κ with rl.publish_auto (echo_node/capacity.py).
         rl = cfg.rl
         auto = rl.publish_auto and rl.mode == "async"
@@ -218,7 +222,8 @@ class Learner:
                     )
                 self.node.set_stream_handler(rpc.JOIN, self._serve_join)
                 self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
-                await self.node.subscribe(self.rollouts_topic, self.intake.validate, on_overflow=self.intake.overflowed,
+                await self.node.subscribe(self.rollouts_topic, self.profile.timed("intake_validate", self.intake.validate),
+                                          on_overflow=self.intake.overflowed,
                                           admit=self.intake.queue_admits)
                 await self.node.provide(provider_key(self.cfg.run_id))
                 self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
@@ -306,7 +311,7 @@ class Learner:
             delays = iter(IO_RETRY_DELAYS_S)
             while True:
                 try:
-                    await trio.to_thread.run_sync(self.state.journal.write, data)
+                    await trio.to_thread.run_sync(self.profile.timed("journal_write", self.state.journal.write), data)
                     return
                 except OSError as exc:
                     self.io_errors["journal"] += 1
@@ -541,15 +546,18 @@ class Learner:
         count what fell out of the staleness window, checkpoint when due."""
         trainer = self.trainer
         t1 = time.monotonic()
-        groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
-        origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
+        profile = self.profile
+        with profile.stage("take"):
+            groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
+            origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
         with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
             stats = await trainer.step(groups)
             if stats is None:
                 self._write({"event": "train_error", "version": self.version, "groups": len(groups),
                              "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
                 return
-            self._audit(groups, origins, trained_on)
+            with profile.stage("audit"):
+                self._audit(groups, origins, trained_on)
             if stats.get("skipped"):  # no reward variance: no new version (trainer.py)
                 self._write({"event": "no_signal", "version": self.version, "groups": len(groups),
                              "reward_mean": stats.get("reward_mean", 0.0), "wait_s": round(wait_s, 4),
@@ -557,18 +565,22 @@ class Learner:
                 return
             due = self.version % self.capacity.kappa == 0
             t2 = time.monotonic()
-            blob = await trio.to_thread.run_sync(self.weights.snapshot, self.version, self.policy.publication_into) if due else None
+            blob = await trio.to_thread.run_sync(
+                profile.timed("snapshot", self.weights.snapshot), self.version, self.policy.publication_into) if due else None
             t3 = time.monotonic()
             trainer.train_s += t3 - t2  # the snapshot is the learner's work too
             if blob is not None:
                 await self._publish_version(blob)
             # Anything that just fell out of the staleness window is counted now, not at exit.
-            self.buffer.evict_stale(self.version)
-            self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
-            self.capacity.step(t3 - t1)
+            with profile.stage("bookkeeping"):
+                self.buffer.evict_stale(self.version)
+                self.capacity.step(t3 - t1)
+            with profile.stage("metrics"):
+                self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
         journal = self.state.journal
         if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
-            await self._checkpoint()
+            with profile.stage("checkpoint"):
+                await self._checkpoint()
 
     def _audit(self, groups: list[RolloutGroup], origins: list[str], trained_on: int) -> None:
         """The step's own forward re-checked the claimed log-probs of every token sampled on the
@@ -616,7 +628,8 @@ class Learner:
         active set changes (a normal event, once per tick at most)."""
         while True:
             await trio.sleep(CAPACITY_MEASURE_S)
-            record = self.capacity.tick(trio.current_time(), self.peers.joined)
+            with self.profile.stage("capacity"):
+                record = self.capacity.tick(trio.current_time(), self.peers.joined)
             if record is None:
                 continue
             self._write({**record, "version": self.version})
@@ -632,7 +645,7 @@ class Learner:
         a version number anyone saw names these weights for the life of the run."""
         version = self.version
         self.capacity.published(version, trio.current_time())
-        manifest: WeightManifest = await trio.to_thread.run_sync(self.weights.build, version, blob)
+        manifest: WeightManifest = await trio.to_thread.run_sync(self.profile.timed("manifest", self.weights.build), version, blob)
         history = self.state.history
         if history.versions.get(version) != (manifest.weights_sha256, manifest.weights_size):
             history.add(version, manifest.weights_sha256, manifest.weights_size)
@@ -640,7 +653,8 @@ class Learner:
         await self._flush_journal()
         if self.verifier is not None:  # before a peer can learn of the version
             self.verifier.remember(version, blob)
-        await self.weights.publish(version, blob, manifest)
+        with self.profile.stage("offer_and_delta"):  # wall: the delta's encode runs in worker threads
+            await self.weights.publish(version, blob, manifest)
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
             version=version,
@@ -651,7 +665,8 @@ class Learner:
         )
         self._write({"event": "published", "version": version, "sha256": manifest.weights_sha256.hex(), "epoch": self.epoch})
         self.capacity.announced(version, trio.current_time(), announce.demand_groups * self.cfg.rl.group_size)
-        await self.node.publish(self.versions_topic, seal(announce, self.identity))
+        with self.profile.stage("announce"):
+            await self.node.publish(self.versions_topic, seal(announce, self.identity))
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         ledger = self.buffer.ledger
@@ -747,6 +762,9 @@ class Learner:
             # The learner's checks of peers' claims: per check, batches passed and failed; what
             # the spot checks covered; their cost against training's.
             "verification": self.verification(),
+            # Wall and CPU seconds per stage of the learner's work, and their shares.
+            "profile": self.profile.to_dict(
+                extra_cpu={"spot_checks": self.verifier.stats.spot_s} if self.verifier is not None else None),
             "banned": sorted(self.peers.banned_peers()),
             "learner_bytes_up": self.weights.bytes_up(),
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,

@@ -37,6 +37,7 @@ from echo_node.ml.grpo import LogprobGaps, PolicyOptimizer, TrainGroup
 from echo_node.ml.model import canonical_state, load_state_tensors
 from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
+from echo_node.profile import Profile
 from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
@@ -64,6 +65,8 @@ class Trainer:
             # Every rank starts from rank 0's weights, whatever each loaded or initialised.
             self.sharded.load(canonical_state(policy.model))
         self.journal: Journal | None = None
+        # Times each step as stage "train_step" (echo_node/profile.py); None: untimed.
+        self.profile: Profile | None = None
         self.trained_rewards: list[float] = []
         self.train_errors = 0
         # Batches dropped as no_signal (no version made of them).
@@ -83,7 +86,8 @@ class Trainer:
         t0 = time.monotonic()
         try:
             batch = [_train_group(g, self.version) for g in groups]
-            stats: dict[str, float] = await trio.to_thread.run_sync(self._optimize, batch)
+            optimize = self._optimize if self.profile is None else self.profile.timed("train_step", self._optimize)
+            stats: dict[str, float] = await trio.to_thread.run_sync(optimize, batch)
         except Exception:
             self._failed(groups)
             return None
