@@ -400,11 +400,15 @@ class Verifier:
         """How `peer_id`'s log-probs are judged: by hand-set limits, or by the envelope of the
         (engine, device) its heartbeat claims in the run's dtype (echo_node/calibration.py)."""
         cfg = self.cfg
-        if cfg.lp_tolerance_max is not None or cfg.lp_tolerance_mean is not None:
-            return Judgement("configured", True, Tolerance(token=cfg.lp_tolerance_max or math.inf,
-                                                           mean=cfg.lp_tolerance_mean or math.inf))
         engine, device = self._engine_of(peer_id) or ("unknown", "unknown")
-        return judgement(engine, device, self._dtype_name, factor=cfg.lp_max_factor, z=cfg.lp_mean_z)
+        judge = judgement(engine, device, self._dtype_name, factor=cfg.lp_max_factor, z=cfg.lp_mean_z)
+        if cfg.lp_tolerance_max is None and cfg.lp_tolerance_mean is None:
+            return judge
+        # Set by hand: what is set replaces the envelope's limit, and nothing is only warned about.
+        refuse = judge.refuse
+        token = refuse.token if cfg.lp_tolerance_max is None else cfg.lp_tolerance_max
+        mean = Tolerance(token, refuse.mean, refuse.sd, refuse.z) if cfg.lp_tolerance_mean is None else Tolerance(token, cfg.lp_tolerance_mean)
+        return Judgement(f"{judge.pair} (configured)", True, mean)
 
     def _spot(self, peer_id: str, candidates: list[tuple[RolloutGroup, Sample]]) -> Failure | None:
         # Log e-values of the two sampling tests, over every checked token of the batch.

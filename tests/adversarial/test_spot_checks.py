@@ -212,6 +212,11 @@ def test_log_probs_are_judged_by_the_envelope_of_the_peers_engine(model: torch.n
     # Limits set by hand replace the envelopes.
     fixed = verifier(model, lp_tolerance_max=0.5, lp_tolerance_mean=0.2)
     assert spot(fixed, shifted(honest, 0.1)) is None and spot(fixed, shifted(honest, 0.3)) is DropReason.BAD_LOGPROBS
+    # One set by hand: the other is still the envelope's. This peer's pair is unknown (the wide
+    # envelope: a mean of ~0.2 over this batch's 128 tokens), so 0.3 below the token limit is caught.
+    only_max = verifier(model, lp_tolerance_max=0.5)
+    assert spot(only_max, shifted(honest, 0.3)) is DropReason.BAD_LOGPROBS
+    assert spot(verifier(model, lp_tolerance_max=0.5, lp_tolerance_mean=0.4), shifted(honest, 0.3)) is None
 
 
 def test_spot_checks_stay_within_their_budget(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
