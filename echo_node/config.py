@@ -197,7 +197,10 @@ class VerifyConfig:
     # batch on probation too), and a batch the budget cannot afford is not checked unless its
     # publisher is on probation (counted as `over_budget`).
     budget: float = 0.05
-    min_rows: int = 2
+    # 16: a forger of half its rows slips past one check with chance C(16, 16) / C(32, 16) ~ 2e-9
+    # in a batch of 32 rows, past a 2-row check 1 time in 4; a row costs ~0.15 CPU-s on
+    # SmolLM2-135M in float32, so a newcomer's first batch waits ~2.4 s.
+    min_rows: int = 16
     # The spot checker recomputes log-probs over the published weights in this dtype: "auto" is
     # float32 on a CPU (bf16 is emulated there, ~4x slower, and rounds on both sides of the
     # comparison) and the rollout dtype on a GPU.

@@ -5,7 +5,8 @@ What must hold: honest bf16 peers are never flagged (their gaps to the float32 c
 hundreds of times fp32's, with a long tail), and the widened envelope still refuses another
 model's samples, garbage log-probs, a poisoned (prefilled) answer and tempered sampling (T 0.6
 where the run samples at 1.0, reported with the log-probs the run's temperature gives) within
-a bounded number of batches, with the checks the budget affords (probation: 2 random rows)."""
+a bounded number of batches, with the checks the budget affords (on probation: `min_rows`
+random rows, every row of these 8-row batches)."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from tests.integration.conftest import SMOLLM2_GGUF, smollm2_gguf
 RUN = "real-run"
 GROUPS, GROUP_SIZE, TOKENS = 2, 4, 32
 HONEST_BATCHES = 4
-# Batches a forger may get through before it is refused (probation checks two random rows of
+# Batches a forger may get through before it is refused (probation checks min_rows random rows of
 # each: a forgery of every row is refused on its first; tempered sampling's evidence builds up
 # over several checks).
 ATTACK_BATCHES = 8
