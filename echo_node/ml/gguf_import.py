@@ -149,13 +149,10 @@ def _load(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
 
 
 def _unquantise(model: Any) -> None:
-    """transformers marks a GGUF-loaded model as quantised (its GGUF quantizer), and
-    `save_pretrained` refuses a quantised model it cannot serialise; the tensors are plain
-    dequantised ones already, so drop the marks."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    """A plain model to save (`drop_quantisation_marks`), that does not say where it came from."""
+    from echo_node.ml.model import drop_quantisation_marks
+
+    drop_quantisation_marks(model)
     # Where the weights came from is not part of the model (echo_node/policy.py hashes the config).
     model.config._name_or_path = ""
 

@@ -96,6 +96,8 @@ def load_pretrained(
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+    if gguf_file is not None:
+        drop_quantisation_marks(model)
     model.to(device)
     model.eval()
     tok_kwargs: dict[str, Any] = {"local_files_only": True}
@@ -103,6 +105,16 @@ def load_pretrained(
         tok_kwargs["gguf_file"] = gguf_file
     tokenizer = HFTokenizerAdapter(AutoTokenizer.from_pretrained(path, **tok_kwargs), path=path, chat=chat)
     return model, tokenizer
+
+
+def drop_quantisation_marks(model: Any) -> None:
+    """transformers marks a model loaded from GGUF as quantised (its GGUF quantizer) and then
+    refuses casts (`.float()`, `.to(dtype)`) and `save_pretrained`; the tensors are plain
+    dequantised ones already, so a GGUF-loaded model is a plain model from here on."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
 
 
 def canonical_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ from echo_node.verify import Verifier
 from protocol import DropReason, RolloutBatch, Sample
 from protocol.assignment import batch_seed, prompt_draw
 from tests.factories import ALICE
-from tests.integration.conftest import SMOLLM2_GGUF, smollm2_gguf
+from tests.smollm2 import SMOLLM2_GGUF, smollm2_gguf
 
 RUN = "real-run"
 GROUPS, GROUP_SIZE, TOKENS = 2, 4, 32
@@ -55,9 +55,6 @@ def load_real() -> tuple[torch.nn.Module, object, object] | None:
         return None
     torch.set_num_threads(1)
     model, tok = load_pretrained(str(path.parent), gguf_file=SMOLLM2_GGUF, chat=True)
-    model.hf_quantizer, model.is_quantized = None, False  # dequantised: a plain model from here
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
     return model, tok, get_task("math")
 
 

