@@ -67,6 +67,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from torch import Tensor
@@ -84,6 +85,8 @@ from protocol.drops import DropReason
 from protocol.messages import RolloutBatch, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
+
+V = TypeVar("V")
 
 # Rewards travel as float64; a reward function is deterministic, so only float noise separates
 # an honest claim from the learner's own score.
@@ -215,7 +218,8 @@ class Verifier:
         # The budget: since the first plan, checks may have spent `cfg.budget` of the wall time.
         self._budget_from: float | None = None
         self._cost_per_row: float | None = None
-        self._warned: Counter[str] = Counter()
+        # Publisher -> excursions beyond its dtype's envelope (warned at powers of two).
+        self._warned: OrderedDict[str, int] = OrderedDict()
         # Publisher -> accumulated log e-values of the two sampling tests (the e-CUSUM above).
         self._evidence: OrderedDict[str, tuple[float, float]] = OrderedDict()
 
@@ -304,8 +308,7 @@ class Verifier:
 
     def suspect(self, peer_id: str) -> None:
         """Check every group of `peer_id`'s next `probation_batches` batches."""
-        self._probation[peer_id] = self.cfg.probation_batches
-        self._probation.move_to_end(peer_id)
+        _keep_recent(self._probation, peer_id, self.cfg.probation_batches)
 
     def on_probation(self, peer_id: str) -> bool:
         """Whether `peer_id`'s next batch will be spot-checked in full (a peer not seen yet is:
@@ -327,8 +330,6 @@ class Verifier:
         peer = batch.peer_id
         if peer not in self._probation:
             self.suspect(peer)
-            while len(self._probation) > MAX_TRACKED_PEERS:
-                self._probation.popitem(last=False)
         everything = list(range(len(batch.groups)))
         left = self._probation[peer]
         if left > 0:
@@ -426,11 +427,9 @@ class Verifier:
             n, low, high = result
             tokens, surprise, greed = tokens + n, surprise + low, greed + high
         self.stats.tokens_spot_checked += tokens
-        before = self._evidence.pop(peer_id, (0.0, 0.0))
+        before = self._evidence.get(peer_id, (0.0, 0.0))
         low, high = max(0.0, before[0] + surprise), max(0.0, before[1] + greed)
-        self._evidence[peer_id] = (low, high)
-        while len(self._evidence) > MAX_TRACKED_PEERS:
-            self._evidence.popitem(last=False)
+        _keep_recent(self._evidence, peer_id, (low, high))
         threshold = -math.log(self.cfg.false_alarm)
         for log_e, batch_e, how in ((low, surprise, "less"), (high, greed, "more")):
             if log_e >= threshold:
@@ -492,8 +491,8 @@ class Verifier:
         """A peer on a pair never measured left the envelope honest peers of its dtype keep:
         not refused (its engine may round differently), but said, with the evidence."""
         self.stats.excursions += 1
-        self._warned[peer_id] += 1
-        n = self._warned[peer_id]
+        n = self._warned.get(peer_id, 0) + 1
+        _keep_recent(self._warned, peer_id, n)
         if n & (n - 1) == 0:
             assert judge.warn is not None
             log.warning(
@@ -553,6 +552,15 @@ class Verifier:
             )
         return (int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0),
                 float(gap.sum()), worst)
+
+
+def _keep_recent(table: OrderedDict[str, V], peer_id: str, value: V) -> None:
+    """`table[peer_id] = value`, most recent last; beyond MAX_TRACKED_PEERS peers the least
+    recently set are forgotten (a peer id costs an attacker nothing)."""
+    table[peer_id] = value
+    table.move_to_end(peer_id)
+    while len(table) > MAX_TRACKED_PEERS:
+        table.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -331,3 +331,22 @@ def test_the_training_forward_audits_every_on_policy_token_it_trains(tmp_path: P
     assert learner.peers.is_banned(MALLORY.peer_id) and not learner.peers.is_banned(ALICE.peer_id)
     assert learner.buffer.ledger.dropped.get("purged") == 8  # Mallory's second batch, untrained
     assert learner.verifier.stats.tokens_audited == 2 * 8 * 4 and learner.verifier.stats.tokens_spot_checked == 0
+
+
+def test_sybils_cannot_grow_the_verifiers_per_peer_tables(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer id costs nothing: probation counts, accumulated evidence and excursion counts are
+    kept for at most MAX_TRACKED_PEERS peers, however many identities publish, claim a pair
+    nobody measured to get warned instead of refused, or are merely penalised (suspected)."""
+    monkeypatch.setattr(verify_module, "MAX_TRACKED_PEERS", 8)
+    v = Verifier(VerifyConfig(), run_id=RUN, tokenizer=TOKENIZER, task=TASK, model=model, temperature=1.0,
+                 keep_versions=4, engine_of=lambda peer: ("vllm", "cuda"))
+    v.remember(0, state_to_bytes(model))
+    for i in range(20):
+        sybil = Identity.from_seed(bytes([i + 1]) * 32)
+        batch = shifted(sample_batch(model, identity=sybil, seq=i, groups=1), 0.08)  # beyond fp32's envelope
+        plan = v.plan(batch)
+        assert plan is not None and v.spot(batch, plan.groups, rows=plan.rows) is None
+    for i in range(50):
+        v.suspect(Identity.from_seed(bytes([100 + i]) * 32).peer_id)
+    assert v.stats.excursions == 20
+    assert max(len(v._probation), len(v._evidence), len(v._warned)) <= 8
