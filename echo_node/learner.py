@@ -45,7 +45,7 @@ from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenB
 from echo_node.policy import Policy
 from echo_node.profile import Profile
 from echo_node.prom import run_exporter
-from echo_node.recovery import Resumed, ResumeRefused, RunState
+from echo_node.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
@@ -183,6 +183,8 @@ class Learner:
         self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
+        self._checkpoint_written = trio.Event()  # set while no checkpoint is being written
+        self._checkpoint_written.set()
         self._allowed = frozenset(cfg.net.allow_peers)
         self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
@@ -328,16 +330,36 @@ class Learner:
                 await self._flush_journal()
 
     async def _checkpoint(self) -> None:
-        """A checkpoint that cannot be written costs only time at the next restart: the journal
-        segments since the last good one are kept, and the next due checkpoint tries again."""
+        """Take a checkpoint's state now and write it in a worker thread while training goes on:
+        the update path pays for the copies of the weights and optimizer state and the journal's
+        rotation (at one instant, with no journal write in flight), not for the files. One write
+        at a time: a checkpoint due while the last one is still being written waits for it, so
+        one is written every `every_versions` versions whatever the disk's speed."""
+        assert self._nursery is not None, "checkpoints are written by a task of Learner.run's nursery"
+        await self._checkpoint_written.wait()
         async with self._journal_lock:
             try:
-                version, writers = self.state.prepare()
-                await trio.to_thread.run_sync(self.state.write, version, writers)
-            except OSError as exc:
-                self.io_errors["checkpoint"] += 1
-                log.error("could not write the checkpoint of version %d (%s): a restart replays the journal since the last one",
-                          self.version, exc)
+                prepared = self.state.prepare()
+            except OSError as exc:  # the journal's rotation
+                self._checkpoint_failed(self.version, exc)
+                return
+        self._checkpoint_written = trio.Event()
+        self._nursery.start_soon(self._write_checkpoint, prepared, self._checkpoint_written)
+
+    async def _write_checkpoint(self, prepared: PreparedCheckpoint, done: trio.Event) -> None:
+        """A checkpoint that cannot be written costs only time at the next restart: the journal
+        segments since the last good one are kept, and the next due checkpoint tries again. A
+        stop waits for a write in flight (a worker thread is not abandoned)."""
+        try:
+            await trio.to_thread.run_sync(self.profile.timed("checkpoint_write", self.state.write), prepared)
+        except OSError as exc:
+            self._checkpoint_failed(prepared.version, exc)
+        finally:
+            done.set()
+
+    def _checkpoint_failed(self, version: int, exc: OSError) -> None:
+        self.io_errors["checkpoint"] += 1
+        log.error("could not write the checkpoint of version %d (%s): a restart replays the journal since the last one", version, exc)
 
     def _say(self, record: dict[str, Any]) -> None:
         self.stdout.write(json.dumps(record) + "\n")

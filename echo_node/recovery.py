@@ -43,7 +43,7 @@ from echo_node.config import RunConfig, to_dict
 from echo_node.intake import JoinRefused
 from echo_node.journal import Journal, replay_records
 from echo_node.ml.export import export_pretrained
-from echo_node.ml.model import load_state_tensors, save_checkpoint
+from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy, save_state
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RolloutGroup
 from protocol.weights.manifest import payload_digest
@@ -149,6 +149,15 @@ def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str,
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class PreparedCheckpoint:
+    """A checkpoint's state taken at one instant (`RunState.prepare`), to be written later."""
+
+    version: int
+    writers: dict[str, Callable[[Path], None]]
+    weights: dict[str, torch.Tensor]  # the canonical weights, copied
+
+
 class RunState:
     """Writes a learner's checkpoints and resumes it from them."""
 
@@ -167,11 +176,12 @@ class RunState:
 
     # -- writing ---------------------------------------------------------------------------------
 
-    def prepare(self) -> tuple[int, dict[str, Callable[[Path], None]]]:
+    def prepare(self) -> PreparedCheckpoint:
         """Snapshot the state and rotate the journal, at one instant (synchronously, with no
         journal write in flight): returns the version and the file writers for
-        `CheckpointStore.write`, which may then run in a worker thread while the learner serves.
-        The train loop must not step until they ran (they read the live model and optimizer)."""
+        `CheckpointStore.write`. The writers hold copies of the weights and the optimizer state
+        (memory copies, ~1 s per 10 GB), so they may run in a worker thread while the learner
+        goes on training; a checkpoint costs the update path only those copies."""
         ln = self.learner
         buffer = ln.buffer
         segment = self.journal.rotate([["carry", gid, origin, g.to_wire()] for gid, origin, g in buffer.live()])
@@ -199,30 +209,34 @@ class RunState:
             "config": to_dict(ln.cfg),
             "wall": time.time(),
         }
-        model, trainer = ln.policy.model, ln.trainer
+        trainer = ln.trainer
+        version = trainer.version
+        weights = owned_copy(canonical_state(ln.policy.model))
+        optimizer = {
+            **trainer.optimizer_state(),
+            "torch_rng": torch.get_rng_state(),
+            "rewards": torch.tensor(trainer.trained_rewards, dtype=torch.float64),
+        }
 
         def write_model(path: Path) -> None:
-            save_checkpoint(model, path, trainer.version)
+            save_state(weights, path, version)
 
         def write_optimizer(path: Path) -> None:
-            torch.save({
-                **trainer.optimizer_state(),
-                "torch_rng": torch.get_rng_state(),
-                "rewards": torch.tensor(trainer.trained_rewards, dtype=torch.float64),
-            }, path)
+            torch.save(optimizer, path)
 
         def write_state(path: Path) -> None:
             path.write_text(json.dumps(state, sort_keys=True))
 
-        return trainer.version, {"model.safetensors": write_model, "optimizer.pt": write_optimizer, "state.json": write_state}
+        writers = {"model.safetensors": write_model, "optimizer.pt": write_optimizer, "state.json": write_state}
+        return PreparedCheckpoint(version, writers, weights)
 
-    def write(self, version: int, writers: dict[str, Callable[[Path], None]]) -> None:
-        """Write a prepared checkpoint, apply the retention rule (old journal segments go with
-        the checkpoints that needed them)."""
+    def write(self, prepared: PreparedCheckpoint) -> None:
+        """Write a prepared checkpoint (and the export, of the same weights), apply the retention
+        rule (old journal segments go with the checkpoints that needed them)."""
         t0 = time.monotonic()
-        self.store.write(version, self.learner.epoch, writers)
+        self.store.write(prepared.version, self.learner.epoch, prepared.writers)
         if self.learner.cfg.checkpoint.export:
-            self.export(version)
+            self.export(prepared.version, prepared.weights)
         kept = self.store.retain()
         if kept:
             try:
@@ -232,21 +246,21 @@ class RunState:
         self.checkpoints_written += 1
         self.checkpoint_s += time.monotonic() - t0
 
-    def export(self, version: int) -> None:
-        """The policy as a save_pretrained directory, runs/<id>/model/ (ml/export.py). Reads the
-        live model, like the checkpoint's writers."""
+    def export(self, version: int, weights: dict[str, torch.Tensor]) -> None:
+        """The policy as a save_pretrained directory, runs/<id>/model/ (ml/export.py), of the
+        weights a checkpoint prepared (never the live model, which may be stepping meanwhile)."""
         ln = self.learner
         meta = {"run_id": ln.cfg.run_id, "version": version, "epoch": ln.epoch, "task": ln.policy.task.task_id}
         try:
-            export_pretrained(ln.policy.model, ln.policy.tokenizer, ln.cfg.run_dir / "model", dtype=ln.policy.rollout_dtype, meta=meta)
+            export_pretrained(ln.policy.model, ln.policy.tokenizer, ln.cfg.run_dir / "model", dtype=ln.policy.rollout_dtype,
+                              meta=meta, state=weights)
         except (OSError, ValueError) as exc:  # the checkpoint itself is written: say so, go on training
             log.warning("could not export the model to %s: %s", ln.cfg.run_dir / "model", exc)
 
     def checkpoint_now(self) -> None:
         """Flush, snapshot and write synchronously (at exit)."""
         self.journal.flush()
-        version, writers = self.prepare()
-        self.write(version, writers)
+        self.write(self.prepare())
 
     # -- resuming --------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from echo_node.config import RunConfig
 from echo_node.journal import Journal
 from echo_node.ml.device import autocast_dtype
 from echo_node.ml.grpo import LogprobGaps, PolicyOptimizer, TrainGroup
-from echo_node.ml.model import canonical_state, load_state_tensors
+from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy
 from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
 from echo_node.profile import Profile
@@ -118,10 +118,11 @@ class Trainer:
         return stats
 
     def optimizer_state(self) -> dict[str, Any]:
-        """What a checkpoint keeps of the optimizer (`load_optimizer_state` takes it back)."""
-        if self.sharded is not None:
+        """What a checkpoint keeps of the optimizer (`load_optimizer_state` takes it back), in
+        tensors of its own: the next step cannot change what a checkpoint writer reads later."""
+        if self.sharded is not None:  # gathered onto rank 0: already a copy
             return {"format": SHARDED_FORMAT, "optimizer": self.sharded.optimizer_state(), "steps": self.sharded.steps}
-        return {"format": SINGLE_FORMAT, "optimizer": self.optimizer.opt.state_dict(), "steps": self.optimizer.steps}
+        return {"format": SINGLE_FORMAT, "optimizer": owned_copy(self.optimizer.opt.state_dict()), "steps": self.optimizer.steps}
 
     def load_optimizer_state(self, saved: dict[str, Any]) -> None:
         """After `policy.model` took a checkpoint's weights: the optimizer state it kept (and,

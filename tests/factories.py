@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import trio
@@ -14,8 +16,29 @@ from protocol import Identity, RolloutBatch, RolloutGroup, Sample, encode_frame,
 from protocol.assignment import prompt_draw
 from protocol.framing import decode_frame
 
+if TYPE_CHECKING:
+    from echo_node.learner import Learner
+
 ALICE = Identity.from_seed(b"\x0a" * 32)
 MALLORY = Identity.from_seed(b"\x0b" * 32)
+
+
+@asynccontextmanager
+async def learner_tasks(learner: Learner) -> AsyncIterator[None]:
+    """The nursery `Learner.run` lends the learner's own background work (checkpoint writes),
+    for a test that drives `update` itself; leaving waits for that work. An exception that is
+    alone in the nursery's group comes out bare, as the test's own code raised it."""
+    outer = learner._nursery
+    try:
+        async with trio.open_nursery() as nursery:
+            learner._nursery = nursery
+            yield
+    except BaseExceptionGroup as group:
+        if len(group.exceptions) == 1:
+            raise group.exceptions[0] from None
+        raise
+    finally:
+        learner._nursery = outer
 
 
 async def closed_port() -> int:

@@ -47,16 +47,24 @@ def char_tokenizer_to_hf(tok: CharTokenizer) -> PreTrainedTokenizerFast:
 
 
 def export_pretrained(
-    model: PreTrainedModel, tokenizer: PolicyTokenizer, out_dir: Path, *, dtype: torch.dtype, meta: dict[str, Any] | None = None
+    model: PreTrainedModel,
+    tokenizer: PolicyTokenizer,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype,
+    meta: dict[str, Any] | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `model` (cast to `dtype`) and `tokenizer` as a save_pretrained directory at
-    `out_dir`, atomically; `meta` (run id, version, ...) goes to `echo_node.json` beside them."""
+    `out_dir`, atomically; `meta` (run id, version, ...) goes to `echo_node.json` beside them.
+    `state`: the canonical weights to write instead of the model's own (a copy taken earlier);
+    the model then gives only its config and class."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     # Only the canonical tensors (no tied aliases), on the CPU in the rollout dtype: one copy of
     # the weights, never a second model.
-    state = cast_state(canonical_state(model), dtype)
+    state = cast_state(canonical_state(model) if state is None else state, dtype)
     # save_pretrained draws a progress bar per call: one per checkpoint in a learner's log.
     hf_logging.disable_progress_bar()
     model.save_pretrained(tmp, state_dict=state, safe_serialization=True)

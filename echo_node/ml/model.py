@@ -22,7 +22,7 @@ import struct
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import safe_open
@@ -187,11 +187,30 @@ def load_state_bytes(model: torch.nn.Module, data: bytes) -> None:
 
 def save_checkpoint(model: torch.nn.Module, path: str | os.PathLike[str], version: int) -> None:
     """Write the canonical state with `version` in the metadata, atomically (tmp + os.replace)."""
+    save_state(canonical_state(model), path, version)
+
+
+def save_state(tensors: dict[str, torch.Tensor], path: str | os.PathLike[str], version: int) -> None:
+    """`save_checkpoint` of a canonical state taken earlier (`owned_copy(canonical_state(m))`)."""
     path = Path(path)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tensors = {k: v.contiguous() for k, v in canonical_state(model).items()}
-    st_save_file(tensors, str(tmp), metadata={_VERSION_KEY: str(int(version))})
+    st_save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata={_VERSION_KEY: str(int(version))})
     os.replace(tmp, path)
+
+
+T = TypeVar("T")
+
+
+def owned_copy(obj: T) -> T:
+    """`obj` with every tensor in it (through dicts, lists and tuples) replaced by a detached copy
+    of its own: a snapshot that later in-place updates (an optimizer step) leave unchanged."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()  # type: ignore[return-value]
+    if isinstance(obj, dict):
+        return {k: owned_copy(v) for k, v in obj.items()}  # type: ignore[return-value]
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(owned_copy(v) for v in obj)  # type: ignore[return-value]
+    return obj
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> tuple[bytes, int]:

@@ -16,7 +16,7 @@ from echo_node.learner import Learner
 from echo_node.weights.broadcast import DataServer
 from echo_node.weights.follower import Target, WeightFollower
 from protocol import seal
-from tests.factories import ALICE, make_batch
+from tests.factories import ALICE, learner_tasks, make_batch
 from tests.node.test_resume import BOB, GROUPS_PER_STEP, new_learner, start
 
 ROLLOUTS = 8  # samples per factory group
@@ -33,6 +33,12 @@ async def feed(learner: Learner, seq: int, rewards: list[float] | None) -> None:
         await learner.intake.deliver(envelope, peer.peer_id)
 
 
+
+async def update(learner: Learner) -> None:
+    """One update, and the checkpoint it may have started written (Learner.run's nursery does that)."""
+    async with learner_tasks(learner):
+        await learner.update()
+
 def test_twenty_batches_without_reward_variance_make_no_version_and_nothing_stale(tmp_path: Path) -> None:
     learner = new_learner(tmp_path)  # staleness 4: 20 bumped versions would have made v0 stale
     records: list[dict[str, object]] = []
@@ -43,7 +49,7 @@ def test_twenty_batches_without_reward_variance_make_no_version_and_nothing_stal
         digest0 = learner.state.history.versions[0][0]
         for seq in range(20):
             await feed(learner, seq, [0.0] * ROLLOUTS)
-            await learner.update()
+            await update(learner)
             assert learner.version == 0 and learner.weights.published == 0
         ledger = learner.buffer.ledger
         assert ledger.dropped.get("no_signal") == 20 * GROUPS_PER_STEP * ROLLOUTS
@@ -54,7 +60,7 @@ def test_twenty_batches_without_reward_variance_make_no_version_and_nothing_stal
         # Rollouts sampled on version 0 during all that are still admissible, and the first
         # batch with variance trains at once into a version with new weights.
         await feed(learner, 20, None)
-        await learner.update()
+        await update(learner)
         assert learner.version == 1 and learner.buffer.ledger.trained == GROUPS_PER_STEP * ROLLOUTS
         assert learner.state.history.versions[1][0] != digest0
         summary = learner._finish()
@@ -75,7 +81,7 @@ def test_no_signal_drops_survive_a_restart(tmp_path: Path) -> None:
         await start(learner)
         for seq in range(3):
             await feed(learner, seq, [1.0] * ROLLOUTS)
-            await learner.update()
+            await update(learner)
         await learner._flush_journal()
 
     trio.run(first)

@@ -11,6 +11,8 @@ announcements go nowhere).
 
 from __future__ import annotations
 
+import copy
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from typing import Any
 import pytest
 import torch
 import trio
+import trio.testing
+from safetensors.torch import load_file as st_load_file
 
 from echo_node.checkpoint import CheckpointStore
 from echo_node.config import CheckpointConfig, RLConfig, RunConfig, VerifyConfig
@@ -28,7 +32,7 @@ from echo_node.ml.tasks import get_task
 from echo_node.ml.tokenizer import CharTokenizer
 from echo_node.policy import Policy
 from protocol import Identity, RolloutBatch, seal
-from tests.factories import ALICE, make_batch
+from tests.factories import ALICE, learner_tasks, make_batch
 
 GROUPS_PER_STEP = 2
 EVERY = 3  # checkpoint every 3 versions
@@ -101,11 +105,12 @@ async def feed(learner: Learner, update: int) -> None:
 
 async def run_updates(learner: Learner, until: int) -> None:
     """Updates until the learner is at version `until`, feeding the next update's batches
-    whenever fewer than a step's groups wait."""
-    while learner.version < until:
-        if learner.buffer.count_admissible(learner.version) < GROUPS_PER_STEP:
-            await feed(learner, fed(learner))
-        await learner.update()
+    whenever fewer than a step's groups wait; returns once the checkpoints they made are written."""
+    async with learner_tasks(learner):
+        while learner.version < until:
+            if learner.buffer.count_admissible(learner.version) < GROUPS_PER_STEP:
+                await feed(learner, fed(learner))
+            await learner.update()
 
 
 def params(learner: Learner) -> dict[str, torch.Tensor]:
@@ -209,6 +214,50 @@ def _die_in_checkpoint(learner: Learner) -> None:
         return write(version, epoch, {**writers, "model.safetensors": half})
 
     store.write = dying  # type: ignore[method-assign]
+
+
+def test_a_checkpoint_is_written_while_training_goes_on_and_holds_its_own_version(tmp_path: Path) -> None:
+    """The update path only copies the state: version 3's checkpoint is still being written (its
+    writer thread held) while two more updates train, and what it writes is version 3's weights
+    and optimizer state, not what the steps after it made of them. The next due checkpoint (6)
+    waits for it."""
+    learner = new_learner(tmp_path / "run")
+    store = learner.state.store
+    write, release = store.write, threading.Event()
+    started: list[int] = []
+
+    def held(version: int, epoch: int, writers: dict[str, Callable[[Path], None]]) -> Any:
+        started.append(version)
+        assert release.wait(30), "the test never released the writer"
+        return write(version, epoch, writers)
+
+    store.write = held  # type: ignore[method-assign]
+    at_three: dict[str, Any] = {}
+
+    async def go() -> None:
+        await start(learner)
+        async with learner_tasks(learner):
+            await run_updates(learner, 2)
+            await feed(learner, fed(learner))
+            await learner.update()  # version 3: its checkpoint starts
+            at_three["params"] = params(learner)
+            at_three["optimizer"] = copy.deepcopy(learner.trainer.optimizer.opt.state_dict()["state"])
+            await trio.testing.wait_all_tasks_blocked()
+            while learner.version < 5:
+                await feed(learner, fed(learner))
+                await learner.update()
+            assert learner.version == 5 and started == [3] and not (store.directory / f"v{3:012d}").exists()
+            release.set()
+        assert (store.directory / f"v{3:012d}").exists()
+
+    trio.run(go)
+    checkpoint = store.newest(lambda c: c)
+    assert checkpoint is not None and checkpoint[0].version == 3
+    saved = st_load_file(checkpoint[0].file("model.safetensors"))
+    assert all(torch.equal(saved[k], at_three["params"][k]) for k in saved)
+    assert any(not torch.equal(saved[k], params(learner)[k]) for k in saved), "later steps changed nothing: the test proves nothing"
+    optimizer = torch.load(checkpoint[0].file("optimizer.pt"), weights_only=False)["optimizer"]["state"]
+    assert all(torch.equal(optimizer[i]["exp_avg"], at_three["optimizer"][i]["exp_avg"]) for i in optimizer)
 
 
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
