@@ -13,7 +13,7 @@ Durability (echo_node/recovery.py): every start is a new epoch; a run folder tha
 resumed from its newest checkpoint and write-ahead journal, and the version numbering goes on,
 never back. The journal is flushed before a version is announced (and at least every
 `checkpoint.journal_flush_s`), a checkpoint is written every `checkpoint.every_versions`
-versions and at a stop.
+versions (no sooner than `checkpoint.min_interval_s` after the last) and at a stop.
 """
 
 from __future__ import annotations
@@ -185,6 +185,8 @@ class Learner:
         self._nursery: trio.Nursery | None = None
         self._checkpoint_written = trio.Event()  # set while no checkpoint is being written
         self._checkpoint_written.set()
+        # The version and trio time of the last checkpoint taken (from a start: where it went on from).
+        self._checkpointed = (0, 0.0)
         self._allowed = frozenset(cfg.net.allow_peers)
         self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
         self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
@@ -284,6 +286,8 @@ class Learner:
                 self.cfg.run_id, self.version, self.epoch, r.checkpoint, r.records, r.redone, r.seconds,
                 f"; redo stopped early: {r.diverged}" if r.diverged else "",
             )
+        last = self.resumed.checkpoint if self.resumed is not None else None
+        self._checkpointed = (self.version if last is None else last, trio.current_time())
         self._write({"event": "start", "epoch": self.epoch, "version": self.version, "fresh": self.fresh,
                      "resumed": self.resumed.to_dict() if self.resumed is not None else None,
                      "buffered": self.buffer.buffered_rollouts})
@@ -343,6 +347,7 @@ class Learner:
             except OSError as exc:  # the journal's rotation
                 self._checkpoint_failed(self.version, exc)
                 return
+        self._checkpointed = (prepared.version, trio.current_time())
         self._checkpoint_written = trio.Event()
         self._nursery.start_soon(self._write_checkpoint, prepared, self._checkpoint_written)
 
@@ -599,10 +604,16 @@ class Learner:
                 self.capacity.step(t3 - t1)
             with profile.stage("metrics"):
                 self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
-        journal = self.state.journal
-        if self.version % self.cfg.checkpoint.every_versions == 0 or journal.segment_bytes > journal.max_segment_bytes:
+        if self._checkpoint_due():
             with profile.stage("checkpoint"):
                 await self._checkpoint()
+
+    def _checkpoint_due(self) -> bool:
+        journal, cfg = self.state.journal, self.cfg.checkpoint
+        if journal.segment_bytes > journal.max_segment_bytes:
+            return True
+        return (self.version - self._checkpointed[0] >= cfg.every_versions
+                and trio.current_time() - self._checkpointed[1] >= cfg.min_interval_s)
 
     def _audit(self, groups: list[RolloutGroup], origins: list[str], trained_on: int) -> None:
         """The step's own forward re-checked the claimed log-probs of every token sampled on the

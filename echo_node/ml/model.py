@@ -203,9 +203,10 @@ T = TypeVar("T")
 
 def owned_copy(obj: T) -> T:
     """`obj` with every tensor in it (through dicts, lists and tuples) replaced by a detached copy
-    of its own: a snapshot that later in-place updates (an optimizer step) leave unchanged."""
+    of its own in host memory: a snapshot that later in-place updates (an optimizer step) leave
+    unchanged, and that costs an accelerator no memory while it is written out."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()  # type: ignore[return-value]
+        return obj.detach().to("cpu", copy=True)  # type: ignore[return-value]
     if isinstance(obj, dict):
         return {k: owned_copy(v) for k, v in obj.items()}  # type: ignore[return-value]
     if isinstance(obj, (list, tuple)):

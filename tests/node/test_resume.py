@@ -56,9 +56,10 @@ class Crash(BaseException):
 
 
 def new_learner(runs_dir: Path, **cfg: Any) -> Learner:
+    cfg.setdefault("checkpoint", CheckpointConfig(every_versions=EVERY, min_interval_s=0))
     config = RunConfig(
         run_id="run-1", runs_dir=runs_dir, verify=VerifyConfig(enabled=False),
-        rl=RLConfig(groups_per_step=GROUPS_PER_STEP, staleness=4), checkpoint=CheckpointConfig(every_versions=EVERY), **cfg,
+        rl=RLConfig(groups_per_step=GROUPS_PER_STEP, staleness=4), **cfg,
     )
     tok = CharTokenizer()
     arch = tiny_llama_config(tok.vocab_size)
@@ -258,6 +259,30 @@ def test_a_checkpoint_is_written_while_training_goes_on_and_holds_its_own_versio
     assert any(not torch.equal(saved[k], params(learner)[k]) for k in saved), "later steps changed nothing: the test proves nothing"
     optimizer = torch.load(checkpoint[0].file("optimizer.pt"), weights_only=False)["optimizer"]["state"]
     assert all(torch.equal(optimizer[i]["exp_avg"], at_three["optimizer"][i]["exp_avg"]) for i in optimizer)
+
+
+def test_checkpoints_come_no_sooner_than_min_interval_s(tmp_path: Path) -> None:
+    """Versions 3 and 6 are due by count, but an hour has not passed since the start: none is
+    written until the clock says so; then the next update checkpoints, and the count restarts
+    from that version."""
+    learner = new_learner(tmp_path / "run", checkpoint=CheckpointConfig(every_versions=EVERY, min_interval_s=3600))
+    clock = trio.testing.MockClock()
+    checkpoints = learner.state.store
+
+    async def go() -> None:
+        await start(learner)
+        await run_updates(learner, 6)
+        assert checkpoints.states() == []
+        clock.jump(3600)
+        await run_updates(learner, 7)
+        assert [s["version"] for s in checkpoints.states()] == [7]
+        clock.jump(3600)
+        await run_updates(learner, 9)
+        assert [s["version"] for s in checkpoints.states()] == [7], "9 is only 2 versions after 7"
+        await run_updates(learner, 10)
+        assert [s["version"] for s in checkpoints.states()] == [10, 7]
+
+    trio.run(go, clock=clock)
 
 
 def test_a_corrupt_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
