@@ -52,7 +52,7 @@ from echo_node.banlog import BanLog
 from echo_node.journal import Journal
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
-from echo_node.verify import Copies, Failure, Verifier
+from echo_node.verify import COPIES_PER_STRIKE, Copies, Failure, Verifier
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -555,8 +555,11 @@ class RolloutIntake:
         for group in batch.groups:
             first = self.copies.first_sender(group, origin) if self.copies is not None else origin
             if first != origin:
-                log.info("dropped a group of %s: %s sent the same prompt and samples first", origin, first)
+                log.info("dropped a group of %s: %s sent the same prompt and completions first", origin, first)
                 self.buffer.reject(DropReason.COPIED, len(group.samples))
+                assert self.copies is not None
+                if self.copies.strike_due(group, origin):
+                    self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups with varied completions that others sent first")
                 continue
             if self.buffer.offer(group, current, origin) is not None:
                 continue

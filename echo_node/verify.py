@@ -51,9 +51,14 @@ waits for a small check, never a whole batch's. Rows are drawn uniformly at rand
 publisher cannot tell which), so a forger who forges a share f of its rows is caught per checked
 batch with chance at least 1 - (1 - f)^rows.
 
-Copies (`Copies`, in the intake's consumer): a group whose prompt and samples another publisher
-sent first is dropped as `copied`; the first publisher keeps credit. Not a ban: two honest peers
-can, rarely, be assigned one prompt and sample the same tokens.
+Copies (`Copies`, in the intake's consumer): a group whose prompt and completions another
+publisher sent first is dropped as `copied`; the first publisher keeps credit. The fingerprint is
+over the prompt's tokens and the multiset of completions' tokens: reordering the samples or
+perturbing what a copier can freely change (log-probs, rewards, version tags, the group's name)
+makes the same fingerprint. One copy is not a strike: two honest peers can be assigned one prompt
+and sample the same tokens, and a converged policy does so often, but only with completions that
+are all alike, a group that carries no signal. Copies of groups with at least two different
+completions are counted per copier; every COPIES_PER_STRIKE of them is one strike.
 """
 
 from __future__ import annotations
@@ -96,6 +101,9 @@ CHECKS = ("completion", "prompt", "reward", "logprobs", "sampling")
 MAX_TRACKED_PEERS = 65536
 # Group fingerprints kept for copy detection.
 COPY_WINDOW = 65536
+# Copies of groups with varied completions a publisher may send before it gets a strike (two
+# honest peers rarely sample the same multiset of several different completions for one prompt).
+COPIES_PER_STRIKE = 3
 # A spot check's forward holds rows x completion tokens x vocabulary log-probabilities (and a few
 # copies of them: tempering, the nucleus, the sampling tests): rows go through in forwards of
 # at most this many, so checking a batch costs bounded memory whatever its size (a 194-group
@@ -586,19 +594,36 @@ def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:
 _REASON = {"logprobs": DropReason.BAD_LOGPROBS, "sampling": DropReason.BAD_SAMPLING}
 
 
+def group_fingerprint(group: RolloutGroup) -> bytes:
+    """What a copy of `group` cannot change without changing what it trains: the prompt's tokens
+    and the completions' tokens as a multiset (module docstring, Copies)."""
+    completions = sorted(s.completion_ids for s in group.samples)
+    return hashlib.sha256(pack([list(group.prompt_ids), [list(c) for c in completions]])).digest()
+
+
 class Copies:
-    """Who first sent each group (its prompt and samples, not its name): a later publisher of
-    the same is a copier. Bounded to the last COPY_WINDOW groups."""
+    """Who first sent each group (by `group_fingerprint`, not its name): a later publisher of the
+    same is a copier. Bounded to the last COPY_WINDOW groups and MAX_TRACKED_PEERS copiers."""
 
     def __init__(self, window: int = COPY_WINDOW) -> None:
         self.window = window
         self._first: OrderedDict[bytes, str] = OrderedDict()
+        self._varied: OrderedDict[str, int] = OrderedDict()  # copier -> copies of varied groups
 
     def first_sender(self, group: RolloutGroup, origin: str) -> str:
         """The publisher that sent `group` first (`origin` if nobody else did)."""
-        key = hashlib.sha256(pack([list(group.prompt_ids), [s.to_wire() for s in group.samples]])).digest()
+        key = group_fingerprint(group)
         first = self._first.setdefault(key, origin)
         self._first.move_to_end(key)
         while len(self._first) > self.window:
             self._first.popitem(last=False)
         return first
+
+    def strike_due(self, group: RolloutGroup, copier: str) -> bool:
+        """Count a copy by `copier`; True when it earns a strike (every COPIES_PER_STRIKE-th copy
+        of a group with at least two different completions)."""
+        if len({s.completion_ids for s in group.samples}) < 2:
+            return False  # what a converged honest policy samples: no signal, no evidence
+        count = self._varied.get(copier, 0) + 1
+        _keep_recent(self._varied, copier, count)
+        return count % COPIES_PER_STRIKE == 0

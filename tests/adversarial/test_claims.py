@@ -8,13 +8,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+import trio
 
 from echo_node.banlog import BanLog
 from echo_node.config import VerifyConfig
 from echo_node.learner import Learner
 from echo_node.ml.model import build_model, tiny_llama_config
-from echo_node.verify import Verifier
-from protocol import DropReason, RolloutBatch, seal
+from echo_node.verify import COPIES_PER_STRIKE, Verifier
+from protocol import DropReason, RolloutBatch, RolloutGroup, seal
 from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, answer_ids, make_batch, make_group, offer
 
 
@@ -135,6 +136,53 @@ def test_a_copy_of_a_group_is_dropped_and_the_first_sender_keeps_it(learner: Lea
     assert learner.buffer.ledger.dropped == {"copied": 8}
     assert [learner.buffer.origin(g) for g in learner.buffer.take(10, 0)] == [ALICE.peer_id]
     assert not learner.peers.is_banned(MALLORY.peer_id)
+
+
+def disguised_copy(group: RolloutGroup, n: int) -> RolloutGroup:
+    """`group` as a copier would resend it: samples reversed, its own name, log-probs and
+    rewards nudged, nothing a reward or a tokenizer would see changed."""
+    samples = tuple(replace(s, behaviour_logprobs=tuple(x - 1e-3 for x in s.behaviour_logprobs), reward=s.reward + 1e-9)
+                    for s in reversed(group.samples))
+    return replace(group, group_id=f"copy{n}", samples=samples)
+
+
+def test_a_reordered_and_perturbed_copy_is_still_a_copy_and_repeats_are_strikes(learner: Learner) -> None:
+    """The fingerprint is over the prompt's and the completions' tokens as a multiset: a copier
+    who reorders samples and perturbs log-probs and rewards is caught as `copied`; every
+    COPIES_PER_STRIKE copies of varied groups cost a strike, and strikes ban it."""
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    copies = learner.cfg.net.ban_after * COPIES_PER_STRIKE
+    originals = [make_batch(identity=ALICE, seq=seq) for seq in range(copies)]
+    for batch in originals:
+        assert offer(learner, seal(batch, ALICE), ALICE.peer_id)
+    for seq, batch in enumerate(originals):
+        assert not learner.peers.is_banned(MALLORY.peer_id), f"banned before its {seq + 1}th copy"
+        copy = replace(make_batch(identity=MALLORY, seq=seq), groups=tuple(disguised_copy(g, seq) for g in batch.groups))
+        learner.intake.ingest(copy, MALLORY.peer_id)  # as if its slots had assigned the same prompts
+    assert learner.buffer.ledger.dropped == {"copied": 8 * copies}
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    assert not learner.peers.is_banned(ALICE.peer_id)
+
+
+def test_copies_of_groups_whose_completions_are_all_alike_cost_no_strike(learner: Learner) -> None:
+    """What a converged honest policy samples for a prompt another peer was assigned too: the
+    second group is dropped as `copied` (no signal in it anyway), never a strike."""
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    alike = make_group(prompt="23+01=", samples=8)
+    alike = replace(alike, samples=tuple(replace(alike.samples[1]) for _ in alike.samples))
+
+    async def go() -> None:  # ingesting reads trio's clock
+        for seq in range(3 * COPIES_PER_STRIKE * learner.cfg.net.ban_after):
+            batch = replace(make_batch(identity=ALICE, seq=seq), groups=(replace(alike, group_id=f"a{seq}"),))
+            learner.intake.ingest(batch, ALICE.peer_id)
+            twin = replace(make_batch(identity=MALLORY, seq=seq), groups=(replace(alike, group_id=f"m{seq}"),))
+            learner.intake.ingest(twin, MALLORY.peer_id)
+
+    trio.run(go)
+    assert learner.buffer.ledger.dropped["copied"] > 0
+    assert learner.peers.penalties.get(MALLORY.peer_id, 0) == 0 and not learner.peers.is_banned(MALLORY.peer_id)
 
 
 def test_with_verification_off_the_forgeries_are_trained(learner: Learner) -> None:
