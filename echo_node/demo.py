@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from echo_node.cli import Stopped
-from echo_node.metrics import read_metrics, rounded
+from echo_node.metrics import json_safe, read_metrics, rounded
 
 READY_TIMEOUT_S = 240.0
 STOP_GRACE_S = 10.0
@@ -166,12 +166,19 @@ def run_demo(args: argparse.Namespace) -> int:
         "rollouts_buffered": summary["rollouts_buffered"],
         "reward_first": rounded(summary["reward_first"]),
         "reward_last": rounded(summary["reward_last"]),
-        "learner_idle_ratio": round(summary["learner_idle_ratio"], 4),
+        "learner_idle_ratio": rounded(summary["learner_idle_ratio"]),
         "train_s": summary["wall_s"],
         "wall_s": round(time.monotonic() - t0, 2),
         "run_dir": str(run_dir),
     }
-    print(json.dumps(result))
+    # Strict JSON: a field that is not a number (the idle ratio of a run that trained nothing is
+    # NaN) is null, and `null_reasons` says why.
+    nulls: dict[str, str] = {}
+    line = json_safe(result, reasons=nulls)
+    if nulls:
+        why = "no update was trained" if not summary["versions"] else "not a number"
+        line["null_reasons"] = {key: f"{what}: {why}" for key, what in nulls.items()}
+    print(json.dumps(line, allow_nan=False))
     return 0
 
 

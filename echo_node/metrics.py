@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -61,6 +62,26 @@ def first_last_update_rewards(records: Iterable[dict[str, Any]]) -> tuple[float 
     if not by_version:
         return None, None
     return by_version[min(by_version)], by_version[max(by_version)]
+
+
+def json_safe(obj: Any, *, reasons: dict[str, str] | None = None, _path: str = "") -> Any:
+    """`obj` with every non-finite float (NaN, inf, -inf) replaced by None, through dicts, lists
+    and tuples (a tuple comes back a list, as JSON writes it); anything else is returned as is.
+
+    Rule: what is written as JSON is strict JSON (RFC 8259 has no NaN or Infinity, and `json`
+    writes them unless told not to), so a value that is not a number is `null`, never the string
+    "NaN". `reasons`, when given, collects what was replaced: "a.b[2]" -> "NaN" | "inf" | "-inf",
+    so that the writer can say why a field is null."""
+    # numbers.Real less Integral: float, and numpy's floating types (they register as Real).
+    if isinstance(obj, numbers.Real) and not isinstance(obj, numbers.Integral) and not math.isfinite(value := float(obj)):
+        if reasons is not None:
+            reasons[_path or "."] = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(obj, dict):
+        return {k: json_safe(v, reasons=reasons, _path=f"{_path}.{k}" if _path else str(k)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v, reasons=reasons, _path=f"{_path}[{i}]") for i, v in enumerate(obj)]
+    return obj
 
 
 def rounded(value: float | None, digits: int = 4) -> float | None:
