@@ -13,15 +13,20 @@ Two sources of inputs, one answer (the dict `plan_from_inputs` documents):
 Rules, and why:
 
 - T_bcast depends on the chosen set (its links) and the set on T_bcast (through μ_min), so the
-  plan iterates: start from the bound for every candidate, choose the cheapest prefix for the
-  target that gives, take the bound for that set, and repeat until the set the bound was taken
+  plan iterates: start from the bound for every candidate, choose the cheapest set for the
+  target that gives (`cheapest_set`: exact for small pools, greedy within a stated bound
+  otherwise), take the bound for that set, and repeat until the set the bound was taken
   for is the set chosen (a fixed point: the reported T_bcast is the chosen set's own bound). A
   smaller set can have a larger bound (fewer uplinks share the N copies), so a fixed point is
   not guaranteed; after `MAX_ROUNDS` the last set is reported, evaluated with its own bound,
   and a note says it did not settle.
 - Feasible means the chosen rate reaches the target γ·μ_min (γ = `protocol.capacity.GAMMA`,
   headroom for noisy rates); when even the whole pool falls short every candidate is chosen
-  (each still shortens the learner's wait) and `reason` says by how much.
+  (each still shortens the learner's wait) and `reason` says by how much. An infeasible plan's
+  `reason` names the input that makes it so (the learner uplink, a worker's downlink, the pool,
+  R, T_train, κ) and what it would have to be.
+- `--model-bytes` and `--model` are stored bytes; times `dtype_factor` they are one published
+  version (`publication_bytes`).
 - A peer's uplink defaults to its downlink / 5 (`DEFAULT_UP_RATIO`: asymmetric consumer and
   cloud links) when the CSV has no `up_mbit`; a note says for how many.
 - Rates in a CSV are Mbit/s (10^6 bit/s, as tc and benchmarks/wan/bound.py); the capacity
@@ -34,7 +39,9 @@ Rules, and why:
 
 from __future__ import annotations
 
+import bisect
 import csv
+import itertools
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -46,7 +53,6 @@ from protocol.capacity import (
     GAMMA,
     Worker,
     broadcast_bound,
-    cheapest_prefix,
     choose_kappa,
     delta_max,
     mu_min,
@@ -58,10 +64,13 @@ __all__ = [
     "MAX_CANDIDATES",
     "MAX_ROUNDS",
     "Candidate",
+    "Choice",
+    "cheapest_set",
     "format_table",
     "load_candidates",
     "plan_from_inputs",
     "plan_from_status",
+    "publication_bytes",
     "safetensors_bytes",
 ]
 
@@ -92,14 +101,24 @@ class Candidate(Worker):
 # --- Inputs ---------------------------------------------------------------------------------
 
 
+def publication_bytes(stored_bytes: float, dtype_factor: float = 1.0) -> int:
+    """Bytes of one published version from the bytes of the stored weights: `dtype_factor` is
+    the published bytes per stored byte (0.5 to publish bf16 from fp32 files, 2 for fp32 from
+    bf16; 1 when the learner publishes the stored dtype)."""
+    if not (math.isfinite(dtype_factor) and dtype_factor > 0):
+        raise ValueError(f"dtype_factor must be a finite number > 0, got {dtype_factor!r}")
+    if not (math.isfinite(stored_bytes) and stored_bytes > 0):
+        raise ValueError(f"model bytes must be a finite number > 0, got {stored_bytes!r}")
+    return round(stored_bytes * dtype_factor)
+
+
 def safetensors_bytes(directory: Path, *, dtype_factor: float = 1.0) -> int:
     """Bytes of one published version: the total size of `directory`'s `*.safetensors` files
     (not recursive: a Hugging Face model's shards sit side by side) times `dtype_factor`, the
     published bytes per stored byte (0.5 to publish bf16 from fp32 files, 2 for fp32 from bf16;
     1 when the learner publishes the stored dtype). Headers count as weights: they are a
     fraction of a percent."""
-    if not (math.isfinite(dtype_factor) and dtype_factor > 0):
-        raise ValueError(f"dtype_factor must be a finite number > 0, got {dtype_factor!r}")
+    publication_bytes(1, dtype_factor)  # checks the factor before the directory is read
     try:
         files = sorted(directory.glob("*.safetensors"))
         total = sum(f.stat().st_size for f in files)
@@ -107,7 +126,7 @@ def safetensors_bytes(directory: Path, *, dtype_factor: float = 1.0) -> int:
         raise ValueError(f"{directory}: cannot read: {e.strerror or e}") from None
     if not files:
         raise ValueError(f"{directory}: no *.safetensors files")
-    return round(total * dtype_factor)
+    return publication_bytes(total, dtype_factor)
 
 
 _REQUIRED = ("mu", "price", "bandwidth_mbit")
@@ -223,6 +242,198 @@ def _candidate(row: list[str], index: dict[str, int], fail: Callable[[int, str],
     return Candidate(peer_id, mu, price, bandwidth=down * MBIT, up=None if up is None else up * MBIT)
 
 
+# --- Choosing the set -----------------------------------------------------------------------
+#
+# The cheapest set of workers whose rates reach the target is a covering knapsack (minimise
+# Σ price subject to Σ μ >= target): NP-hard in general, easy at the sizes plans have. Rules:
+# - Exact where the pool is small: a branch and bound over the measured workers (μ > 0) in ρ
+#   order (price/μ), include-first, pruned by the fractional (LP) cost of what is still missing,
+#   seeded with the greedy answer below; for at most EXACT_MAX_WORKERS measured workers, and
+#   within EXACT_MAX_NODES search nodes (equal-ρ pools are its worst case: 20 such workers took
+#   0.9 s in `protocol.capacity.optimal_cost`). Past either limit the greedy answer stands.
+# - Greedy with a bound otherwise (`_dearest_guess`): at most the optimum plus the price of the
+#   optimum's dearest worker, so never more than twice the optimum.
+# - Workers with μ = 0 (not measured) only add cost: never chosen while the target can be met.
+# - A pool that cannot reach the target (or an infinite target) gets every worker, as
+#   `cheapest_prefix` does: each still shortens the learner's wait.
+# - Everything here is linear or O(n log n) in the pool outside the exact search
+#   (`cheapest_prefix` re-sums its prefix per step: quadratic over a 100,000-worker file).
+
+EXACT_MAX_WORKERS = 24
+EXACT_MAX_NODES = 500_000  # about 0.2 s of search
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen workers (cheapest ρ first) and how they were chosen: "exact" (proven
+    cheapest), "greedy" (within the bound above) or "all" (the pool falls short)."""
+
+    workers: list[Worker]
+    method: Literal["exact", "greedy", "all"]
+
+
+def _rank(w: Worker) -> tuple[int, float, float, str]:
+    """`protocol.capacity`'s order: measured workers by ρ = price/μ, ties to the higher μ, then
+    peer id (deterministic); unmeasured ones (μ = 0) after, by price."""
+    return (0, w.price / w.mu, -w.mu, w.peer_id) if w.mu > 0 else (1, w.price, 0.0, w.peer_id)
+
+
+def _prefix(ranked: Sequence[Worker], goal: float) -> list[Worker]:
+    """The shortest prefix of `ranked` whose rate reaches `goal` (all of it if none does)."""
+    rate = 0.0
+    for i, w in enumerate(ranked):
+        if rate >= goal and _reaches(ranked[:i], goal):
+            return list(ranked[:i])
+        rate += w.mu
+    return list(ranked)
+
+
+def _cost(workers: Sequence[Worker]) -> float:
+    return math.fsum(w.price for w in workers)
+
+
+def _reaches(workers: Sequence[Worker], goal: float) -> bool:
+    return math.fsum(w.mu for w in workers) >= goal
+
+
+def cheapest_set(workers: Sequence[Worker], target: float) -> Choice:
+    """The least-cost set of `workers` whose Σ μ reaches `target` (rules above)."""
+    pool = list(workers)
+    if math.isinf(target) or not _reaches(pool, target):
+        return Choice(sorted(pool, key=_rank), "all")
+    if target <= 0:
+        return Choice([], "exact")
+    useful = sorted((w for w in pool if w.mu > 0), key=_rank)
+    best = _dearest_guess(useful, target)  # never dearer than the plain ρ prefix
+    if len(useful) <= EXACT_MAX_WORKERS:
+        found = _branch_and_bound(useful, target, best)
+        if found is not None:
+            return Choice(sorted(found, key=_rank), "exact")
+    return Choice(sorted(best, key=_rank), "greedy")
+
+
+def _branch_and_bound(useful: list[Worker], goal: float, seed: list[Worker]) -> list[Worker] | None:
+    """The cheapest covering subset of `useful` (in ρ order), or None when the search passed
+    EXACT_MAX_NODES before it proved its answer. `seed` covers the goal: the bound to beat."""
+    n = len(useful)
+    # Running sums over the ρ order: cum_mu[k] and cum_price[k] are over useful[:k].
+    cum_mu = list(itertools.accumulate((w.mu for w in useful), initial=0.0))
+    cum_price = list(itertools.accumulate((w.price for w in useful), initial=0.0))
+    best = list(seed)
+    best_cost = _cost(seed)
+    chosen: list[Worker] = []
+    nodes = 0
+
+    def lp_cost(i: int, need: float) -> float:
+        """The least fractional cost of `need` more from useful[i:] (ρ order is optimal for it):
+        whole workers up to the one that completes it, then the share of that one it takes."""
+        j = min(bisect.bisect_left(cum_mu, cum_mu[i] + need) - 1, n - 1)
+        return cum_price[j] - cum_price[i] + (cum_mu[i] + need - cum_mu[j]) / useful[j].mu * useful[j].price
+
+    def search(i: int, have: float, cost: float) -> bool:
+        """False once the node budget is spent."""
+        nonlocal best, best_cost, nodes
+        nodes += 1
+        if nodes > EXACT_MAX_NODES:
+            return False
+        if have >= goal and _reaches(chosen, goal):  # the running sum, then exactly
+            if cost < best_cost:
+                best, best_cost = list(chosen), cost
+            return True
+        if i == n or have + cum_mu[n] - cum_mu[i] < goal or cost + lp_cost(i, goal - have) >= best_cost:
+            return True
+        chosen.append(useful[i])
+        if not search(i + 1, have + useful[i].mu, cost + useful[i].price):
+            return False
+        chosen.pop()
+        return search(i + 1, have, cost)
+
+    return best if search(0, 0.0, 0.0) else None
+
+
+def _dearest_guess(useful: list[Worker], goal: float) -> list[Worker]:
+    """Greedy with a bound, O(n log n): for each worker e taken as the dearest of the set, e plus
+    the other workers no dearer than e in ρ order until the goal is reached; the cheapest of
+    these sets, or the plain ρ prefix when none is cheaper. `useful` is in ρ order, every μ > 0,
+    and the whole of it reaches `goal`.
+
+    Bound: let O be a cheapest set and e its dearest worker. O − e reaches goal − μ_e with
+    workers no dearer than e, so the fractional (LP) cost of reaching it in ρ order from those
+    workers is at most c(O) − c_e; the integral ρ prefix exceeds that LP cost by at most its last
+    worker's price, itself at most c_e. The set guessed from e therefore costs at most
+    c_e + (c(O) − c_e) + c_e = c(O) + c_e <= 2·c(O), and the cheapest guess no more. Guesses
+    in order of price stop at the first e with c_e >= the best cost so far (no set containing it
+    can be cheaper): if that skips O's dearest worker, the best found already costs <= c(O).
+
+    Rates and prices are summed in Fenwick trees over the ρ positions, so each guess is a
+    prefix search in O(log n); the set found is then rebuilt and checked with exact sums."""
+    n = len(useful)
+    mu_tree = [0.0] * (n + 1)
+    price_tree = [0.0] * (n + 1)
+
+    def add(pos: int, mu: float, price: float) -> None:
+        i = pos + 1
+        while i <= n:
+            mu_tree[i] += mu
+            price_tree[i] += price
+            i += i & -i
+
+    top = 1 << n.bit_length()
+
+    def shortest_prefix(need: float) -> tuple[int, float] | None:
+        """(how many ρ positions, their price) for the first prefix whose rate reaches `need`."""
+        pos, rate = 0, 0.0  # the longest prefix short of `need`: the next position completes it
+        step = top
+        while step:
+            nxt = pos + step
+            if nxt <= n and rate + mu_tree[nxt] < need:
+                pos, rate = nxt, rate + mu_tree[nxt]
+            step >>= 1
+        if pos == n:
+            return None
+        count, price = pos + 1, 0.0
+        while count > 0:
+            price += price_tree[count]
+            count -= count & -count
+        return pos + 1, price
+
+    position = {id(w): i for i, w in enumerate(useful)}
+    by_price = sorted(useful, key=lambda w: (w.price, _rank(w)))
+    best = _prefix(useful, goal)
+    best_cost = _cost(best)
+    best_guess: tuple[Worker, int] | None = None  # (e, positions taken)
+    start = 0
+    while start < n:
+        price = by_price[start].price
+        if price >= best_cost:
+            break
+        end = start
+        while end < n and by_price[end].price == price:  # all workers no dearer than e are in
+            add(position[id(by_price[end])], by_price[end].mu, by_price[end].price)
+            end += 1
+        for e in by_price[start:end]:
+            need = goal - e.mu
+            if need <= 0:
+                found: tuple[int, float] | None = (0, 0.0)
+            else:
+                add(position[id(e)], -e.mu, -e.price)
+                found = shortest_prefix(need)
+                add(position[id(e)], e.mu, e.price)
+            if found is not None and e.price + found[1] < best_cost:
+                best_cost, best_guess = e.price + found[1], (e, found[0])
+        start = end
+    if best_guess is None:
+        return best
+    e, taken = best_guess
+    rebuilt = [e] + [w for w in useful[:taken] if w is not e and w.price <= e.price]
+    for w in useful[taken:]:  # the trees' rounding may have stopped one short of the goal
+        if _reaches(rebuilt, goal):
+            break
+        if w is not e and w.price <= e.price:
+            rebuilt.append(w)
+    return rebuilt if _reaches(rebuilt, goal) and _cost(rebuilt) < _cost(best) else best
+
+
 # --- Planning -------------------------------------------------------------------------------
 
 
@@ -242,17 +453,35 @@ def _links(workers: Sequence[Worker]) -> tuple[list[float], list[float], int]:
     return downs, ups, defaulted
 
 
-def _bottleneck(size: float, learner_up: float, chosen: Sequence[Worker]) -> str:
-    """Which term of the broadcast bound is the largest, in words: what to upgrade (or whom to
-    drop) for a faster broadcast."""
+def _bottleneck(size: float, learner_up: float, chosen: Sequence[Worker], *, below: float | None = None) -> str:
+    """Which term of the broadcast bound is the largest, in words naming the input that sets it:
+    what to upgrade (or whom to drop) for a faster broadcast. With `below` (seconds), also what
+    that input must become for the bound to fall under it; the bound is linear in the size, so
+    a smaller publication always serves too."""
     downs, ups, _ = _links(chosen)
     slowest = min(range(len(chosen)), key=downs.__getitem__)
+    slow_id = chosen[slowest].peer_id
+    up_total = learner_up + math.fsum(ups)
     terms = {
-        "the learner uplink": size / learner_up,
-        f"the downlink of {chosen[slowest].peer_id}": size / downs[slowest],
-        "the chosen workers' total uplink": len(chosen) * size / (learner_up + math.fsum(ups)),
+        "learner": size / learner_up,
+        "down": size / downs[slowest],
+        "up": len(chosen) * size / (learner_up + math.fsum(ups)),
     }
-    return max(terms, key=terms.__getitem__)
+    term = max(terms, key=terms.__getitem__)
+    what = {
+        "learner": f"the learner uplink (--learner-up {learner_up / MBIT:g} Mbit/s)",
+        "down": f"the downlink of {slow_id} ({downs[slowest] / MBIT:g} Mbit/s in --candidates)",
+        "up": f"the chosen workers' total uplink ({(up_total - learner_up) / MBIT:g} Mbit/s with the learner's)",
+    }[term]
+    if below is None:
+        return what
+    fix = {
+        "learner": f"--learner-up above {size / below / MBIT:.4g} Mbit/s",
+        "down": f"a downlink above {size / below / MBIT:.4g} Mbit/s for {slow_id} (or {slow_id} left out)",
+        "up": f"{(len(chosen) * size / below - up_total) / MBIT:.4g} Mbit/s more uplink (up_mbit in --candidates)",
+    }[term]
+    smaller = size * below / terms[term]
+    return f"{what}: it needs {fix}, or versions under {smaller:.4g} bytes (--model-bytes or --model, times --dtype-factor)"
 
 
 def _kappa(kappa: Kappa, staleness: int, t_train: float, t_bcast: float) -> tuple[int, str | None]:
@@ -289,29 +518,46 @@ def _evaluate(
     staleness: int,
     kappa: Kappa,
     fixed: Sequence[Worker] | None = None,
+    broadcast: Callable[[float], str],
+    pool_name: str,
 ) -> dict[str, Any]:
-    """The plan for a known T_bcast: κ, μ_min, the cheapest prefix of `workers` for γ·μ_min
-    (or the `fixed` set, when given) and its outcome."""
+    """The plan for a known T_bcast: κ, μ_min, the cheapest set of `workers` for γ·μ_min
+    (`cheapest_set`; or the `fixed` set, when given) and its outcome. An infeasible plan's
+    reason names the input that makes it so: `broadcast(seconds)` says what sets T_bcast and
+    what it must become to fall below `seconds`; `pool_name` names where the workers came from."""
     k, warning = _kappa(kappa, staleness, t_train, t_bcast)
     floor = mu_min(k, rollouts_per_update, t_train, t_bcast)
     target = GAMMA * floor
-    chosen = cheapest_prefix(workers, target) if fixed is None else list(fixed)
+    if fixed is None:
+        choice = cheapest_set(workers, target)
+        chosen, method = choice.workers, choice.method
+    else:
+        chosen, method = list(fixed), "fixed"
     mu_active = math.fsum(w.mu for w in chosen)
     feasible = math.isfinite(target) and mu_active >= target
     if math.isinf(target):
+        # κ·T_train <= T_bcast: any of T_bcast, T_train, κ can change it.
         reason = (
-            f"infeasible: κ·T_train = {k * t_train:g} s <= T_bcast = {t_bcast:g} s, no pool avoids training bubbles;"
-            " a faster broadcast (learner uplink, smaller publication) or a larger κ is needed"
+            f"infeasible: T_bcast = {t_bcast:.4g} s >= κ·T_train = {k} × {t_train:g} s, no pool avoids training bubbles;"
+            f" T_bcast is set by {broadcast(k * t_train)}; or T_train above {t_bcast / k:.4g} s (--t-train),"
+            f" or κ >= {math.floor(t_bcast / t_train) + 1} (--kappa; auto takes S - 1: --staleness)"
         )
     elif not feasible:
         who = "the whole pool gives" if len(chosen) == len(workers) else f"the chosen {len(chosen)} give"
         reason = (
-            f"infeasible: {who} {mu_active:.4g}/s < target {target:.4g}/s;"
-            f" {target - mu_active:.4g} rollouts/s more are needed"
+            f"infeasible: {who} {mu_active:.4g}/s < target {target:.4g}/s; {target - mu_active:.4g} rollouts/s more are"
+            f" needed from {pool_name}, or a lower target: μ_min = κ·R/(κ·T_train − T_bcast) ="
+            f" {k}·{rollouts_per_update:g}/({k}·{t_train:g} − {t_bcast:.4g}) (R: --rollouts-per-update)"
         )
     else:
+        how = {
+            "exact": "the cheapest set (exact search)",
+            "greedy": "a greedy set (at most the cheapest set's cost plus its dearest worker's price)",
+            "fixed": "the last set of the T_bcast iteration",
+            "all": "every worker",
+        }[method]
         reason = (
-            f"the {len(chosen)} cheapest of {len(workers)} by price/μ give {mu_active:.4g}/s"
+            f"{how}: {len(chosen)} of {len(workers)} give {mu_active:.4g}/s"
             f" >= target {target:.4g}/s (γ = {GAMMA:g} × μ_min)"
         )
     return {
@@ -321,6 +567,7 @@ def _evaluate(
         "target": _finite(target),
         "t_bcast_bound_s": t_bcast,
         "chosen": [w.peer_id for w in chosen],
+        "choice": method,
         "cost_per_hour": math.fsum(w.price for w in chosen),
         "mu_active": mu_active,
         "delta_max_predicted": delta_max(k, t_train, t_bcast),
@@ -352,6 +599,9 @@ def plan_from_inputs(
       t_bcast_bound_s: the broadcast bound for the chosen workers (seconds);
       t_bcast_source: "bound" here, "measured" from `plan_from_status`;
       chosen (peer ids, cheapest first), cost_per_hour, mu_active: the set and what it gives;
+      choice: how the set was chosen: "exact" (the cheapest), "greedy" (at most the cheapest
+        set's cost plus its dearest worker's price), "all" (the pool falls short) or "fixed"
+        (the T_bcast iteration did not settle);
       delta_max_predicted (versions), idle_predicted (share of wall time, 0..1);
       feasible, reason: whether the chosen rate reaches the target, one line why;
       rounds: iteration rounds (0 when T_bcast was measured); notes: assumptions made;
@@ -371,16 +621,20 @@ def plan_from_inputs(
         downs, ups, _ = _links(chosen)
         return broadcast_bound(model_bytes, learner_up_mbit * MBIT, downs, ups)
 
+    def evaluate(t_bcast_of: Sequence[Worker], fixed: Sequence[Worker] | None = None) -> dict[str, Any]:
+        return _evaluate(
+            pool, t_bcast=bound(t_bcast_of), t_train=t_train, rollouts_per_update=rollouts_per_update,
+            staleness=staleness, kappa=kappa, fixed=fixed, pool_name="--candidates (more or faster workers)",
+            broadcast=lambda below: _bottleneck(model_bytes, learner_up_mbit * MBIT, t_bcast_of, below=below),
+        )
+
     _, _, defaulted = _links(pool)  # validates every downlink before the loop
     current = pool
     settled = False
     rounds = 0
     while rounds < MAX_ROUNDS:
         rounds += 1
-        plan = _evaluate(
-            pool, t_bcast=bound(current), t_train=t_train, rollouts_per_update=rollouts_per_update,
-            staleness=staleness, kappa=kappa,
-        )
+        plan = evaluate(current)
         chosen = [by_id[i] for i in plan["chosen"]]
         if {w.peer_id for w in chosen} == {w.peer_id for w in current}:
             settled = True
@@ -389,10 +643,7 @@ def plan_from_inputs(
     notes = []
     if not settled:
         # Report the last set chosen as it is, evaluated with its own bound, so the numbers agree.
-        plan = _evaluate(
-            pool, t_bcast=bound(current), t_train=t_train, rollouts_per_update=rollouts_per_update,
-            staleness=staleness, kappa=kappa, fixed=current,
-        )
+        plan = evaluate(current, fixed=current)
         notes.append(f"the chosen set did not settle in {MAX_ROUNDS} rounds: the last one is shown")
     notes.append(f"T_bcast bound set by {_bottleneck(model_bytes, learner_up_mbit * MBIT, current)}")
     if defaulted:
@@ -456,7 +707,11 @@ def plan_from_status(status: Mapping[str, Any]) -> dict[str, Any]:
     t_bcast = status["t_bcast"]
     plan = _evaluate(
         workers, t_bcast=t_bcast, t_train=status["t_train"], rollouts_per_update=status["rollouts_per_update"],
-        staleness=status["staleness"], kappa=status["kappa"],
+        staleness=status["staleness"], kappa=status["kappa"], pool_name="the swarm (more or faster peers)",
+        broadcast=lambda below: (
+            f"the learner's measurement: a faster broadcast is needed, under {below:.4g} s"
+            " (learner uplink; smaller publications: --dtype bfloat16)"
+        ),
     )
     return {
         **plan,

@@ -35,7 +35,7 @@ z,1,10,500,
 """
 HEAD = "peer_id,mu,price,bandwidth_mbit"
 KEYS = {
-    "kappa", "kappa_warning", "mu_min", "target", "t_bcast_bound_s", "chosen", "cost_per_hour", "mu_active",
+    "kappa", "kappa_warning", "mu_min", "target", "t_bcast_bound_s", "chosen", "choice", "cost_per_hour", "mu_active",
     "delta_max_predicted", "idle_predicted", "feasible", "reason", "t_bcast_source", "rounds", "notes", "inputs",
 }
 
