@@ -1,8 +1,16 @@
 """`echo-node`: one binary, one role per process.
 
-Arguments are parsed before torch or libp2p is imported, so `echo-node --help` (and a typo)
-answers at once. User errors (bad config, unreachable bootstrap, missing learner) end in one
-line on stderr and a non-zero exit, never a traceback.
+Arguments are parsed and checked before torch or libp2p is imported, so `echo-node --help`, a
+typo and every input the CLI can judge on its own answer at once. Rules:
+- No abbreviations: `--peer 3` is not `--peers 3` (a typo must not run a different command). An
+  unknown flag is refused with the subcommand's usage and the closest flag it has.
+- Paths and addresses are checked first (`check_inputs`): `--model` and `--config` exist, a
+  bootstrap address ends in /p2p/<peer id>, HOST:PORT has a port. Each error is one line naming
+  the input and the remedy, exit status 2 (argparse's), in well under a second.
+- User errors found later (unreachable bootstrap, missing learner) end in one line on stderr
+  and a non-zero exit too, never a traceback.
+- Output into a closed pipe (`echo-node plan ... | head`) ends quietly with 141 (128 + SIGPIPE),
+  as a command killed by SIGPIPE does.
 
 SIGINT and SIGTERM stop every role cleanly: the role is cancelled, its own cleanup runs (the
 learner writes its summary and checkpoint), and the process exits with 128 + the signal number
@@ -12,8 +20,10 @@ learner writes its summary and checkpoint), and the process exits with 128 + the
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -30,6 +40,8 @@ if TYPE_CHECKING:
 
 DEFAULT_KEY_DIR = Path(os.environ.get("ECHO_NODE_HOME", Path.home() / ".local" / "share" / "echo-node")) / "keys"
 EXIT_USER_ERROR = 2
+# A bootstrap address as `echo-node bootstrap` prints it; errors quote it as the shape to copy.
+BOOTSTRAP_EXAMPLE = "/ip4/203.0.113.10/tcp/4001/p2p/12D3KooW..."
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 log = logging.getLogger("echo_node.cli")
@@ -228,8 +240,71 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs-dir", type=Path, default=None, help="where runs/<run-id>/ is written (default ./runs)")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without abbreviations (module rules); `add_subparsers` builds every subcommand's
+    parser with this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("echo-node")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+def _host_port(text: str) -> str:
+    """An argparse type: HOST:PORT (an IPv6 host in brackets) or an http(s):// URL of a metrics
+    endpoint. A bare host is refused: a port is needed, and urllib would quietly take 80."""
+    if text.startswith(("http://", "https://")):
+        return text
+    host, colon, port = text.rpartition(":")
+    if not colon or not host:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} has no port: give HOST:PORT, e.g. 127.0.0.1:9400 (the node's --metrics-port)"
+        )
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise argparse.ArgumentTypeError(f"{text!r}: an IPv6 address goes in brackets, e.g. [::1]:9400")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise argparse.ArgumentTypeError(f"{text!r}: {port!r} is not a TCP port (1-65535)")
+    return text
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
+    return value
+
+
+def _at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= `minimum`."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"  # argparse names the type by it in some errors
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="echo-node", description="Decentralized RL post-training: learner, rollout peers and bootstrap over libp2p.")
+    parser = _Parser(prog="echo-node", description="Decentralized RL post-training: learner, rollout peers and bootstrap over libp2p.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("bootstrap", help="serve the DHT for others to join through")
@@ -260,9 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("demo", help="bootstrap + learner + rollout peers on loopback, with live progress")
     p.add_argument("--mode", choices=["pull", "async"], default="async")
-    p.add_argument("--peers", type=int, default=2)
-    p.add_argument("--staleness", type=int, default=4)
-    p.add_argument("--seconds", type=float, default=150.0, help="training time after warm-up")
+    p.add_argument("--peers", type=_at_least(1), default=2)
+    p.add_argument("--staleness", type=_at_least(0), default=4)
+    p.add_argument("--seconds", type=_positive, default=150.0, help="training time after warm-up")
     p.add_argument("--run-id", default=None)
     p.add_argument("--runs-dir", type=Path, default=Path("runs"))
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
@@ -270,20 +345,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="rollout dtype of the run")
 
     p = sub.add_parser("status", help="read a learner's or peer's metrics endpoint (--metrics-port) and print them")
-    p.add_argument("--learner", required=True, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
+    p.add_argument("--learner", required=True, type=_host_port, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
     p = sub.add_parser("plan", help="ECHO-2's capacity model: how many and which workers keep the learner busy, at what cost")
-    p.add_argument("--learner", default=None, metavar="HOST:PORT", help="online: from a running learner's measurements (its --metrics-port)")
+    p.add_argument("--learner", default=None, type=_host_port, metavar="HOST:PORT", help="online: from a running learner's measurements (its --metrics-port)")
     p.add_argument("--candidates", type=Path, default=None, metavar="CSV", help="offline: candidate workers (peer_id, mu, price, bandwidth_mbit[, up_mbit])")
     p.add_argument("--model", type=Path, default=None, metavar="DIR", help="offline: the model directory (its safetensors bytes are one version)")
-    p.add_argument("--model-bytes", type=float, default=None, help="offline: bytes of one published version (instead of --model)")
-    p.add_argument("--dtype-factor", type=float, default=1.0, help="publication bytes per stored byte (0.5: bf16 publications of fp32 files)")
-    p.add_argument("--learner-up", type=float, default=None, metavar="MBIT", help="offline: the learner's uplink, Mbit/s")
-    p.add_argument("--t-train", type=float, default=None, metavar="S", help="offline: seconds per learner update")
-    p.add_argument("--rollouts-per-update", type=float, default=64.0, metavar="R")
-    p.add_argument("--staleness", type=int, default=4, metavar="S")
-    p.add_argument("--kappa", default="auto", help="updates per publication: a number or auto (S - 1 when broadcasts are fast enough)")
+    p.add_argument("--model-bytes", type=_positive, default=None,
+                   help="offline: bytes of the stored weights (instead of --model); times --dtype-factor, one published version")
+    p.add_argument("--dtype-factor", type=_positive, default=1.0,
+                   help="publication bytes per stored byte, for --model and --model-bytes (0.5: bf16 publications of fp32 files)")
+    p.add_argument("--learner-up", type=_positive, default=None, metavar="MBIT", help="offline: the learner's uplink, Mbit/s")
+    p.add_argument("--t-train", type=_positive, default=None, metavar="S", help="offline: seconds per learner update")
+    p.add_argument("--rollouts-per-update", type=_positive, default=64.0, metavar="R")
+    p.add_argument("--staleness", type=_at_least(0), default=4, metavar="S")
+    p.add_argument("--kappa", type=_publish_every, default="auto", metavar="K|auto",
+                   help="updates per publication: a number or auto (S - 1 when broadcasts are fast enough)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
 
     p = sub.add_parser("tiny-model", help="build a tiny Qwen2/Llama model and tokenizer locally (tests, demos; no download)")
@@ -298,6 +376,132 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                    help="dtype of the saved weights (default float32: GGUF tensors are dequantised)")
     return parser
+
+
+# -- checks before the heavy imports ---------------------------------------------------------
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser.parse_args`, except that an unknown flag is refused by the subcommand's parser
+    (its usage, not the top level's) with the closest flag it has."""
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = _subparser(parser, args.command)
+        command.error(_unrecognized(command, extra))
+    return args
+
+
+def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    for action in parser._actions:  # argparse keeps subparsers only here
+        if isinstance(action, argparse._SubParsersAction):
+            found: argparse.ArgumentParser = action.choices[name]
+            return found
+    return parser
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """argparse's "unrecognized arguments" line, with "did you mean" for each unknown flag."""
+    flags = [flag for action in parser._actions for flag in action.option_strings]
+    hints: list[tuple[str, str]] = []  # (unknown flag, closest known one)
+    for arg in extra:
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, flags, n=1, cutoff=0.6) if flag.startswith("-") else []
+        if close:
+            hints.append((flag, close[0]))
+    line = f"unrecognized arguments: {' '.join(extra)}"
+    if len(hints) == 1:
+        return f"{line}; did you mean {hints[0][1]}?"
+    if hints:
+        return f"{line}; did you mean {', '.join(f'{known} for {flag}' for flag, known in hints)}?"
+    return line
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Every input that can be judged without torch, libp2p or the network, judged before any of
+    them is imported (module rules); ValueError: one line naming the input and the remedy.
+    learn and join keep the config tree built here as `args.run_config`, bootstrap its net
+    settings as `args.net_config`."""
+    role = args.command
+    if role in ("learn", "join"):
+        _check_file(args.config, "--config")
+        cfg = _config(args)
+        in_config = f"in {args.config}"
+        _check_model_dir(cfg.model.path, "--model" if args.model is not None else f"model.path {in_config}")
+        _check_bootstrap(cfg.net.bootstrap, "--bootstrap" if args.bootstrap else f"net.bootstrap {in_config}", required=role == "join")
+        if role == "join" and cfg.net.insecure_first_learner and cfg.net.learner is None:
+            from echo_node.net.discovery import check_first_learner_allowed
+
+            check_first_learner_allowed(cfg.net.bootstrap)
+        args.run_config = cfg
+    elif role == "bootstrap":
+        from echo_node.config import NetConfig, validate_net
+
+        net = NetConfig(listen=args.listen or NetConfig().listen, advertise_host=args.advertise_host, announce=args.announce or [])
+        validate_net(net)
+        args.net_config = net
+    elif role == "demo":
+        _check_model_dir(args.model, "--model")
+    elif role == "plan":
+        _check_file(args.candidates, "--candidates")
+        if args.model is not None and not args.model.is_dir():
+            raise ValueError(f"--model {args.model}: no such directory (give the model directory, or --model-bytes N)")
+    elif role == "import-gguf":
+        # The texts echo_node/ml/gguf_import.py uses: that module imports torch.
+        _check_file(args.gguf_file, "GGUF file")
+        if args.out_dir.exists() and not args.out_dir.is_dir():
+            raise ValueError(f"{args.out_dir} exists and is not a directory")
+        if args.out_dir.is_dir() and any(args.out_dir.iterdir()):
+            raise ValueError(f"{args.out_dir} is not empty: import into a new or empty directory")
+
+
+def _check_file(path: Path | None, what: str) -> None:
+    """A file the command will read: there, a file, readable."""
+    if path is None:
+        return
+    if not path.exists():
+        raise ValueError(f"{what} {path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} is a directory, not a file")
+    if not os.access(path, os.R_OK):
+        raise ValueError(f"{what} {path}: not readable (check its permissions)")
+
+
+def _check_model_dir(path: str | Path | None, what: str) -> None:
+    """A local Hugging Face model directory, as `load_pretrained` (echo_node/ml/model.py) needs
+    it: a directory with a config.json (None: the embedded model)."""
+    if path is None:
+        return
+    where = Path(path)
+    make = "a local Hugging Face model directory (config.json, weights, tokenizer), e.g. one `echo-node tiny-model DIR` built"
+    if not where.exists():
+        raise ValueError(f"{what} {path}: no such directory; give {make}")
+    if not where.is_dir():
+        raise ValueError(f"{what} {path} is a file; give {make} (a GGUF file: `echo-node import-gguf FILE DIR` first)")
+    if not (where / "config.json").is_file():
+        raise ValueError(f"{what} {path}: not a local Hugging Face model directory (no config.json there); give {make}")
+
+
+def _check_bootstrap(addrs: list[str], what: str, *, required: bool) -> None:
+    """Each bootstrap address is a TCP multiaddr ending in /p2p/<peer id>: the id is how a node
+    knows it reached the bootstrap it meant (the Noise handshake checks it)."""
+    from protocol.addresses import AddressError, parse_tcp_multiaddr
+    from protocol.identity import is_valid_peer_id
+
+    shape = f"the address `echo-node bootstrap` printed, e.g. {BOOTSTRAP_EXAMPLE}"
+    if required and not addrs:
+        raise ValueError(f"a bootstrap address is needed: --bootstrap MULTIADDR, {shape}")
+    for text in addrs:
+        try:
+            addr = parse_tcp_multiaddr(text)
+        except AddressError as exc:
+            raise ValueError(f"{what}: {exc}; give {shape}") from None
+        if addr.peer_id is None:
+            raise ValueError(
+                f"{what} {text}: a bootstrap address must end in /p2p/<peer id> (the bootstrap node's id);"
+                f" give {shape}"
+            )
+        if not is_valid_peer_id(addr.peer_id):
+            raise ValueError(f"{what} {text}: {addr.peer_id!r} is not a libp2p Ed25519 peer id (12D3KooW...); give {shape}")
 
 
 def _setup_logging(level: str, role: str) -> None:
@@ -348,11 +552,9 @@ def _config(args: argparse.Namespace) -> Any:
 def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from bootstrap.node import run_bootstrap
 
-    from echo_node.config import NetConfig, validate_net
     from echo_node.net.p2p import p2p_settings
 
-    net = NetConfig(listen=args.listen or NetConfig().listen, advertise_host=args.advertise_host, announce=args.announce or [])
-    validate_net(net)
+    net = args.net_config  # built and checked by check_inputs
     _, signum = run_until_signal(partial(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True)))
     return _exit_status(signum)
 
@@ -376,7 +578,7 @@ def _read_peer_list(path: Path) -> list[str]:
 
 
 def _cmd_learn(args: argparse.Namespace) -> int:
-    cfg = _config(args)
+    cfg = args.run_config  # built and checked by check_inputs
     from echo_node.heap import limit_heap_growth
 
     heap = limit_heap_growth()  # before the model's first allocations (echo_node/heap.py)
@@ -488,11 +690,7 @@ def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | 
 
 
 def _cmd_join(args: argparse.Namespace) -> int:
-    cfg = _config(args)
-    if cfg.net.insecure_first_learner and cfg.net.learner is None:
-        from echo_node.net.discovery import check_first_learner_allowed
-
-        check_first_learner_allowed(cfg.net.bootstrap)  # refused in one line before torch loads
+    cfg = args.run_config  # built and checked by check_inputs
     with _signals_deferred():
         import torch  # noqa: F401
     from echo_node.policy import set_threads
@@ -528,9 +726,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from echo_node.plan import format_table, load_candidates, plan_from_inputs, plan_from_status, safetensors_bytes
+    from echo_node.plan import (
+        format_table,
+        load_candidates,
+        plan_from_inputs,
+        plan_from_status,
+        publication_bytes,
+        safetensors_bytes,
+    )
 
-    kappa: int | str = args.kappa if args.kappa == "auto" else _publish_every(args.kappa)
+    kappa: int | str = args.kappa
     if args.learner is not None:
         from echo_node.status import scrape
 
@@ -550,7 +755,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             missing.append("--model or --model-bytes")
         if missing:
             raise ValueError(f"offline planning needs {', '.join(missing)} (or --learner HOST:PORT for a running learner)")
-        size = args.model_bytes if args.model_bytes is not None else safetensors_bytes(args.model, dtype_factor=args.dtype_factor)
+        # --dtype-factor applies to either source of the size: both are stored bytes.
+        if args.model_bytes is not None:
+            size = publication_bytes(args.model_bytes, args.dtype_factor)
+        else:
+            size = safetensors_bytes(args.model, dtype_factor=args.dtype_factor)
         plan = plan_from_inputs(
             model_bytes=size, learner_up_mbit=args.learner_up, t_train=args.t_train, rollouts_per_update=args.rollouts_per_update,
             staleness=args.staleness, kappa=kappa, workers=load_candidates(args.candidates),
@@ -585,22 +794,27 @@ COMMANDS = {"bootstrap": _cmd_bootstrap, "learn": _cmd_learn, "join": _cmd_join,
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(build_parser(), argv)
     role = args.command
-    if role not in ("demo", "tiny-model", "status", "plan", "import-gguf"):
-        _setup_logging(args.log_level, role)
-    if role in ("learn", "join", "bootstrap"):
-        from echo_node.net.budget import raise_open_file_limit
-
-        # Before any listener sizes its connection budget from the limit (echo_node/net/budget.py).
-        raise_open_file_limit()
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
     # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     if previous_sigterm is not signal.SIG_IGN:
         signal.signal(signal.SIGTERM, _raise_stopped)
     try:
-        return COMMANDS[role](args)
+        check_inputs(args)  # first: before logging, the file limit and every heavy import
+        if role not in ("demo", "tiny-model", "status", "plan", "import-gguf"):
+            _setup_logging(args.log_level, role)
+        if role in ("learn", "join", "bootstrap"):
+            from echo_node.net.budget import raise_open_file_limit
+
+            # Before any listener sizes its connection budget from the limit (echo_node/net/budget.py).
+            raise_open_file_limit()
+        status = COMMANDS[role](args)
+        sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _stdout_gone()
     except KeyboardInterrupt:
         return 130
     except Stopped as exc:
@@ -611,10 +825,28 @@ def main(argv: list[str] | None = None) -> int:
         user_error = _find_user_error(exc)
         if user_error is None or getattr(args, "log_level", "") == "DEBUG":
             raise
-        print(f"echo-node {role}: error: {user_error}", file=sys.stderr)
-        return EXIT_USER_ERROR
+        return _user_error(role, user_error)
     finally:
         signal.signal(signal.SIGTERM, previous_sigterm)  # main() may be called in-process
+
+
+def _user_error(role: str, error: BaseException) -> int:
+    print(f"echo-node {role}: error: {error}", file=sys.stderr)
+    return EXIT_USER_ERROR
+
+
+def _stdout_gone() -> int:
+    """Whoever read stdout is gone (`echo-node plan | head`): end as a command killed by SIGPIPE
+    would, quietly and with 128 + SIGPIPE, the standard way for a Python CLI (the Python docs'
+    "Note on SIGPIPE"): what is left in stdout's buffer goes to /dev/null, or the interpreter's
+    own flush at exit would raise again. SIGPIPE itself stays ignored, as Python sets it: a
+    node's sockets must get EPIPE, not kill the process."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout without a file descriptor (in-process callers)
+        pass
+    return 128 + signal.SIGPIPE
 
 
 def _is_interrupt(exc: BaseException) -> bool:
@@ -625,18 +857,23 @@ def _is_interrupt(exc: BaseException) -> bool:
 
 def _find_user_error(exc: BaseException) -> BaseException | None:
     """The user-facing error inside `exc`, looking through trio's exception groups."""
-    from echo_node.journal import StorageFailed
-    from echo_node.net.discovery import JoinError
+    # Only classes already imported can have raised: importing their modules here (trio, the
+    # journal) would make every early error wait for them.
+    user_errors: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, PermissionError)
+    for module, name in (("echo_node.journal", "StorageFailed"), ("echo_node.net.discovery", "JoinError")):
+        if module in sys.modules:
+            user_errors += (getattr(sys.modules[module], name),)
+    return _user_error_in(exc, user_errors)
 
+
+def _user_error_in(exc: BaseException, user_errors: tuple[type[BaseException], ...]) -> BaseException | None:
     if isinstance(exc, BaseExceptionGroup):
         for inner in exc.exceptions:
-            found = _find_user_error(inner)
+            found = _user_error_in(inner, user_errors)
             if found is not None:
                 return found
         return None
-    if isinstance(exc, (JoinError, StorageFailed, ValueError, FileNotFoundError, PermissionError)):
-        return exc
-    return None
+    return exc if isinstance(exc, user_errors) else None
 
 
 if __name__ == "__main__":
