@@ -718,10 +718,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from echo_node.metrics import json_safe
     from echo_node.status import format_status, scrape
 
     values = scrape(args.learner)
-    print(json.dumps(values, sort_keys=True) if args.json else format_status(values))
+    # Strict JSON: a gauge that is NaN or infinite (Prometheus allows both) is null.
+    print(json.dumps(json_safe(values), sort_keys=True, allow_nan=False) if args.json else format_status(values))
     return 0
 
 

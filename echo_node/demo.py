@@ -171,15 +171,24 @@ def run_demo(args: argparse.Namespace) -> int:
         "wall_s": round(time.monotonic() - t0, 2),
         "run_dir": str(run_dir),
     }
-    # Strict JSON: a field that is not a number (the idle ratio of a run that trained nothing is
-    # NaN) is null, and `null_reasons` says why.
-    nulls: dict[str, str] = {}
-    line = json_safe(result, reasons=nulls)
-    if nulls:
-        why = "no update was trained" if not summary["versions"] else "not a number"
-        line["null_reasons"] = {key: f"{what}: {why}" for key, what in nulls.items()}
-    print(json.dumps(line, allow_nan=False))
+    print(json.dumps(strict_line(result, summary), allow_nan=False))
     return 0
+
+
+def strict_line(result: dict[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The demo's last line as strict JSON: a field that is not a number (the idle ratio of a run
+    that trained nothing is NaN) is null, and `null_reasons` says why, in summary.json's words
+    where it gives them."""
+    nulls: dict[str, str] = {}
+    line: dict[str, Any] = json_safe(result, reasons=nulls)
+    why = "no update was trained" if not summary.get("versions") else "not a number"
+    reasons = {key: f"{what}: {why}" for key, what in nulls.items()}
+    given = summary.get("null_reasons")
+    if isinstance(given, Mapping):
+        reasons.update({key: str(text) for key, text in given.items() if key in line and line[key] is None})
+    if reasons:
+        line["null_reasons"] = reasons
+    return line
 
 
 class _Progress:
