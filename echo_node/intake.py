@@ -29,6 +29,13 @@ Rules:
   the demand of the peers doing the work.
 - A peer the learner's data channel caught misbehaving is banned at once (`ban`): no honest peer
   sends a bad frame or asks without reading.
+- A publisher owes every seq in order: each seq's prompts are assigned (protocol/assignment.py),
+  so leaving out the seqs whose prompts it dislikes would choose its own prompts. Seqs given up
+  after repair or passed over by a jump are counted (`SequenceTracker.skips`); beyond
+  SKIP_ALLOWANCE plus SKIP_SHARE of what it delivered, the publisher is caught as a `bad_prompt`
+  forger. What that bounds: a publisher may leave out at most ~5 % of its slots for good (a
+  weak bias towards easier prompts), never the 80 % an unchecked one did. A rejoin (a restart of
+  the peer) and a restart of the learner each excuse one gap.
 
 Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
 reason, exactly once.
@@ -90,6 +97,10 @@ DECODED_PER_WIRE_BYTE = 70
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
 MAX_BANS = 65536
+# Skipped seqs a publisher may have before it is caught: a fixed allowance (what a restart loses
+# in flight, repairs that time out) plus a share of the seqs it delivered.
+SKIP_ALLOWANCE = 256
+SKIP_SHARE = 0.05
 # Refusals no honest peer earns: its claims did not survive the learner's checks.
 CHEATING = frozenset(
     {DropReason.BAD_REWARD, DropReason.BAD_PROMPT, DropReason.BAD_COMPLETION, DropReason.BAD_LOGPROBS, DropReason.BAD_SAMPLING}
@@ -390,6 +401,17 @@ class RolloutIntake:
                 self.penalize(forwarder, f"relayed a refused rollout of {origin}")
         return False
 
+    def judge_skips(self, peer_id: str) -> bool:
+        """Catch `peer_id` if it skipped more of its seqs than honest loss explains (module
+        rules); True if it was caught now."""
+        skipped, delivered = self.tracker.skips(peer_id)
+        if skipped <= SKIP_ALLOWANCE + SKIP_SHARE * delivered or self.peers.is_banned(peer_id):
+            return False
+        self._evidence = (f"it left out {skipped} of its sequence numbers and delivered {delivered}: the prompts of the "
+                          f"seqs it skipped were assigned to it (more than {SKIP_ALLOWANCE} + {SKIP_SHARE:.0%} is a choice)")
+        self.caught(peer_id, DropReason.BAD_PROMPT)
+        return True
+
     def catch(self, peer_id: str, failure: Failure) -> None:
         """`caught`, for a failure found outside the intake (the learner's audit of a step)."""
         self._evidence = failure.evidence
@@ -549,6 +571,9 @@ class RolloutIntake:
             reason = DropReason.DUPLICATE if observation is Observation.DUPLICATE else DropReason.TOO_OLD
             self.buffer.reject(reason, batch.num_samples)
             return
+        if self.judge_skips(origin):  # a jump over seqs it owed
+            self.buffer.reject(DropReason.BANNED, batch.num_samples)
+            return
         if self.journal is not None:
             self.journal.append(["seen", origin, batch.seq])
         taken = 0
@@ -606,6 +631,7 @@ class RolloutIntake:
             log.info("gap repair from %s failed (%s); giving up on %d messages", peer_id, exc, len(missing))
             self.tracker.mark_given_up(peer_id, missing)
             self.lost_messages += len(missing)
+            self.judge_skips(peer_id)
             return
         recovered = 0
         for envelope in response.envelopes:
@@ -625,6 +651,7 @@ class RolloutIntake:
         # not fit in this response stay missing and are asked for on the next round.
         self.tracker.mark_given_up(peer_id, list(response.unavailable))
         self.lost_messages += len(response.unavailable)
+        self.judge_skips(peer_id)
         log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
 
     # -- demand ----------------------------------------------------------------------------------

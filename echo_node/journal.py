@@ -32,6 +32,7 @@ Records (msgpack arrays; `gid` is the journal's serial number of a buffered grou
     ["step", version, [gid, ...]]          one update trained these groups and made `version`
     ["publish", version, sha256, size, epoch]   a version peers may fetch
     ["join", peer_id]                      a peer joined
+    ["excuse", peer_id]                    a tracked publisher joined again: its next gap is no skip
     ["resume", version, epoch, sha256]     a start went on from `version` with these weights
     ["tx", [record, ...]]                  records durable together (`begin`/`commit`)
 """

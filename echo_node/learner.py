@@ -276,6 +276,8 @@ class Learner:
         self.buffer.evict_stale(self.version)
         self.state.journal.flush()
         if self.resumed is not None:
+            # Peers went on publishing while no learner listened: the gaps that left are not theirs.
+            self.intake.tracker.excuse_next_gap()
             for version, old in sorted(self.resumed.blobs.items()):
                 if version < self.version:  # still admissible: served, and spot-checkable
                     self._offer(version, old)
@@ -416,6 +418,11 @@ class Learner:
             self.peers.join(remote, now)
         except JoinRefused as exc:
             raise rpc.RequestRefused(exc.code, str(exc)) from None
+        # A peer joins again after a restart, with a new base for its seqs: that gap is not a
+        # choice of prompts (intake.py, skipped seqs). Journaled, so a replay counts the same.
+        if remote in self.intake.tracker:
+            self.intake.tracker.excuse_next_gap(remote)
+            self.state.journal.append(["excuse", remote])
         if again:  # a peer that lost its learner for a while: nothing new to journal or say
             log.debug("peer %s joined again", remote)
         else:

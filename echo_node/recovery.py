@@ -397,6 +397,8 @@ class RunState:
             tracker.observe(str(record[1]), int(record[2]))
         elif kind == "join":
             self._rejoin(str(record[1]))
+        elif kind == "excuse":
+            tracker.excuse_next_gap(str(record[1]))
         elif kind == "step":
             self._redo(resumed, int(record[1]), [int(g) for g in record[2]])
         elif kind == "publish":

@@ -16,6 +16,12 @@ Rules:
 - Jumps: a seq more than `window` ahead of the highest seen resets the publisher to that seq as
   a new floor (it restarted with a fresh counter base, or we lost contact for longer than repair
   can cover): nothing from before can be asked for anyway.
+- Skips are counted: a publisher owes every seq in order (its prompts are assigned per seq,
+  protocol/assignment.py), so a seq it never delivers is one it may have left out to avoid its
+  prompts. `skips` counts, per publisher, the seqs given up after repair and those a jump passed
+  over, against the seqs it delivered; a given-up seq that arrives after all is taken off. One
+  gap is excused (`excuse_next_gap`: the publisher rejoined after a restart, or this side
+  restarted): the next forward move then sets a new floor and costs nothing.
 - `missing` reports seqs in [max(floor, highest - window + 1), highest] not yet seen and not given
   up, oldest first, at most `max_missing` of them. A given-up seq that arrives later is `NEW`.
 - At most `max_publishers` are tracked; observing one more evicts the least recently observed.
@@ -49,6 +55,9 @@ class _Publisher:
     # Bit i describes seq (highest - i), for 0 <= i < window.
     seen: int
     given_up: int
+    delivered: int = 1
+    skipped: int = 0
+    excused: bool = False
 
 
 class SequenceTracker:
@@ -93,13 +102,20 @@ class SequenceTracker:
         self._publishers.move_to_end(peer_id)
         if seq > pub.highest:
             shift = seq - pub.highest
+            excused, pub.excused = pub.excused, False
+            pub.delivered += 1
             if shift >= self._window:
-                # Beyond the window nothing in between can be tracked or repaired: start over.
+                # Beyond the window nothing in between can be tracked or repaired: start over,
+                # counting what it passed over unless the gap was excused.
+                if not excused:
+                    pub.skipped += shift - 1
                 pub.floor, pub.highest, pub.seen, pub.given_up = seq, seq, 1, 0
                 return Observation.NEW
             pub.highest = seq
             pub.seen = ((pub.seen << shift) | 1) & self._mask
             pub.given_up = (pub.given_up << shift) & self._mask
+            if excused:  # nothing between is owed
+                pub.floor = seq
             return Observation.NEW
         offset = pub.highest - seq
         if offset >= self._window:
@@ -108,7 +124,10 @@ class SequenceTracker:
         if pub.seen & bit:
             return Observation.DUPLICATE
         pub.seen |= bit
-        pub.given_up &= ~bit
+        if pub.given_up & bit:
+            pub.skipped -= 1
+            pub.given_up &= ~bit
+        pub.delivered += 1
         return Observation.NEW
 
     def missing(self, peer_id: str) -> list[int]:
@@ -132,8 +151,23 @@ class SequenceTracker:
             return
         for seq in seqs:
             offset = pub.highest - seq
-            if 0 <= offset < self._window:
-                pub.given_up |= (1 << offset) & ~pub.seen
+            if 0 <= offset < self._window and seq >= pub.floor:
+                bit = (1 << offset) & ~pub.seen & ~pub.given_up
+                pub.given_up |= bit
+                pub.skipped += bit != 0
+
+    def skips(self, peer_id: str) -> tuple[int, int]:
+        """(seqs skipped, seqs delivered) by `peer_id` while tracked (module rules); (0, 0) if
+        not tracked."""
+        pub = self._publishers.get(peer_id)
+        return (0, 0) if pub is None else (pub.skipped, pub.delivered)
+
+    def excuse_next_gap(self, peer_id: str | None = None) -> None:
+        """The next forward move of `peer_id` (of every tracked publisher if None) sets a new
+        floor and counts no skips."""
+        for pid, pub in self._publishers.items():
+            if peer_id is None or pid == peer_id:
+                pub.excused = True
 
     def highest(self, peer_id: str) -> int | None:
         """The highest seq seen from `peer_id`, or None if not tracked."""
@@ -146,23 +180,28 @@ class SequenceTracker:
 
     def snapshot(self) -> list[list[object]]:
         """Every tracked publisher's state, least recently observed first, as JSON-able rows
-        [peer_id, floor, highest, seen, given_up] (bitmaps as hex strings)."""
-        return [[p, s.floor, s.highest, f"{s.seen:x}", f"{s.given_up:x}"] for p, s in self._publishers.items()]
+        [peer_id, floor, highest, seen, given_up, delivered, skipped] (bitmaps as hex strings)."""
+        return [[p, s.floor, s.highest, f"{s.seen:x}", f"{s.given_up:x}", s.delivered, s.skipped]
+                for p, s in self._publishers.items()]
 
     def restore(self, rows: Iterable[object]) -> None:
         """Take the state `snapshot` gave (e.g. from a checkpoint); ValueError if a row is not one
         this tracker could have produced. Replaces what was tracked."""
         restored: OrderedDict[str, _Publisher] = OrderedDict()
         for row in rows:
-            if not isinstance(row, (list, tuple)) or len(row) != 5:
+            # Rows of 5 fields come from checkpoints written before skips were counted.
+            if not isinstance(row, (list, tuple)) or len(row) not in (5, 7):
                 raise ValueError(f"not a tracker row: {row!r:.80}")
-            peer_id, floor, highest, seen, given_up = row
+            peer_id, floor, highest, seen, given_up = row[:5]
+            delivered, skipped = row[5:] if len(row) == 7 else (1, 0)
             if not (isinstance(peer_id, str) and isinstance(floor, int) and isinstance(highest, int)
-                    and isinstance(seen, str) and isinstance(given_up, str)):
+                    and isinstance(seen, str) and isinstance(given_up, str)
+                    and isinstance(delivered, int) and isinstance(skipped, int)):
                 raise ValueError(f"not a tracker row: {row!r:.80}")
-            if not 0 <= floor <= highest <= MAX_SEQ:
-                raise ValueError(f"tracker row for {peer_id}: floor {floor}, highest {highest}")
-            restored[peer_id] = _Publisher(floor, highest, int(seen, 16) & self._mask, int(given_up, 16) & self._mask)
+            if not 0 <= floor <= highest <= MAX_SEQ or not 0 <= skipped <= MAX_SEQ or not 0 <= delivered <= MAX_SEQ:
+                raise ValueError(f"tracker row for {peer_id}: floor {floor}, highest {highest}, {delivered} delivered, {skipped} skipped")
+            restored[peer_id] = _Publisher(floor, highest, int(seen, 16) & self._mask, int(given_up, 16) & self._mask,
+                                           delivered, skipped)
             restored.move_to_end(peer_id)
             while len(restored) > self._max_publishers:
                 restored.popitem(last=False)

@@ -118,3 +118,46 @@ def test_default_bounds_hold_under_large_gaps() -> None:
     t.observe("p", 4095)
     missing = t.missing("p")
     assert len(missing) == 256 and missing[0] == 1 and missing == sorted(missing)
+
+
+def test_skips_count_given_up_seqs_and_jumps_against_what_was_delivered() -> None:
+    t = SequenceTracker(window=16)
+    for s in (0, 1, 4, 7):
+        t.observe("p", s)
+    assert t.skips("p") == (0, 4)  # gaps are not skips until repair gives them up
+    t.mark_given_up("p", [2, 3, 5])
+    t.mark_given_up("p", [2, 3])  # twice is once
+    assert t.skips("p") == (3, 4)
+    assert t.observe("p", 5) is NEW  # a given-up seq that arrives after all is no skip
+    assert t.skips("p") == (2, 5)
+    t.observe("p", 7 + 100)  # a jump beyond the window passes over 99 owed seqs
+    assert t.skips("p") == (101, 6) and t.missing("p") == []
+    assert t.skips("nobody") == (0, 0)
+
+
+def test_an_excused_gap_costs_nothing_once() -> None:
+    t = SequenceTracker(window=16)
+    t.observe("p", 0)
+    t.excuse_next_gap("p")  # it rejoined: a restart moved its seqs on
+    t.observe("p", 1000)
+    assert t.skips("p") == (0, 2)
+    t.observe("p", 1005)  # within the window: seqs 1001-1004 are owed again
+    assert t.missing("p") == [1001, 1002, 1003, 1004]
+    t.excuse_next_gap()  # every publisher: this side restarted
+    t.observe("p", 1010)  # the gap 1006-1009 is excused; 1001-1004 stay below the new floor
+    assert t.missing("p") == [] and t.skips("p") == (0, 4)
+    t.observe("p", 2000)
+    assert t.skips("p") == (989, 5)
+
+
+def test_skip_counts_survive_a_snapshot_and_old_rows_restore() -> None:
+    t = SequenceTracker(window=16)
+    t.observe("p", 0)
+    t.observe("p", 100)
+    u = SequenceTracker(window=16)
+    u.restore(t.snapshot())
+    assert u.skips("p") == t.skips("p") == (99, 2)
+    u.restore([["q", 3, 5, "5", "0"]])  # a checkpoint from before skips were counted
+    assert u.skips("q") == (0, 1) and u.missing("q") == [4]
+    with pytest.raises(ValueError):
+        u.restore([["q", 3, 5, "5", "0", 1, -1]])
