@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import os
+import select
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Iterator
@@ -298,7 +299,6 @@ def _at_least(minimum: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
         return value
 
-    parse.__name__ = f"integer >= {minimum}"  # argparse names the type by it in some errors
     return parse
 
 
@@ -815,8 +815,6 @@ def main(argv: list[str] | None = None) -> int:
         status = COMMANDS[role](args)
         sys.stdout.flush()  # here, where a closed pipe is handled, not at interpreter exit
         return status
-    except BrokenPipeError:
-        return _stdout_gone()
     except KeyboardInterrupt:
         return 130
     except Stopped as exc:
@@ -824,6 +822,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if _is_interrupt(exc):  # Ctrl-C inside trio arrives wrapped in exception groups
             return 130
+        if isinstance(exc, BrokenPipeError) and _stdout_closed():  # not a socket's: stdout's reader left
+            return _stdout_gone()
         user_error = _find_user_error(exc)
         if user_error is None or getattr(args, "log_level", "") == "DEBUG":
             raise
@@ -837,6 +837,17 @@ def _user_error(role: str, error: BaseException) -> int:
     return EXIT_USER_ERROR
 
 
+def _stdout_closed() -> bool:
+    """Whether nobody reads stdout any more: a pipe without readers polls as an error."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # replaced by an object without a descriptor
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
 def _stdout_gone() -> int:
     """Whoever read stdout is gone (`echo-node plan | head`): end as a command killed by SIGPIPE
     would, quietly and with 128 + SIGPIPE, the standard way for a Python CLI (the Python docs'
@@ -846,7 +857,7 @@ def _stdout_gone() -> int:
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # a stdout without a file descriptor (in-process callers)
+    except (OSError, ValueError):
         pass
     return 128 + signal.SIGPIPE
 

@@ -207,3 +207,15 @@ def test_no_check_imports_torch_or_libp2p(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "", f"imported: {proc.stdout.strip()}"
     assert len(proc.stderr.strip().splitlines()) == len(cases)  # one line each
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A socket's EPIPE inside a role is an error, not a reader that left."""
+    from echo_node import cli
+
+    def broken(args: argparse.Namespace) -> int:
+        raise BrokenPipeError("a peer's socket")
+
+    monkeypatch.setitem(cli.COMMANDS, "status", broken)
+    with pytest.raises(BrokenPipeError, match="a peer's socket"):
+        cli.main(["status", "--learner", "127.0.0.1:9400"])
