@@ -189,9 +189,12 @@ class VerifyConfig:
     # under the versions they claim and tests that they were sampled at the run's temperature.
     logprobs: bool = True
     # Share of batches spot-checked, chosen unpredictably; a peer's first `probation_batches`
-    # batches, and its next ones after any refused message, all are.
+    # batches, and its next ones after any refused message, all are. Past probation a peer's
+    # batches are checked with chance trust_tokens / (tokens of its that passed checks), never
+    # below spot_rate: trust is earned by checked work, slowly, not by two honest batches.
     spot_rate: float = 0.1
     probation_batches: int = 2
+    trust_tokens: int = 4096
     # Spot checks take at most this share of the learner's wall time: each checks a random
     # subset of its batch's rows, as many as the budget affords (at least `min_rows`, for a
     # batch on probation too), and a batch the budget cannot afford is not checked unless its
@@ -327,8 +330,10 @@ def validate(cfg: RunConfig) -> None:
     if rl.buffer_bytes < 1 << 20:
         raise ValueError(f"rl.buffer_bytes must be >= 1 MiB, got {rl.buffer_bytes}")
     v = cfg.verify
-    if not 0 < v.max_peer_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1:
-        raise ValueError("verify needs 0 < max_peer_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1")
+    if (not 0 < v.max_peer_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1
+            or v.trust_tokens < 0):
+        raise ValueError("verify needs 0 < max_peer_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1, "
+                         "trust_tokens >= 0")
     if not (v.lp_max_factor >= 1 and v.lp_mean_z > 0 and 0 < v.false_alarm < 1):
         raise ValueError("verify needs lp_max_factor >= 1, lp_mean_z > 0 and false_alarm in (0, 1)")
     if any(t is not None and not t > 0 for t in (v.lp_tolerance_max, v.lp_tolerance_mean)):

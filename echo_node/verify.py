@@ -9,8 +9,9 @@ Every batch, on arrival (cheap, in the gossip validator), group by group:
 3. `reward`: every completion re-scored with the run's reward function; a claim further than
    REWARD_TOLERANCE from the learner's score fails.
 
-Spot checks (a share of batches, chosen unpredictably, and every batch of a peer on probation;
-in a worker thread, before the batch reaches the buffer), on a random subset of the batch's rows
+Spot checks (every batch of a peer on probation, then a share of batches chosen unpredictably
+that falls with the tokens of the peer's that passed checks: `check_rate`; in a worker thread,
+before the batch reaches the buffer), on a random subset of the batch's rows
 as large as `verify.budget` affords, per version its tokens claim, with that version's weights
 (computed in float32 on a CPU: `check_dtype`):
 4. `logprobs`: the claimed behaviour log-probs are what those weights give at the run's
@@ -222,6 +223,8 @@ class Verifier:
         self._blobs_lock = threading.Lock()
         # Peer -> batches still checked in full.
         self._probation: OrderedDict[str, int] = OrderedDict()
+        # Peer -> completion tokens of its that passed spot checks (`check_rate`).
+        self._trusted_tokens: OrderedDict[str, int] = OrderedDict()
         self._rng = random.SystemRandom()  # peers must not predict which batches are checked
         # The budget: since the first plan, checks may have spent `cfg.budget` of the wall time.
         self._budget_from: float | None = None
@@ -315,8 +318,10 @@ class Verifier:
                 self._blobs.popitem(last=False)
 
     def suspect(self, peer_id: str) -> None:
-        """Check every group of `peer_id`'s next `probation_batches` batches."""
+        """Check every group of `peer_id`'s next `probation_batches` batches, and start its
+        trust over."""
         _keep_recent(self._probation, peer_id, self.cfg.probation_batches)
+        self._trusted_tokens.pop(peer_id, None)
 
     def on_probation(self, peer_id: str) -> bool:
         """Whether `peer_id`'s next batch will be spot-checked in full (a peer not seen yet is:
@@ -343,13 +348,22 @@ class Verifier:
         if left > 0:
             self._probation[peer] = left - 1
             return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows))
-        if self._rng.random() >= self.cfg.spot_rate:
+        if self._rng.random() >= self.check_rate(peer):
             return None
         rows = self._affordable_rows(batch.num_samples, floor=0)
         if rows < min(self.cfg.min_rows, batch.num_samples):
             self.stats.over_budget += 1
             return None
         return SpotPlan(everything, rows)
+
+    def check_rate(self, peer_id: str) -> float:
+        """The chance a batch of `peer_id` past probation is checked: `trust_tokens` over the
+        tokens of its that passed checks, between `spot_rate` and 1. A peer honest for its
+        probation and lying after is checked on nearly every batch until its honest work
+        passes trust_tokens; to be checked at spot_rate it must have passed
+        trust_tokens / spot_rate tokens of checks, and its lies then still meet spot_rate."""
+        passed = self._trusted_tokens.get(peer_id, 0)
+        return max(self.cfg.spot_rate, min(1.0, self.cfg.trust_tokens / max(1, passed)))
 
     def credit_s(self) -> float:
         """CPU seconds the budget still allows checks to spend now."""
@@ -381,6 +395,9 @@ class Verifier:
                 (1 - COST_EWMA) * self._cost_per_row + COST_EWMA * per_row)
         self.stats.groups_spot_checked += len({id(g) for g, _ in candidates})
         self.stats.rows_spot_checked += len(candidates)
+        if failure is None:
+            tokens = sum(len(s.completion_ids) for _, s in candidates)
+            _keep_recent(self._trusted_tokens, batch.peer_id, self._trusted_tokens.get(batch.peer_id, 0) + tokens)
         for name in ("logprobs", "sampling"):
             if failure is not None and failure.reason is _REASON[name]:
                 self.stats.failed[name] += 1

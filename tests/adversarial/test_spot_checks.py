@@ -145,19 +145,33 @@ def test_a_version_no_longer_kept_is_counted_not_failed(model: torch.nn.Module) 
     assert v.stats.unverifiable_tokens > 0 and v.stats.tokens_spot_checked == 0
 
 
-def test_probation_checks_everything_then_the_spot_rate_takes_over(model: torch.nn.Module) -> None:
-    v = verifier(model, spot_rate=0.25, probation_batches=2, budget=1.0)
+def test_probation_checks_everything_then_the_rate_falls_with_the_tokens_that_passed(model: torch.nn.Module) -> None:
+    """Trust is earned by checked work: after probation a batch is checked with chance
+    trust_tokens / (tokens that passed checks), down to the spot rate; a refused message puts
+    the peer back on probation with no trust."""
     batch = sample_batch(model, groups=8)
+    tokens = sum(len(s.completion_ids) for g in batch.groups for s in g.samples)
+    v = verifier(model, spot_rate=0.25, probation_batches=2, budget=1.0, trust_tokens=2 * tokens)
 
     def planned() -> int:
         plan = v.plan(batch)
         return 0 if plan is None else len(plan.groups)
 
+    def passes(n: int) -> None:
+        for _ in range(n):
+            assert v.spot(batch, list(range(len(batch.groups)))) is None
+
     assert [planned() for _ in range(2)] == [8, 8]
+    assert v.check_rate(ALICE.peer_id) == 1.0 and [planned() for _ in range(50)] == [8] * 50  # nothing passed yet
+    passes(4)
+    assert v.check_rate(ALICE.peer_id) == pytest.approx(0.5)
+    passes(4)
+    assert v.check_rate(ALICE.peer_id) == 0.25  # the floor: spot_rate
+    v.stats.spot_s = 0.0  # the checks above spent the budget's credit; the budget is another test's
     later = [planned() for _ in range(400)]
     assert set(later) == {0, 8} and 0.18 < later.count(8) / 400 < 0.32  # whole batches, at the spot rate
     v.suspect(ALICE.peer_id)  # e.g. after a refused message
-    assert planned() == 8
+    assert planned() == 8 and v.check_rate(ALICE.peer_id) == 1.0
 
 
 def test_a_peer_caught_by_a_spot_check_is_banned_and_purged(tmp_path: object, learner: Learner) -> None:
@@ -303,7 +317,7 @@ def test_the_training_forward_audits_every_on_policy_token_it_trains(tmp_path: P
     are the model's, Mallory's are moved by 0.3 nats: Mallory is caught after the step, banned
     and purged; Alice is not."""
     cfg = RunConfig(run_id=RUN, runs_dir=tmp_path, rl=RLConfig(groups_per_step=2, staleness=4),
-                    verify=VerifyConfig(probation_batches=0, spot_rate=0.0))
+                    verify=VerifyConfig(probation_batches=0, spot_rate=0.0, trust_tokens=0))
     tok = CharTokenizer()
     arch = tiny_llama_config(tok.vocab_size)
     learner = Learner(cfg, Identity.from_seed(b"\x01" * 32),
