@@ -36,7 +36,7 @@ from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, VerifyConfig, to_dict
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.journal import StorageFailed
-from echo_node.metrics import first_last_update_rewards, read_metrics
+from echo_node.metrics import first_last_update_rewards, json_safe, read_metrics
 from echo_node.ml.sharded import DistInfo
 from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
@@ -810,6 +810,12 @@ class Learner:
             "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
             "config": to_dict(self.cfg),
         }
+        # JSON has no NaN: a figure that is not a number (nothing trained yet) is null, with why.
+        nulls: dict[str, str] = {}
+        summary = json_safe(summary, reasons=nulls)
+        if nulls:
+            why = "no update was trained" if not self.trainer.trained_rewards else "not a number"
+            summary["null_reasons"] = {key: f"{what}: {why}" for key, what in nulls.items()}
         self.report.finish(summary)
         return summary
 

@@ -55,7 +55,7 @@ class RunReport:
         """The `summary` record, summary.json (with the config) and the plots."""
         self.write({"event": "summary", **{k: v for k, v in summary.items() if k != "config"}})
         self.close()
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str, allow_nan=False))
         records = read_metrics(self.path)
         plot_rewards(records, self.run_dir / "reward.png", title=self.title)
         plot_run(records, self.run_dir, title=self.title)

@@ -6,6 +6,8 @@ No network runs (the learner's libp2p host is not started)."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -120,3 +122,24 @@ def test_a_newer_number_for_the_same_weights_is_taken_without_a_transfer() -> No
     assert f.installed_version == 5
     assert f.take_pending() == (b"weights of 3", 5)
     assert not f.needs(same)
+
+
+def test_a_run_that_trained_nothing_writes_strict_json_with_reasons_for_its_nulls(tmp_path: Path) -> None:
+    """summary.json is JSON (RFC 8259 has no NaN): what is not a number yet is null, and
+    `null_reasons` says why."""
+    learner = new_learner(tmp_path)
+
+    async def go() -> None:
+        await start(learner)
+
+    trio.run(go)
+    learner.trainer.idle_s = float("nan")  # any figure that comes out not a number
+    summary = learner._finish()
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} in summary.json")
+
+    written = json.loads((learner.cfg.run_dir / "summary.json").read_text(), parse_constant=refuse)
+    assert written["versions"] == summary["versions"] == 0
+    assert written["learner_idle_ratio"] is None
+    assert written["null_reasons"]["learner_idle_ratio"] == "NaN: no update was trained"
