@@ -583,8 +583,9 @@ class RolloutIntake:
                 log.info("dropped a group of %s: %s sent the same prompt and completions first", origin, first)
                 self.buffer.reject(DropReason.COPIED, len(group.samples))
                 assert self.copies is not None
-                if self.copies.strike_due(group, origin):
-                    self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups with varied completions that others sent first")
+                if self.copies.copy_strike_due(group, origin):
+                    self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups others sent first that honest sampling would "
+                                          "hardly give twice")
                 continue
             if self.buffer.offer(group, current, origin) is not None:
                 continue

@@ -57,9 +57,10 @@ publisher sent first is dropped as `copied`; the first publisher keeps credit. T
 over the prompt's tokens and the multiset of completions' tokens: reordering the samples or
 perturbing what a copier can freely change (log-probs, rewards, version tags, the group's name)
 makes the same fingerprint. One copy is not a strike: two honest peers can be assigned one prompt
-and sample the same tokens, and a converged policy does so often, but only with completions that
-are all alike, a group that carries no signal. Copies of groups with at least two different
-completions are counted per copier; every COPIES_PER_STRIKE of them is one strike.
+and sample the same completions (in a small task's swarm, dozens of times a minute). A copy
+counts against its sender only when sampling that multiset again was implausible: below
+PLAUSIBLE_COPY by the first publisher's own log-probs (the multinomial chance n! / prod k_i! *
+prod p_i^k_i, p_i the chance of completion i). Every COPIES_PER_STRIKE such copies are a strike.
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ CHECKS = ("completion", "prompt", "reward", "logprobs", "sampling")
 MAX_TRACKED_PEERS = 65536
 # Group fingerprints kept for copy detection.
 COPY_WINDOW = 65536
-# Copies of groups with varied completions a publisher may send before it gets a strike (two
-# honest peers rarely sample the same multiset of several different completions for one prompt).
+# Implausible copies (below PLAUSIBLE_COPY, module docstring) a publisher may send before it
+# gets a strike.
 COPIES_PER_STRIKE = 3
+PLAUSIBLE_COPY = 1e-6
 # A spot check's forward holds rows x completion tokens x vocabulary log-probabilities (and a few
 # copies of them: tempering, the nucleus, the sampling tests): rows go through in forwards of
 # at most this many, so checking a batch costs bounded memory whatever its size (a 194-group
@@ -611,6 +613,15 @@ def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:
 _REASON = {"logprobs": DropReason.BAD_LOGPROBS, "sampling": DropReason.BAD_SAMPLING}
 
 
+def resample_log_chance(group: RolloutGroup) -> float:
+    """log of the chance that sampling `group`'s prompt as often again gives the same multiset
+    of completions, by the group's own behaviour log-probs (module docstring, Copies)."""
+    counts = Counter(s.completion_ids for s in group.samples)
+    chance = {s.completion_ids: sum(s.behaviour_logprobs) for s in group.samples}
+    log_ways = math.lgamma(len(group.samples) + 1) - sum(math.lgamma(k + 1) for k in counts.values())
+    return log_ways + sum(k * chance[c] for c, k in counts.items())
+
+
 def group_fingerprint(group: RolloutGroup) -> bytes:
     """What a copy of `group` cannot change without changing what it trains: the prompt's tokens
     and the completions' tokens as a multiset (module docstring, Copies)."""
@@ -624,23 +635,31 @@ class Copies:
 
     def __init__(self, window: int = COPY_WINDOW) -> None:
         self.window = window
-        self._first: OrderedDict[bytes, str] = OrderedDict()
-        self._varied: OrderedDict[str, int] = OrderedDict()  # copier -> copies of varied groups
+        # Fingerprint -> (first publisher, the log chance its group is sampled again).
+        self._first: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
+        self._implausible: OrderedDict[str, int] = OrderedDict()  # copier -> implausible copies sent
 
     def first_sender(self, group: RolloutGroup, origin: str) -> str:
         """The publisher that sent `group` first (`origin` if nobody else did)."""
+        return self._first_seen(group, origin)[0]
+
+    def copy_strike_due(self, group: RolloutGroup, copier: str) -> bool:
+        """Count a copy `copier` sent; True when it earns a strike: every COPIES_PER_STRIKE-th
+        copy of a group that honest sampling was unlikely to give twice (by the first
+        publisher's log-probs, which the copier cannot lower)."""
+        _, log_chance = self._first_seen(group, copier)
+        if log_chance >= math.log(PLAUSIBLE_COPY):
+            return False
+        count = self._implausible.get(copier, 0) + 1
+        _keep_recent(self._implausible, copier, count)
+        return count % COPIES_PER_STRIKE == 0
+
+    def _first_seen(self, group: RolloutGroup, origin: str) -> tuple[str, float]:
         key = group_fingerprint(group)
-        first = self._first.setdefault(key, origin)
+        first = self._first.get(key)
+        if first is None:
+            first = self._first[key] = (origin, resample_log_chance(group))
         self._first.move_to_end(key)
         while len(self._first) > self.window:
             self._first.popitem(last=False)
         return first
-
-    def strike_due(self, group: RolloutGroup, copier: str) -> bool:
-        """Count a copy by `copier`; True when it earns a strike (every COPIES_PER_STRIKE-th copy
-        of a group with at least two different completions)."""
-        if len({s.completion_ids for s in group.samples}) < 2:
-            return False  # what a converged honest policy samples: no signal, no evidence
-        count = self._varied.get(copier, 0) + 1
-        _keep_recent(self._varied, copier, count)
-        return count % COPIES_PER_STRIKE == 0
