@@ -45,7 +45,6 @@ from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenB
 from echo_node.policy import Policy
 from echo_node.profile import Profile
 from echo_node.prom import run_exporter
-from echo_node.demand import DemandSlack
 from echo_node.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
@@ -74,6 +73,9 @@ from protocol.weights.manifest import WeightManifest, payload_digest
 
 log = logging.getLogger(__name__)
 
+# Ask for this much more than one update consumes, so that jitter or a lost message never
+# leaves the learner waiting; the excess is what the staleness rule drops.
+DEMAND_SLACK = 1.5
 # The capacity controller measures peers' throughput this often (it decides on its own tick).
 CAPACITY_MEASURE_S = 1.0
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
@@ -181,8 +183,6 @@ class Learner:
         self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
-        # How much more than it trains the learner asks for (echo_node/demand.py).
-        self.demand = DemandSlack()
         self._checkpoint_written = trio.Event()  # set while no checkpoint is being written
         self._checkpoint_written.set()
         # The version and trio time of the last checkpoint taken (from a start: where it went on from).
@@ -523,7 +523,7 @@ class Learner:
         )
 
     def demand_groups(self) -> int:
-        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.capacity.kappa, self.demand.slack)
+        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.capacity.kappa, DEMAND_SLACK)
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
@@ -669,9 +669,6 @@ class Learner:
         while True:
             await trio.sleep(CAPACITY_MEASURE_S)
             with self.profile.stage("capacity"):
-                ledger = self.buffer.ledger
-                self.demand.update(received=ledger.received, stale=ledger.dropped.get("stale", 0),
-                                   idle_s=self.trainer.idle_s, train_s=self.trainer.train_s)
                 record = self.capacity.tick(trio.current_time(), self.peers.joined)
             if record is None:
                 continue
@@ -771,8 +768,6 @@ class Learner:
             "rollouts_dropped": dict(sorted(ledger.dropped.items())),
             # Accepted and not trained yet: kept for the next start (under the staleness rule).
             "rollouts_buffered": self.buffer.buffered_rollouts,
-            "stale_share": round(ledger.dropped.get("stale", 0) / max(1, ledger.received), 4),
-            "demand_slack": round(self.demand.slack, 3),
             "epoch": self.epoch,
             "resumed": self.resumed.to_dict() if self.resumed is not None else None,
             # What was trained and where; `export` is the save_pretrained directory (if written).
