@@ -63,6 +63,7 @@ from echo_node.weights.broadcast import (
 from protocol.weights.manifest import choose_piece_size
 from protocol.weights.pieces import PieceSwarm, Request
 from protocol.weights.relay import SourcePull
+from protocol.weights.source import SourcePlan
 
 __all__ = ["LEARNER_ID", "REQUEST_TIMEOUT_S", "SimBroadcast", "SimReceiver", "SimSource", "simulate_broadcast"]
 
@@ -126,26 +127,37 @@ class _LinkQueues:
 
 
 class SimSource:
-    """The learner's side of one version (`broadcast.Source`): the shared queue, any piece."""
+    """The learner's side of one version (`broadcast.Source`), decided by the real
+    `protocol.weights.source.SourcePlan`: answers to `next`, `more` and `get`."""
 
     def __init__(self, bc: SimBroadcast, node: Node) -> None:
         self.connected = True
         self.bc = bc
         self.node = node
         self.id = LEARNER_ID
-        self.queue = list(range(bc.num_pieces))[::-1]  # popped from the end: index order
+        self.plan = SourcePlan(bc.num_pieces)
         self.links = _LinkQueues()
+        # (peer, index) of the direct pieces on the uplink: each piece goes to each peer at most
+        # once (SourcePlan rule 3), so the pair names the send.
+        self.directs: set[tuple[str, int]] = set()
+        self.timer_at = math.inf
 
     def on_next(self, r: SimReceiver) -> None:
         if not (self.connected and r.connected) or not self.bc.answer_allowed(self, r):
             return
-        if self.queue:
-            self._send(r, self.queue.pop())
-        else:
+        index = self.plan.next(r.id)
+        if index is None:
             self.bc.uplinks.send(self, r, CONTROL, 0)
+        else:
+            self._send(r, index)
+
+    def on_more(self, r: SimReceiver) -> None:
+        if self.connected and r.connected:
+            self.plan.more(r.id)
+            self.fill()
 
     def on_get(self, r: SimReceiver, index: int) -> None:
-        if self.connected and r.connected and self.bc.answer_allowed(self, r):
+        if self.connected and r.connected and self.bc.answer_allowed(self, r) and self.plan.get(r.id, index):
             self._send(r, index)
 
     def _send(self, r: SimReceiver, index: int) -> None:
@@ -155,9 +167,43 @@ class SimSource:
     def sent(self, dst: Endpoint, index: int) -> None:
         if index != CONTROL:
             self.links.sub(dst.id)  # type: ignore[attr-defined]
+        self.fill()  # `Link.on_sent` -> `Source._sent`
 
     def unsent(self, dst: Endpoint, index: int) -> None:
-        """The link went with its queue (`links.drop` already forgot it)."""
+        """The link went with its queue (`links.drop` already forgot it; `plan.leave` too)."""
+        self.directs.discard((dst.id, index))  # type: ignore[attr-defined]
+
+    def fill(self) -> None:
+        """`Source._fill`: direct pieces (or "none") to the members that asked `more` and have
+        nothing queued towards them. The live link's queue empties only as fast as the peer
+        takes bytes in; here that is a downlink with nothing left to deliver (else a wake-up
+        when it has)."""
+        if not self.connected:
+            return
+        now = self.bc.loop.now
+        idle, busy_until = [], math.inf
+        for r in self.bc.linked:
+            if r.source_cut or self.links.count.get(r.id, 0) or not self.plan.wants(r.id):
+                continue
+            if r.node.down_free > now:
+                busy_until = min(busy_until, r.node.down_free)
+            else:
+                idle.append(r.id)
+        for peer, index in self.plan.direct(idle):
+            r = self.bc.receivers[peer]
+            if index is None:
+                self.bc.uplinks.send(self, r, CONTROL, 0)
+            else:
+                self.directs.add((peer, index))
+                self._send(r, index)
+        if now < busy_until < self.timer_at:
+            self.timer_at = busy_until
+            self.bc.loop.at(busy_until, self._timer, busy_until)
+
+    def _timer(self, at: float) -> None:
+        if at == self.timer_at:
+            self.timer_at = math.inf
+            self.fill()
 
     def on_piece(self, src: Endpoint, index: int) -> None:
         """A piece pushed to the source is of no use to it (as in `Source.serve`)."""
@@ -242,9 +288,13 @@ class SimReceiver:
         from_source = src is bc.source
         if not from_source:
             self.swarm.peer_has(sid, (index,))
+        direct = from_source and (self.id, index) in bc.source.directs
+        if direct:  # the learner's spare uplink: ours alone, not relayed
+            bc.source.directs.discard((self.id, index))
         asked = from_source and index in self.asked_source
-        self.asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
-        if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked):
+        if not direct:
+            self.asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
+        if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked, direct=direct):
             if not self.relaying:
                 bc.relayers.append(self)
             self.relaying.append(index)
@@ -276,12 +326,16 @@ class SimReceiver:
             return
         # The live receiver measures its uplink while relaying; here links run at `node.up`
         # whenever they have work, so that is the measurement.
-        n = self.pull.asks(self.links.longest, self.relay_bytes / self.node.up)
-        if n:
+        backlog, drain_s = self.links.longest, self.relay_bytes / self.node.up
+        n = self.pull.asks(backlog, drain_s)
+        m = self.pull.mores(backlog, drain_s)
+        if n or m:
             bc = self.bc
-            delay = self.node.lat + bc.learner.lat
+            at = bc.loop.now + self.node.lat + bc.learner.lat
             for _ in range(n):
-                bc.loop.at(bc.loop.now + delay, bc.source.on_next, self)
+                bc.loop.at(at, bc.source.on_next, self)
+            for _ in range(m):
+                bc.loop.at(at, bc.source.on_more, self)
 
     def _loop(self, now: float) -> None:
         if self.count == self.bc.num_pieces:
@@ -387,6 +441,7 @@ class SimBroadcast:
             if m.connected and m.id not in r.cut:
                 m.push(m.relaying, (r,))  # what r missed before its link existed
         self.linked.append(r)
+        self.source.plan.join(r.id)
         r._refill()
         r._loop(now)
 
@@ -402,6 +457,7 @@ class SimBroadcast:
         self.linked.remove(r)
         now = self.loop.now
         self.source.links.drop(peer_id)
+        self.source.plan.leave(peer_id)
         for m in self.linked:
             m.links.drop(peer_id)
             m.swarm.peer_gone(peer_id, now)
@@ -448,6 +504,7 @@ class SimBroadcast:
             asker.source_cut = True
             asker.swarm.peer_gone(LEARNER_ID, now)
             self.source.links.drop(asker.id)
+            self.source.plan.leave(asker.id)
         else:
             assert isinstance(holder, SimReceiver)
             holder.cut.add(asker.id)

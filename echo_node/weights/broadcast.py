@@ -1,4 +1,5 @@
-"""Pipelined peer-to-peer broadcast of weight versions: the learner uploads each piece ~once.
+"""Pipelined peer-to-peer broadcast of weight versions: relays first, the learner's spare uplink
+for the rest.
 
 Scheme (the shared-queue mesh, a few % off the bound in hand-made relays: docs/platform.md): the
 source (the learner) hands out pieces from one shared queue to whichever peer asks next; the
@@ -7,6 +8,12 @@ at once (store-and-forward, pipelined piece by piece). A peer asks the source fo
 while its own outbound backlog is short and drains within `DRAIN_S` at its measured uplink rate
 (one piece until its first relay measured it), so a peer with a slow uplink takes fewer pieces
 and the mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
+
+When the peers' uplinks are the bottleneck (home links: 10-20 Mbit/s up, 100 down), one copy
+from the learner leaves most of its uplink idle. A peer whose relay queue is busy for
+`direct_drain_s` asks `more`, and the learner sends pieces from the tail of its queue directly
+to every peer, not relayed (Mutualcast): `protocol.weights.source.SourcePlan` says which piece
+goes to whom. On symmetric links nobody asks and the learner still uploads about one copy.
 
 Whatever a peer still lacks once the source's queue is empty (a relay died mid-push, a piece was
 corrupt, a push raced the link's set-up) is fetched through `protocol.weights.pieces.PieceSwarm`: from
@@ -27,7 +34,8 @@ frame to a newcomer starts with the newcomer's own entry, which tells it which s
 
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
 that sends a bad piece or a bad frame, or asks without reading, is cut and banned from this
-node's data channel for every version. A receiver's decisions about the source (when to ask it,
+node's data channel for every version. A link whose peer stops reading is cut after
+`LINK_STALL_S` without progress, so its queue no longer holds back our pull. A receiver's decisions about the source (when to ask it,
 what to relay, when to repair) are `protocol.weights.relay.SourcePull`'s; which piece to ask of whom is
 `PieceSwarm`'s.
 """
@@ -61,7 +69,9 @@ from protocol.weights.datachannel import (
     Get,
     Hello,
     HelloChecker,
+    Direct,
     ManifestFrame,
+    More,
     Next,
     NoMore,
     NotServed,
@@ -79,6 +89,7 @@ from protocol.weights.datachannel import (
 from protocol.weights.manifest import WeightManifest, open_manifest, piece_range, verify_piece
 from protocol.weights.pieces import Cancel, PieceSwarm, Request
 from protocol.weights.relay import SourcePull
+from protocol.weights.source import SourcePlan
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +120,18 @@ HELLO_DEADLINE_S = 3.0
 ROUTE_WAIT_S = 5.0
 # A data link on which nothing was sent or received for this long is closed.
 LINK_IDLE_S = 60.0
+# A link that holds data to send and could not hand one SEND_CHUNK of it to the kernel for this
+# long is cut: its peer does not read. (Waiting for LINK_IDLE_S, its queue held back the pull of
+# every peer pushing to it for a minute.) A SEND_CHUNK in LINK_STALL_S is 210 kbit/s, below
+# any link's share that could still carry a version.
+LINK_STALL_S = 5.0
+SEND_CHUNK = 128 * 1024
+# The learner's links hold at most this many unsent bytes in the kernel (TCP_NOTSENT_LOWAT), so
+# a link's own queue empties only as fast as its peer takes bytes in: an empty queue then means
+# download headroom (SourcePlan rule 2). Their send buffer is left to the kernel's autotuning:
+# the ACKs of a peer whose uplink is busy relaying wait behind its relays (0.2-1 s measured on
+# 10 Mbit/s uplinks), and a capped buffer would cap what the learner can send it.
+SOURCE_NOTSENT_LOWAT = 64 * 1024
 # What a peer may make us queue towards it by asking (`get`, `next`) without reading: beyond
 # this many bytes, it is disconnected rather than buffered.
 LINK_QUEUE_PIECES = 8
@@ -146,11 +169,13 @@ class Link:
 
     Bounds: what the remote makes us queue by asking (`answer`) is capped at `queue_cap` bytes
     (LinkOverflow past it); what we push on our own (relays) is at most one copy of each piece of
-    the version per link. A link idle both ways for LINK_IDLE_S ends."""
+    the version per link. A link idle both ways for LINK_IDLE_S ends; one whose queued bytes make
+    no progress for LINK_STALL_S is cut (`stalled`). `on_sent` hears the tag of every frame
+    that left that is a piece or was queued with a tag."""
 
     def __init__(
-        self, stream: trio.abc.Stream, remote: str, stats: Stats, on_sent: Callable[[], None] | None = None, *,
-        num_pieces: int, piece_size: int, from_source: bool = False,
+        self, stream: trio.abc.Stream, remote: str, stats: Stats, on_sent: Callable[[object], None] | None = None, *,
+        num_pieces: int, piece_size: int, from_source: bool = False, notsent_lowat: int | None = None,
     ) -> None:
         self.stream = stream
         self.remote = remote
@@ -159,43 +184,56 @@ class Link:
         self.num_pieces = num_pieces
         self.from_source = from_source
         self.queue_cap = max(LINK_QUEUE_MIN_BYTES, LINK_QUEUE_PIECES * piece_size)
-        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes]](math.inf)
+        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes, object]](math.inf)
         self.queued_pieces = 0
         self.queued_bytes = 0
+        self.stalled = False
         self.last_active = trio.current_time()
         if isinstance(stream, trio.SocketStream):
-            # The backlog check only sees our own queue; a multi-MB kernel send buffer would
-            # hide a slow uplink behind it and let that peer keep taking pieces from the source.
-            stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+            if notsent_lowat is not None:
+                stream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, notsent_lowat)
+            else:
+                # The backlog check only sees our own queue; a multi-MB kernel send buffer would
+                # hide a slow uplink behind it and let that peer keep taking pieces from the source.
+                stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
-    def send(self, frame: Frame) -> None:
-        self.send_packed(isinstance(frame, Piece), encode_frame(frame))
+    def send(self, frame: Frame, tag: object = None) -> None:
+        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame), tag)
 
-    def answer(self, frame: Frame) -> None:
+    def answer(self, frame: Frame, tag: object = None) -> None:
         """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks."""
         if self.queued_bytes > self.queue_cap:
             raise LinkOverflow(f"{self.remote} asks without reading ({self.queued_bytes} bytes queued)")
-        self.send(frame)
+        self.send(frame, tag)
 
-    def send_packed(self, is_piece: bool, data: bytes) -> None:
+    def send_packed(self, is_piece: bool, data: bytes, tag: object = None) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
         self.queued_pieces += is_piece
         self.queued_bytes += len(data)
-        self._send.send_nowait((is_piece, data))
+        self._send.send_nowait((is_piece, data, tag))
 
     async def sender(self) -> None:
-        async for is_piece, data in self._queue:
+        async for is_piece, data, tag in self._queue:
+            view = memoryview(data)
             try:
-                await self.stream.send_all(data)
+                for start in range(0, len(view), SEND_CHUNK):
+                    with trio.move_on_after(LINK_STALL_S) as stall:
+                        await self.stream.send_all(view[start : start + SEND_CHUNK])
+                    if stall.cancelled_caught:
+                        # Not reading: cut, so that the reader ends and the owner drops the link
+                        # (and with it what it holds back).
+                        self.stalled = True
+                        await trio.aclose_forcefully(self.stream)
+                        return
+                    self.last_active = trio.current_time()
             except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
             self.queued_bytes -= len(data)
-            self.last_active = trio.current_time()
             if is_piece:
                 self.queued_pieces -= 1
                 self.stats.bytes_up += len(data)
-                if self.on_sent is not None:
-                    self.on_sent()
+            if (is_piece or tag is not None) and self.on_sent is not None:
+                self.on_sent(tag)
 
     async def frames(self) -> AsyncIterator[Frame]:
         """Decoded frames until the link ends (closed, idle, or cut mid-frame); a frame that does
@@ -397,8 +435,14 @@ class DataServer:
         return handler
 
 
+# The tag of every frame the learner queues: `Link.on_sent` then tells it each that left.
+_SENT = "sent"
+
+
 class Source:
-    """The learner's side for one version: manifest, swarm view, the shared queue, any piece."""
+    """The learner's side for one version: manifest, swarm view, and what to send whom, as
+    `protocol.weights.source.SourcePlan` decides (relayed pieces first, its spare uplink in
+    direct pieces, at most one copy of each piece per link)."""
 
     def __init__(
         self,
@@ -418,7 +462,7 @@ class Source:
         # Data addresses proven by a dial-back (`probe`), also kept by reference; a member not
         # in it is listed without an address and dials the others itself.
         self.relays: Mapping[str, tuple[str, int]] = {} if relays is None else relays
-        self.queue = deque(range(manifest.num_pieces))
+        self.plan = SourcePlan(manifest.num_pieces)
         self.stats = Stats()
         # Set by the owner to hold pieces back until the swarm has gathered (relay links exist);
         # open by default.
@@ -431,49 +475,74 @@ class Source:
         if hello.sender not in self.members:
             raise RemoteProtocolError(f"{hello.sender} is not a member of this run")
         manifest = self.store.manifest
-        link = Link(stream, hello.sender, self.stats, num_pieces=manifest.num_pieces, piece_size=manifest.piece_size)
+        link = Link(stream, hello.sender, self.stats, self._sent, num_pieces=manifest.num_pieces,
+                    piece_size=manifest.piece_size, notsent_lowat=SOURCE_NOTSENT_LOWAT)
         misbehaved: RemoteProtocolError | None = None
         async with stream, trio.open_nursery() as nursery:
             nursery.start_soon(link.sender)
-            link.send(ManifestFrame(self.sealed_manifest, session_signature(self.identity, hello.raw)))
+            link.send(ManifestFrame(self.sealed_manifest, session_signature(self.identity, hello.raw)), _SENT)
             # Frozen for this version, so every member hears the same about each other.
             host, port = self.relays.get(hello.sender, ("", 0))
             entry = PeerEntry(hello.sender, host, port)
             others = [PeerEntry(p, h, pt) for p, (h, pt) in self.swarm.items() if p != hello.sender]
-            link.send(Peers(tuple([entry, *others][:MAX_SWARM_ENTRIES])))
+            link.send(Peers(tuple([entry, *others][:MAX_SWARM_ENTRIES])), _SENT)
             for other in self._links.values():
                 other.send(Peers((entry,)))
             self.swarm[hello.sender] = (host, port)
             self._links[hello.sender] = link
+            self.plan.join(hello.sender)
             try:
                 await self.gate.wait()
                 async with aclosing(link.frames()) as frames:
                     async for frame in frames:
                         if isinstance(frame, Next):
                             self._send_next(link)
+                        elif isinstance(frame, More):
+                            self.plan.more(link.remote)
+                            self._fill()
                         elif isinstance(frame, Get):
-                            self._send_piece(link, frame.index)
+                            if self.plan.get(link.remote, frame.index):
+                                self._send_piece(link, frame.index)
                         # A piece pushed to the source is of no use to it; harmless, ignored.
             except RemoteProtocolError as exc:
                 misbehaved = exc
             finally:
                 self._links.pop(hello.sender, None)
                 self.swarm.pop(hello.sender, None)
+                self.plan.leave(hello.sender)
                 link.close()
                 nursery.cancel_scope.cancel()
+            if link.stalled:
+                misbehaved = RemoteProtocolError(f"{hello.sender} does not read what it asked for")
         if misbehaved is not None:
             raise Misbehaved(f"{hello.sender}: {misbehaved}")
 
     def _send_next(self, link: Link) -> None:
-        if self.queue:
-            self._send_piece(link, self.queue.popleft())
+        index = self.plan.next(link.remote)
+        if index is None:
+            link.answer(NoMore(), _SENT)
         else:
-            link.answer(NoMore())
+            self._send_piece(link, index)
 
     def _send_piece(self, link: Link, index: int) -> None:
         data = self.store.get(index)
         if data is not None:
-            link.answer(Piece(index, data))  # type: ignore[arg-type]  (a read-only view packs as bin)
+            link.answer(Piece(index, data), _SENT)  # type: ignore[arg-type]  (a read-only view packs as bin)
+
+    def _sent(self, _tag: object) -> None:
+        """A frame left a link, which may now have nothing queued: room for a direct piece."""
+        self._fill()
+
+    def _fill(self) -> None:
+        """Direct pieces for the peers that asked `more` and whose links have nothing queued
+        (SourcePlan rule 2), or "none" when there is nothing more for them (rule 4)."""
+        if not self.gate.is_set():
+            return
+        idle = [peer for peer, link in self._links.items() if not link.queued_bytes and self.plan.wants(peer)]
+        for peer, index in self.plan.direct(idle):
+            link = self._links[peer]
+            data = None if index is None else self.store.get(index)
+            link.send(NoMore() if data is None else Direct(index, data), _SENT)  # type: ignore[arg-type]
 
 
 class Misbehaved(RemoteProtocolError):
@@ -601,6 +670,8 @@ class Receiver:
         """One decoded frame (control frames only ever come from the source: `Link` checks)."""
         if isinstance(frame, Piece):
             self._on_piece(link, frame.index, frame.data)
+        elif isinstance(frame, Direct):  # the source's spare uplink: ours alone, not relayed
+            self._on_piece(link, frame.index, frame.data, direct=True)  # (only the source's: Link)
         elif isinstance(frame, Get):
             data = self.store.get(frame.index)
             if data is not None:
@@ -613,8 +684,9 @@ class Receiver:
             raise RemoteProtocolError(f"unexpected {type(frame).__name__} frame on an established link")
         self._wake.set()
 
-    def _on_piece(self, link: Link, index: int, data: bytes) -> None:
+    def _on_piece(self, link: Link, index: int, data: bytes, *, direct: bool = False) -> None:
         now = trio.current_time()
+
         self.stats.bytes_down += len(data)
         try:
             new = self.store.put(index, data)
@@ -627,8 +699,9 @@ class Receiver:
         if not from_source:
             self.swarm.peer_has(link.remote, [index])
         asked = from_source and index in self._asked_source
-        self._asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
-        if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked):
+        if not direct:
+            self._asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
+        if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked, direct=direct):
             if self._relay_busy_since is None:
                 self._relay_busy_since = now
             self.relaying.append(index)
@@ -641,7 +714,7 @@ class Receiver:
         if from_source:
             self._refill_source()
 
-    def _refill_source(self) -> None:
+    def _refill_source(self, _sent: object = None) -> None:
         """Ask the source for as many pieces as `SourcePull` says our relay backlog allows."""
         source = self.links.get(self.source_id)
         if source is None:
@@ -662,6 +735,8 @@ class Receiver:
             drain_s = queued * self._relay_busy_s / sent if sent else math.inf
         for _ in range(self.pull.asks(backlog, drain_s)):
             source.send(Next())
+        for _ in range(self.pull.mores(backlog, drain_s)):
+            source.send(More())
 
     # -- the download loop --------------------------------------------------------------------
 

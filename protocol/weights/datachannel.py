@@ -8,20 +8,24 @@ kind; the kind fixes the arity and the type and range of every element. Anything
 Frames (each a length-prefixed msgpack array on plain TCP; `docs/wire.md` has the byte layout):
 - dialer -> listener, first: `hello` (signed, see `make_hello`).
 - source (the learner) -> peer: `["manifest", sealed manifest, session]` first, then
-  `["peers", [[peer id, host, port], ...]]` and `["none"]` (its queue is empty);
+  `["peers", [[peer id, host, port], ...]]`, `["none"]` (its queue is empty) and
+  `["direct", index, bytes]` (a piece for this peer alone, not to be relayed: the learner sends
+  it to every peer itself, with its spare uplink);
   `["unavailable", session]` instead of a manifest when it does not serve what was asked.
   `session` is the learner's signature over the domain and the peer's whole hello: it binds the
   connection to the learner's key and to this hello's fresh nonce, so the control frames that
   follow on it (who to dial, "stop asking") come from the learner, not from whoever answered.
-- either side: `["next"]` (source only: hand me the next piece), `["get", index]`,
+- either side: `["next"]` (to the source only: hand me the next piece), `["more"]` (to the
+  source only: my uplink is busy relaying, send me a direct piece), `["get", index]`,
   `["piece", index, bytes]`.
 - probe answer: `["reachable", signature over PROBE_DOMAIN + hello]`.
 
 Rules: piece indices lie in [0, pieces of the version); a piece's bytes are at most
 MAX_PIECE_SIZE (the manifest's hash check says whether they are the right ones); `peers` lists at
 most MAX_SWARM_ENTRIES entries of valid peer ids with an IP-literal host and a port, or with
-("", 0) for a peer nobody can dial; control frames (`manifest`, `peers`, `none`, `unavailable`)
-are accepted only on the connection to the source.
+("", 0) for a peer nobody can dial; frames of the source
+(`manifest`, `peers`, `none`, `unavailable`, `direct`) are accepted only on the connection
+to the source.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from protocol.limits import (
 
 __all__ = [
     "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Frame", "Get", "Hello", "HelloChecker",
-    "ManifestFrame", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed", "decode_frame", "decode_probe_answer",
+    "Direct", "ManifestFrame", "More", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed", "decode_frame", "decode_probe_answer",
     "encode", "make_hello", "probe_answer", "session_signature", "verify_session",
 ]
 
@@ -184,6 +188,15 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class Direct:
+    """A piece the source sends this peer alone, from its spare uplink: verified and kept like
+    any piece, never relayed (the source delivers it to every peer itself)."""
+
+    index: int
+    data: bytes
+
+
+@dataclass(frozen=True, slots=True)
 class Get:
     index: int
 
@@ -191,6 +204,11 @@ class Get:
 @dataclass(frozen=True, slots=True)
 class Next:
     pass
+
+
+@dataclass(frozen=True, slots=True)
+class More:
+    """Peer -> source: my uplink relays all it can; send me a piece of your own (`Direct`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,18 +244,18 @@ class Reachable:
     signature: bytes
 
 
-Frame: TypeAlias = Piece | Get | Next | NoMore | Peers | ManifestFrame | NotServed | Reachable
+Frame: TypeAlias = Piece | Direct | Get | Next | More | NoMore | Peers | ManifestFrame | NotServed | Reachable
 _KINDS: Final[dict[type, str]] = {
-    Piece: "piece", Get: "get", Next: "next", NoMore: "none", Peers: "peers", ManifestFrame: "manifest",
+    Piece: "piece", Direct: "direct", Get: "get", Next: "next", More: "more", NoMore: "none", Peers: "peers", ManifestFrame: "manifest",
     NotServed: "unavailable", Reachable: "reachable",
 }
-_FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "none", "unavailable"})
+_FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "none", "unavailable", "direct"})
 
 
 def encode(frame: Frame) -> bytes:
     """The msgpack array of `frame` (the caller length-prefixes it)."""
     kind = _KINDS[type(frame)]
-    if isinstance(frame, Piece):
+    if isinstance(frame, (Piece, Direct)):
         return pack([kind, frame.index, frame.data])
     if isinstance(frame, Get):
         return pack([kind, frame.index])
@@ -262,14 +280,16 @@ def decode_frame(data: bytes, *, num_pieces: int = MAX_PIECES, from_source: bool
     kind, args = frame[0], frame[1:]
     if kind in _FROM_SOURCE_ONLY and not from_source:
         raise RemoteProtocolError(f"a {kind!r} frame from a peer that is not the source")
-    if kind == "piece" and len(args) == 2 and _is_int(args[0], 0, num_pieces - 1) and isinstance(args[1], bytes):
+    if kind in ("piece", "direct") and len(args) == 2 and _is_int(args[0], 0, num_pieces - 1) and isinstance(args[1], bytes):
         if len(args[1]) > MAX_PIECE_SIZE:
             raise RemoteProtocolError(f"piece of {len(args[1])} bytes exceeds {MAX_PIECE_SIZE}")
-        return Piece(args[0], args[1])
+        return (Piece if kind == "piece" else Direct)(args[0], args[1])
     if kind == "get" and len(args) == 1 and _is_int(args[0], 0, num_pieces - 1):
         return Get(args[0])
     if kind == "next" and not args:
         return Next()
+    if kind == "more" and not args:
+        return More()
     if kind == "none" and not args:
         return NoMore()
     if kind == "peers" and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= MAX_SWARM_ENTRIES:

@@ -18,10 +18,24 @@ Rules (each is a test in tests/unit/test_protocol_relay.py):
    took it twice, which cost 1.4-2.9x the broadcast bound in simulated home swarms).
 3. The source said "none": its queue is empty, nothing is outstanding there, and it is never
    asked again.
-4. Repair: once the source is empty and no new piece arrived for `endgame_quiet_s`, or when no
-   new piece arrived for `stall_s` whatever the source says, missing pieces are fetched from
-   whoever has them (`PieceSwarm`); from then on the receiver wakes at the swarm's deadlines,
-   and at least every quiet period.
+4. Repair: as soon as the source is empty, or when no new piece arrived for `stall_s` whatever
+   the source says, missing pieces are fetched from whoever has them (`PieceSwarm`); from then
+   on the receiver wakes at the swarm's deadlines, and at least every quiet period
+   (`endgame_quiet_s` once the source is empty). Not only after a quiet period once empty: at
+   the end the last pieces trickle in from the relays' queues at their uplinks' pace (a piece
+   every ~50 ms with 10 Mbit/s uplinks), so the quiet period never came, while the source,
+   the only holder a peer knows of for them, had spare uplink (8 peers at 10/100 Mbit/s,
+   simulated: 1.13x the bound waiting for quiet, 1.07x repairing at once).
+5. More: while this peer's uplink is busy relaying (once measured: its relay queue drains in
+   `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline` `more` requests outstanding: the source
+   may then spend its spare uplink on pieces for this peer alone (direct pieces, never relayed;
+   protocol/weights/source.py rule 2). A `more` is answered by a direct piece or by "none". Not
+   only when rule 1 holds the pull back (`drain_s`): the queue then hovers just below the limit,
+   and the peer asked `more` half the time (8 peers, 10/100 Mbit/s: direct pieces came in
+   bursts and the broadcast took 1.47x the bound). Not while the first relay measures the
+   uplink, nor for a queue that is long in pieces but short in time: on symmetric links peers
+   asked then (a relay queue of 4 pieces at 100 Mbit/s drains in 0.15 s), and each direct
+   piece costs the source a copy per peer (1.15 copies, 1.16x the bound).
 """
 
 from __future__ import annotations
@@ -43,6 +57,9 @@ class SourcePull:
     last_progress: float = 0.0
     relayed: int = 0  # first copies this peer relayed
     drained: bool = False  # its relay queue emptied since it relayed one: the uplink is measured
+    direct_pipeline: int = 2
+    direct_drain_s: float = 0.5
+    direct_outstanding: int = 0  # `more` requests not answered yet
 
     def asks(self, backlog: int, drain_s: float = 0.0) -> int:
         """How many `next` requests to send now (rule 1), given the longest relay queue in pieces
@@ -60,16 +77,28 @@ class SourcePull:
         self.outstanding += n
         return n
 
+    def mores(self, backlog: int, drain_s: float = 0.0) -> int:
+        """How many `more` requests to send now (rule 5), given what `asks` was given."""
+        del backlog  # the same arguments as `asks`; only the time to drain counts here
+        if self.empty or not self.drained or drain_s < self.direct_drain_s:
+            return 0
+        n = max(0, self.direct_pipeline - self.direct_outstanding)
+        self.direct_outstanding += n
+        return n
+
     def relay_drained(self) -> None:
         """The relay queue is empty (its last push left); the uplink has been measured once a
         relay was pushed."""
         if self.relayed:
             self.drained = True
 
-    def piece(self, *, from_source: bool, new: bool, now: float, asked: bool = False) -> bool:
-        """A verified piece arrived (`asked`: the source's answer to our `get`); True if this peer
-        must relay it to its other links (rule 2)."""
-        if from_source and not asked and self.outstanding > 0:
+    def piece(self, *, from_source: bool, new: bool, now: float, asked: bool = False, direct: bool = False) -> bool:
+        """A verified piece arrived (`asked`: the source's answer to our `get`; `direct`: its
+        answer to `more`); True if this peer must relay it to its other links (rule 2)."""
+        if direct:
+            self.direct_outstanding = max(0, self.direct_outstanding - 1)
+            asked = True  # not ours to relay
+        elif from_source and not asked and self.outstanding > 0:
             self.outstanding -= 1
         if new:
             self.last_progress = now
@@ -81,17 +110,18 @@ class SourcePull:
         """The source answered "none" (rule 3)."""
         self.empty = True
         self.outstanding = 0
+        self.direct_outstanding = 0
 
     def quiet(self) -> float:
         return self.endgame_quiet_s if self.empty else self.stall_s
 
     def repair_due(self, now: float) -> bool:
         """Whether to ask the piece swarm for what is missing now (rule 4)."""
-        return now >= self.last_progress + self.quiet()
+        return self.empty or now >= self.last_progress + self.stall_s
 
     def wake_at(self, now: float, swarm_deadline: float | None) -> float:
         """When the receiver's loop must look again if no event comes first (rule 4)."""
         if not self.repair_due(now):
-            return self.last_progress + self.quiet()
+            return self.last_progress + self.stall_s
         later = now + self.quiet()
         return later if swarm_deadline is None else min(swarm_deadline, later)

@@ -15,19 +15,34 @@ import trio.testing
 
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
+    LINK_IDLE_S,
+    LINK_STALL_S,
     DataServer,
     Link,
     ProbeFailed,
     Receiver,
     Source,
+    Stats,
     Unavailable,
+    encode_frame,
     fetch_version,
+    open_version,
     probe,
 )
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
-from protocol.framing import encode_length_prefixed
-from protocol.weights.datachannel import HelloChecker, Next, decode_frame, make_hello
+from protocol.framing import LengthPrefixedReader, encode_length_prefixed
+from protocol.weights.datachannel import (
+    MAX_WIRE_FRAME,
+    Direct,
+    Get,
+    HelloChecker,
+    More,
+    Next,
+    Piece,
+    decode_frame,
+    make_hello,
+)
 from protocol.weights.delta import decode_delta, encode_delta
 from protocol.weights.manifest import build_manifest
 from tests.factories import closed_port, silent_listener
@@ -37,6 +52,17 @@ PAYLOAD = os.urandom(64 * PIECE + 123)
 LEARNER = Identity.from_seed(b"\x01" * 32)
 PEERS = [Identity.from_seed(bytes([0x10 + i]) * 32) for i in range(3)]
 MANIFEST = build_manifest(run_id="run-1", version=7, payload=PAYLOAD, piece_size=PIECE)
+
+
+async def serve_version(nursery: trio.Nursery, source: Source, peers: list[Identity]) -> tuple[DataServer, dict[str, DataServer]]:
+    """The learner's data server with `source` registered as version 7, and one per peer."""
+    learner = DataServer(LEARNER, "run-1")
+    learner.register(7, source)
+    await nursery.start(learner.run)
+    servers = {p.peer_id: DataServer(p, "run-1") for p in peers}
+    for server in servers.values():
+        await nursery.start(server.run)
+    return learner, servers
 
 
 def run_broadcast(
@@ -51,14 +77,10 @@ def run_broadcast(
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            learner = DataServer(LEARNER, "run-1")
-            learner.register(7, source)
-            await nursery.start(learner.run)
             if gather:
                 source.gate = trio.Event()
-            servers = {p.peer_id: DataServer(p, "run-1") for p in peers}
+            learner, servers = await serve_version(nursery, source, peers)
             for pid, server in servers.items():
-                await nursery.start(server.run)
                 if pid not in unreachable:
                     relays[pid] = ("127.0.0.1", server.port)
 
@@ -77,8 +99,8 @@ def run_broadcast(
                 with trio.CancelScope() as scope:
                     original = Receiver._on_piece
 
-                    def on_piece(self: Receiver, link: object, index: int, data: bytes) -> None:
-                        original(self, link, index, data)  # type: ignore[arg-type]
+                    def on_piece(self: Receiver, link: object, index: int, data: bytes, **kw: bool) -> None:
+                        original(self, link, index, data, **kw)  # type: ignore[arg-type]
                         if self.identity.peer_id == p.peer_id and self.store.count >= (kill_after or 0):
                             scope.cancel()
 
@@ -392,3 +414,111 @@ def test_a_dial_back_that_never_answers_is_cut_by_the_callers_deadline() -> None
             nursery.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_relay_link_whose_peer_never_reads_is_cut_once_it_makes_no_progress() -> None:
+    """Our pushes fill the kernel's buffers towards a peer that never reads: the link is cut
+    LINK_STALL_S later (not LINK_IDLE_S), which frees our relay backlog and with it our pull."""
+    r = Receiver(DataServer(PEERS[1], "run-1"), MANIFEST, source_id=LEARNER.peer_id)
+    silent = PEERS[2].peer_id
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            port = await silent_listener(nursery)
+            nursery.start_soon(r._run_link, await trio.open_tcp_stream("127.0.0.1", port), silent)
+            while silent not in r.links:
+                await trio.sleep(0.01)
+            link = r.links[silent]
+            push = encode_frame(Piece(0, PAYLOAD[:PIECE]))
+            for _ in range(1024):  # 16 MiB: more than any socket buffers hold
+                link.send_packed(True, push)
+            start = trio.current_time()
+            while silent in r.links:
+                await trio.sleep(0.1)
+            assert link.stalled
+            assert LINK_STALL_S <= trio.current_time() - start < LINK_STALL_S + 1 < LINK_IDLE_S
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_slow_reader_is_not_cut() -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, slow_reader, 0, host="127.0.0.1"))
+            async with await trio.open_tcp_stream("127.0.0.1", listeners[0].socket.getsockname()[1]) as stream:
+                link = Link(stream, "slow", Stats(), num_pieces=1, piece_size=PIECE)
+                nursery.start_soon(link.sender)
+                data = encode_frame(Piece(0, PAYLOAD[:PIECE]))
+                for _ in range(256):  # 4 MiB, read at 256 KiB per (virtual) 2 s
+                    link.send_packed(True, data)
+                while link.queued_bytes:
+                    await trio.sleep(1)
+                assert not link.stalled and trio.current_time() > 20  # it took a while
+                nursery.cancel_scope.cancel()
+
+    async def slow_reader(stream: trio.SocketStream) -> None:
+        while True:
+            await trio.sleep(2)
+            got = 0
+            while got < 256 * 1024:
+                got += len(await stream.receive_some(256 * 1024 - got))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at_most() -> None:
+    """It asks `get` for every piece twice, `more` a hundred times and reads all it is sent,
+    while two honest peers fetch the version: the learner sends it each piece at most once,
+    and the others finish."""
+    greedy = PEERS[2]
+    members = {p.peer_id for p in PEERS}
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, members, {})
+    results: dict[str, bytes] = {}
+    received: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner, servers = await serve_version(nursery, source, PEERS)
+
+            async def honest(p: Identity) -> None:
+                async with trio.open_nursery() as links:
+                    _, results[p.peer_id], _ = await fetch_version(
+                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port, version=7
+                    )
+                    links.cancel_scope.cancel()
+
+            async def claims_nothing() -> None:
+                _, stream = await open_version(
+                    servers[greedy.peer_id], learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port, version=7
+                )
+                async with stream:
+                    reader = LengthPrefixedReader(max_len=MAX_WIRE_FRAME)
+
+                    async def read_for(seconds: float) -> None:
+                        with trio.move_on_after(seconds):
+                            while True:
+                                while (data := reader.next_message()) is not None:
+                                    frame = decode_frame(data, num_pieces=MANIFEST.num_pieces, from_source=True)
+                                    if isinstance(frame, (Piece, Direct)):
+                                        received.append(frame.index)
+                                reader.feed(await stream.receive_some(1 << 16))
+
+                    for _ in range(100):
+                        await stream.send_all(encode_frame(More()))
+                    for index in [*range(MANIFEST.num_pieces)] * 2:
+                        await stream.send_all(encode_frame(Get(index)))
+                        await read_for(0.01)  # one answer at a time: it reads all it asks for
+                    await read_for(0.5)
+
+            with trio.fail_after(30):
+                async with trio.open_nursery() as inner:
+                    inner.start_soon(claims_nothing)
+                    for p in PEERS[:2]:
+                        inner.start_soon(honest, p)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert all(results[p.peer_id] == PAYLOAD for p in PEERS[:2])
+    assert len(received) == len(set(received)) <= MANIFEST.num_pieces  # each piece once at most
+    assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)

@@ -44,6 +44,21 @@ def test_a_slow_uplink_stops_taking_from_the_source() -> None:
     assert pull.asks(backlog=4) == 0 and pull.outstanding == 0
 
 
+def test_a_busy_uplink_asks_for_direct_pieces_and_never_relays_them() -> None:
+    pull = SourcePull(pipeline=2, backlog_pieces=4, drain_s=2.0, direct_drain_s=0.5, direct_pipeline=2)
+    pull.asks(0)
+    assert pull.mores(1, 1.0) == 0  # not before the first relay measured the uplink
+    pull.piece(from_source=True, new=True, now=0.0)
+    pull.relay_drained()
+    assert pull.mores(3, 0.4) == 0  # a short queue in time (symmetric links): relays keep up
+    assert pull.mores(1, 0.6) == 2 and pull.mores(1, 0.6) == 0  # up to direct_pipeline outstanding
+    assert not pull.piece(from_source=True, new=True, now=1.0, direct=True)  # ours alone
+    assert pull.direct_outstanding == 1 and pull.last_progress == 1.0
+    assert pull.mores(1, 0.6) == 1
+    pull.source_empty()  # "none" answers a `more` too
+    assert pull.direct_outstanding == 0 and pull.mores(1, 5.0) == 0
+
+
 def test_only_a_first_copy_from_the_source_is_relayed() -> None:
     pull = SourcePull()
     pull.asks(0)
@@ -61,13 +76,16 @@ def test_the_sources_answer_to_a_repair_is_not_relayed() -> None:
     assert pull.outstanding == 2 and pull.last_progress == 1.0  # not an answer to `next`
 
 
-def test_an_empty_source_is_never_asked_again_and_repair_comes_sooner() -> None:
+def test_an_empty_source_is_never_asked_again_and_repair_starts_at_once() -> None:
     pull = SourcePull(endgame_quiet_s=0.5, stall_s=3.0, last_progress=10.0)
     assert not pull.repair_due(12.0) and pull.wake_at(12.0, None) == 13.0
     pull.asks(0)
     pull.source_empty()
     assert pull.outstanding == 0 and pull.asks(0) == 0
-    assert pull.repair_due(10.5) and not pull.repair_due(10.4)
+    # Pieces still trickle in from the relays, but the repair does not wait for a quiet period;
+    # the loop then wakes at least every endgame_quiet_s.
+    assert pull.repair_due(10.0)
+    assert pull.wake_at(10.0, None) == 10.5 and pull.wake_at(10.0, 10.2) == 10.2
 
 
 def test_in_repair_the_loop_wakes_at_the_swarm_deadline_or_a_quiet_period() -> None:
