@@ -59,7 +59,7 @@ from echo_node.banlog import BanLog
 from echo_node.journal import Journal
 from echo_node.net import rpc
 from echo_node.replay import ReplayBuffer
-from echo_node.verify import COPIES_PER_STRIKE, Copies, Failure, Verifier
+from echo_node.verify import COPIES_PER_STRIKE, Copies, Failure, SpotPlan, Verifier
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -315,6 +315,10 @@ class RolloutIntake:
         self._evidence = ""
         # Spot checks run one at a time, in a worker thread (they own one model copy).
         self._spot_lock = trio.Lock()
+        # `consume`'s nursery: checks of publishers past probation run there, beside the intake,
+        # one at a time (`_checking_beside`).
+        self._beside: trio.Nursery | None = None
+        self._checking_beside = False
         self.node: Gossip | None = None
         self.tracker = SequenceTracker()
         # Set by the learner: its write-ahead journal (new seqs are journaled, so a restart
@@ -522,26 +526,55 @@ class RolloutIntake:
         await self.admit(batch, origin)
 
     async def admit(self, batch: RolloutBatch, origin: str) -> None:
-        """Spot-check what `batch`'s publisher's turn calls for, then ingest it."""
+        """Spot-check what `batch`'s publisher's turn calls for, then ingest it.
+
+        A probation check holds the intake until it is done (a newcomer's batches are all
+        checked, one in the queue at a time). A later check runs beside the intake, in
+        `consume`'s nursery, so other peers' batches go on reaching the buffer meanwhile (the
+        learner waited behind each check before); the batch is ingested when its check passed.
+        One such check at a time: a batch chosen while one runs is not checked (`checker_busy`,
+        like a check the budget cannot afford)."""
         if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
         # Batches judged per peer, in the order judged: a refused one when refused, a passed one here.
         self.peers.batches[origin] += 1
         plan = self.verify.plan(batch) if self.verify is not None else None
-        if plan is not None:
+        if plan is not None and not plan.probation and self._beside is not None:
             assert self.verify is not None
-            async with self._spot_lock:
-                failure = await trio.to_thread.run_sync(partial(self.verify.spot, batch, plan.groups, rows=plan.rows))
-            if failure is not None:
-                self.buffer.reject(failure.reason, batch.num_samples)
-                self._evidence = failure.evidence
-                self.caught(origin, failure.reason)
+            if self._checking_beside:
+                self.verify.stats.checker_busy += 1
+            else:
+                self._checking_beside = True
+                self._beside.start_soon(self._check_beside, batch, origin, plan)
                 return
-            if self.peers.is_banned(origin):  # caught while its batch was being checked
-                self.buffer.reject(DropReason.BANNED, batch.num_samples)
-                return
-        self.ingest(batch, origin)
+            plan = None
+        if plan is None or await self._passes(batch, origin, plan):
+            self.ingest(batch, origin)
+
+    async def _check_beside(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> None:
+        try:
+            passed = await self._passes(batch, origin, plan)
+        finally:
+            self._checking_beside = False
+        if passed:
+            self.ingest(batch, origin)
+
+    async def _passes(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> bool:
+        """Run `plan`'s spot check on `batch`; False if it failed (the publisher is caught) or
+        the publisher was banned meanwhile (the batch is counted either way)."""
+        assert self.verify is not None
+        async with self._spot_lock:
+            failure = await trio.to_thread.run_sync(partial(self.verify.spot, batch, plan.groups, rows=plan.rows))
+        if failure is not None:
+            self.buffer.reject(failure.reason, batch.num_samples)
+            self._evidence = failure.evidence
+            self.caught(origin, failure.reason)
+            return False
+        if self.peers.is_banned(origin):  # caught while its batch was being checked
+            self.buffer.reject(DropReason.BANNED, batch.num_samples)
+            return False
+        return True
 
     def ingest(self, batch: RolloutBatch, origin: str) -> None:
         # The seq and the fate of the batch's groups are journaled as one: a restart that knows
@@ -599,8 +632,13 @@ class RolloutIntake:
             self.peers.contributed(origin, taken, trio.current_time())
 
     async def consume(self, messages: Any) -> None:
-        async for msg in messages:
-            await self.deliver(msg.data, msg.sender)
+        async with trio.open_nursery() as nursery:
+            self._beside = nursery
+            try:
+                async for msg in messages:
+                    await self.deliver(msg.data, msg.sender)
+            finally:
+                self._beside = None
 
     # -- gap repair ------------------------------------------------------------------------------
 

@@ -131,6 +131,7 @@ class SpotPlan:
 
     groups: list[int]
     rows: int | None = None
+    probation: bool = False  # the publisher is on probation: its batch waits for this check
 
 
 @dataclass(slots=True)
@@ -149,6 +150,8 @@ class VerifyStats:
     unverifiable_tokens: int = 0
     # Batches chosen for a check that the budget could not afford (publishers past probation).
     over_budget: int = 0
+    # ... and chosen while the checker was busy with another (checks run beside the intake).
+    checker_busy: int = 0
     # Checks of a peer on a pair never measured that left its dtype's envelope (warned, passed).
     excursions: int = 0
     # How close what passed came to the tolerances: the calibration a run reports (the largest
@@ -174,6 +177,7 @@ class VerifyStats:
             "tokens_audited": self.tokens_audited,
             "unverifiable_tokens": self.unverifiable_tokens,
             "over_budget": self.over_budget,
+            "checker_busy": self.checker_busy,
             "excursions": self.excursions,
             "passed_lp_gap_max": self.lp_gap_max,
             "passed_lp_gap_mean_max": self.lp_gap_mean_max,
@@ -349,7 +353,7 @@ class Verifier:
         left = self._probation[peer]
         if left > 0:
             self._probation[peer] = left - 1
-            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows))
+            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows), probation=True)
         if self._rng.random() >= self.check_rate(peer):
             return None
         rows = self._affordable_rows(batch.num_samples, floor=0)

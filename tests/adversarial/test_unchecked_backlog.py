@@ -9,7 +9,10 @@ within its byte budgets. The queue here is the one py-libp2p delivers validated 
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import trio
@@ -151,3 +154,51 @@ def test_the_same_bytes_queued_twice_are_released_twice_so_a_replay_cannot_leak_
 
     assert trio.run(main) == 2
     assert intake.unchecked_bytes == 0 and not intake._queued and not intake._in_flight and not intake._unchecked_by
+
+
+def test_a_check_past_probation_runs_beside_the_intake(tmp_path: Path) -> None:
+    """While a batch of a peer past probation is being checked, other peers' batches go on
+    reaching the buffer (the learner no longer waits behind each check); one chosen while the
+    checker is busy goes unchecked and is counted (`checker_busy`); the checked batch is taken
+    once its check passed. The check itself is held here (its verdict is other tests' subject)."""
+    learner = checking_learner(tmp_path)
+    intake, verifier = learner.intake, learner.verifier
+    assert verifier is not None
+    held, other = ATTACKERS[0], ATTACKERS[1]
+    for who in (held, other):
+        learner.peers.join(who.peer_id, 0.0)
+        verifier._probation[who.peer_id] = 0  # past probation; no trust yet: every batch is chosen
+    release, checking = threading.Event(), threading.Event()
+
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+        if batch.peer_id == held.peer_id:
+            checking.set()
+            assert release.wait(30)
+        return None
+
+    verifier.spot = spot  # type: ignore[method-assign]
+
+    def origins() -> set[str]:
+        return {learner.buffer.origin(g) for g in learner.buffer._groups}
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[Any](16)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(intake.consume, receive)
+            for who in (held, other):
+                data = seal(make_batch(identity=who, seq=1, groups=2), who)
+                assert intake.validate(who.peer_id, who.peer_id, data)
+                await send.send(SimpleNamespace(data=data, sender=who.peer_id))
+            with trio.fail_after(10):
+                while other.peer_id not in origins():
+                    await trio.sleep(0.01)
+            assert checking.is_set() and held.peer_id not in origins()
+            assert verifier.stats.checker_busy == 1
+            release.set()
+            with trio.fail_after(10):
+                while held.peer_id not in origins():
+                    await trio.sleep(0.01)
+            await send.aclose()
+
+    trio.run(main)
+    assert learner.buffer.ledger.received == 2 * 2 * 8
