@@ -16,6 +16,10 @@ Classes (the verification issue's a-f):
   injected after its first digit (the tokenizer's decoding drops bos, so the reward is right),
   with the log-probs the current weights honestly give those tokens: plausible, rewarded, and
   teaching the policy to emit a token no honest sample would.
+- `slot_picker` (g, the adaptive attacker's): samples and scores honestly, one group a batch, but
+  publishes only the seqs whose assigned prompt it likes (first operand below 20) and leaves
+  the others out, so it answers prompts of its choosing without forging one; it cannot repair
+  the gaps.
 - `freeze` (benchmarks/hostile.py's `capacity_freeze`): honest, then silent on SIGUSR1 (or after
   `--after N` batches): it generates nothing more while its weight follower keeps sending
   heartbeats, a peer that looks present and free but delivers nothing.
@@ -188,6 +192,41 @@ class Copier(Attacker):
             await self.publisher.publish_groups(batch.groups, seq=self.publisher.seq)
 
 
+def likes(prompt: str) -> bool:
+    """The slot picker's taste: additions whose first operand is below 20 (a fifth of them)."""
+    return int(prompt.split("+", 1)[0]) < 20
+
+
+class SlotPicker(Attacker):
+    """(g) Answers honestly, but only the seqs whose assigned prompts it likes: it leaves the
+    others out (the gaps it cannot repair), so it chooses its prompts without forging one."""
+
+    picked: int | None = None
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        publish = self.publisher.publish_groups
+
+        async def at_pick(groups: Any, *, seq: int) -> None:
+            if self.picked is not None:  # publish under the seq whose prompts these are
+                self.publisher.seq = seq = self.picked
+                self.picked = None
+            await publish(groups, seq=seq)
+
+        self.publisher.publish_groups = at_pick  # type: ignore[method-assign]
+
+    def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
+        if not self.lying:
+            return super().assigned_prompts(version, seq, wanted)
+        # One group a batch: a seq whose every prompt it likes is then one in five, not 5^-8.
+        prompts = super().assigned_prompts(version, seq, 1)
+        while not likes(prompts[0]):
+            seq += 1
+            prompts = super().assigned_prompts(version, seq, 1)
+        self.picked = seq
+        return prompts
+
+
 class Poison(Attacker):
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         groups = super()._generate(prompts, seed)
@@ -228,6 +267,7 @@ ATTACKS: dict[str, type[Attacker]] = {
     "copier": Copier,
     "poison": Poison,
     "freeze": Freeze,
+    "slot_picker": SlotPicker,
 }
 
 

@@ -21,6 +21,12 @@ the final checkpoint):
 - `verification`: the summary's per-check counts, spot-check rate achieved and
   `share_of_train_time`.
 
+`slot_picker` (adaptive, not in the default classes) answers honestly but only the seqs whose
+prompts it likes, leaving the rest out. The intake counts the seqs it can never repair and
+catches it past SKIP_ALLOWANCE + 5 % of what it delivered: the target is that it is caught;
+until then its batches are honest answers to prompts it chose, about SKIP_ALLOWANCE / 4 of them
+for a picker that likes one slot in five (`trained_share` is reported, not judged).
+
 `other_model_late` and `poison_late` are those attackers honest for their first AFTER = 5
 batches: past probation only the spot rate finds them, each lying batch with chance
 `verify.spot_rate` (0.1), so the wait is geometric with mean 10 lying batches
@@ -60,6 +66,8 @@ from echo_node.metrics import read_metrics
 from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
+# The adaptive attacker's classes (not in the default run: `--classes slot_picker --off no`).
+ADAPTIVE = ["slot_picker"]
 # Attackers honest for their first AFTER batches (past probation: only the spot rate finds them).
 LATE = {"other_model_late": "other_model", "poison_late": "poison"}
 AFTER = 5
@@ -218,6 +226,8 @@ def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
         ok = {"caught": bool(caught)}
         if r["attack"] in EXACT:
             ok.update(trained_share=r["trained_share"] <= 0.01, within_2_batches=bool(caught) and caught["batches"] <= 2)
+        elif r["attack"] in ADAPTIVE:
+            pass  # caught, after the allowance's worth of skips: its trained share is reported, not judged
         elif r["attack"] in LATE:
             # Each lying batch is checked with chance spot_rate: the wait is geometric (mean 1 / rate).
             ok.update(accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
@@ -287,9 +297,9 @@ def main() -> None:
     p.add_argument("--png", type=Path, default=None)
     args = p.parse_args()
     classes = [c for c in args.classes.split(",") if c]
-    unknown = set(classes) - set(CLASSES) - set(LATE)
+    unknown = set(classes) - set(CLASSES) - set(LATE) - set(ADAPTIVE)
     if unknown:
-        raise SystemExit(f"unknown classes {sorted(unknown)}; known: {CLASSES + list(LATE)}")
+        raise SystemExit(f"unknown classes {sorted(unknown)}; known: {CLASSES + list(LATE) + ADAPTIVE}")
     root = Path(tempfile.mkdtemp(prefix="echo-verify-"))
     keys = root / "keys"
     write_keys(keys)

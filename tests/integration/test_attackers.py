@@ -1,6 +1,7 @@
 """End to end: the six attacker peers of benchmarks/attackers.py, each its own process, join a
 real swarm next to two honest peers. Every one is caught by the check its lie fails, none of
-their groups is trained, and no honest peer is ever flagged. (What each attack does with
+their groups is trained, and no honest peer is ever flagged. The adaptive slot picker (honest
+answers to the slots it chose) is caught once its skips pass the allowance. (What each attack does with
 verification off: tests/adversarial/test_attack_classes.py, benchmarks/verification.py.)"""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from echo_node.intake import SKIP_ALLOWANCE
 from echo_node.metrics import read_metrics
 from tests.integration.conftest import Cluster
 
@@ -24,6 +26,10 @@ EXPECTED = {
     "copier": {"bad_prompt"},
     "poison": {"bad_sampling", "bad_logprobs"},
 }
+# Caught only once its skipped seqs pass the intake's allowance (echo_node/intake.py): it picks
+# one slot in five, so it may publish about SKIP_ALLOWANCE / 4 honest batches of its choosing
+# first (each one group).
+ADAPTIVE = {"slot_picker": {"bad_prompt"}}
 # Ten processes start at once on two cores: joining can take a minute. The learner runs until
 # every attacker was caught (or this bound passed), then is stopped with SIGINT.
 CAUGHT_WITHIN_S = 240
@@ -43,12 +49,12 @@ def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> Non
              "--runs-dir", str(cluster.root / "runs")],
             module="benchmarks.attackers",
         )
-        for attack in EXPECTED
+        for attack in [*EXPECTED, *ADAPTIVE]
     }
-    ids = {name: _peer_id(cluster, name) for name in [*EXPECTED, "peer0", "peer1"]}
+    ids = {name: _peer_id(cluster, name) for name in [*EXPECTED, *ADAPTIVE, "peer0", "peer1"]}
     metrics = cluster.run_dir(run_id) / "metrics.jsonl"
     deadline = time.monotonic() + CAUGHT_WITHIN_S
-    while time.monotonic() < deadline and not {ids[a] for a in EXPECTED} <= {
+    while time.monotonic() < deadline and not {ids[a] for a in [*EXPECTED, *ADAPTIVE]} <= {
         r["peer"] for r in read_metrics(metrics) if r.get("event") == "caught"
     }:
         assert learner.proc.poll() is None, "the learner exited"
@@ -65,6 +71,10 @@ def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> Non
         assert record is not None, f"{attack} was never caught: {s['verification']}"
         assert record["reason"] in reasons and record["batches"] <= 2, (attack, record)
         assert s["trained_groups"].get(ids[attack], 0) == 0, attack
+    for attack, reasons in ADAPTIVE.items():
+        record = caught.get(ids[attack])
+        assert record is not None and record["reason"] in reasons, (attack, record, s["verification"])
+        assert s["trained_groups"].get(ids[attack], 0) <= SKIP_ALLOWANCE, (attack, s["trained_groups"])
     for name in ("peer0", "peer1"):
         assert ids[name] not in caught and ids[name] not in s["banned"] and not s["penalties"].get(ids[name])
         assert s["trained_groups"].get(ids[name], 0) > 0
