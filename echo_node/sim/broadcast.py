@@ -328,7 +328,7 @@ class SimReceiver:
         # whenever they have work, so that is the measurement.
         backlog, drain_s = self.links.longest, self.relay_bytes / self.node.up
         n = self.pull.asks(backlog, drain_s)
-        m = self.pull.mores(backlog, drain_s)
+        m = 0 if self.count == self.bc.num_pieces else self.pull.mores(backlog, drain_s, self.bc.loop.now)
         if n or m:
             bc = self.bc
             at = bc.loop.now + self.node.lat + bc.learner.lat

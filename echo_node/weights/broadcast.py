@@ -735,7 +735,9 @@ class Receiver:
             drain_s = queued * self._relay_busy_s / sent if sent else math.inf
         for _ in range(self.pull.asks(backlog, drain_s)):
             source.send(Next())
-        for _ in range(self.pull.mores(backlog, drain_s)):
+        started = self.pull.relay_started is not None  # (only then does rule 5 need the time)
+        now = trio.current_time() if started else 0.0
+        for _ in range(0 if self.store.complete else self.pull.mores(backlog, drain_s, now)):
             source.send(More())
 
     # -- the download loop --------------------------------------------------------------------

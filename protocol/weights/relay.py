@@ -26,16 +26,20 @@ Rules (each is a test in tests/unit/test_protocol_relay.py):
    every ~50 ms with 10 Mbit/s uplinks), so the quiet period never came, while the source,
    the only holder a peer knows of for them, had spare uplink (8 peers at 10/100 Mbit/s,
    simulated: 1.13x the bound waiting for quiet, 1.07x repairing at once).
-5. More: while this peer's uplink is busy relaying (once measured: its relay queue drains in
-   `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline` `more` requests outstanding: the source
+5. More: while this peer's uplink is busy relaying (its first relay still going
+   `first_relay_s` after it started, or, once the uplink is measured, a relay queue that drains
+   in `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline` `more` requests outstanding: the source
    may then spend its spare uplink on pieces for this peer alone (direct pieces, never relayed;
    protocol/weights/source.py rule 2). A `more` is answered by a direct piece or by "none". Not
    only when rule 1 holds the pull back (`drain_s`): the queue then hovers just below the limit,
    and the peer asked `more` half the time (8 peers, 10/100 Mbit/s: direct pieces came in
-   bursts and the broadcast took 1.47x the bound). Not while the first relay measures the
-   uplink, nor for a queue that is long in pieces but short in time: on symmetric links peers
-   asked then (a relay queue of 4 pieces at 100 Mbit/s drains in 0.15 s), and each direct
-   piece costs the source a copy per peer (1.15 copies, 1.16x the bound).
+   bursts and the broadcast took 1.47x the bound). Not for a queue that is long in pieces but
+   short in time: on symmetric links peers asked then (a relay queue of 4 pieces at 100 Mbit/s
+   drains in 0.15 s), and each direct piece costs the source a copy per peer (1.15 copies,
+   1.16x the bound). The first relay counts on its own: it takes 37 ms on symmetric 100 Mbit/s
+   links (64 KiB to 7 peers) but 0.2-0.4 s on home uplinks, and a small version (14 pieces of
+   256 KiB to 3 peers, 0.29 s bound) was handed out to the relays before any was measured. The
+   loop wakes when the first relay turns `first_relay_s` old (`wake_at`).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class SourcePull:
     drained: bool = False  # its relay queue emptied since it relayed one: the uplink is measured
     direct_pipeline: int = 2
     direct_drain_s: float = 0.5
+    first_relay_s: float = 0.1
+    relay_started: float | None = None  # when this peer first relayed a piece
     direct_outstanding: int = 0  # `more` requests not answered yet
 
     def asks(self, backlog: int, drain_s: float = 0.0) -> int:
@@ -77,10 +83,10 @@ class SourcePull:
         self.outstanding += n
         return n
 
-    def mores(self, backlog: int, drain_s: float = 0.0) -> int:
+    def mores(self, backlog: int, drain_s: float = 0.0, now: float = 0.0) -> int:
         """How many `more` requests to send now (rule 5), given what `asks` was given."""
-        del backlog  # the same arguments as `asks`; only the time to drain counts here
-        if self.empty or not self.drained or drain_s < self.direct_drain_s:
+        del backlog  # the same arguments as `asks`; only time counts here
+        if self.empty or not self._uplink_busy(drain_s, now):
             return 0
         n = max(0, self.direct_pipeline - self.direct_outstanding)
         self.direct_outstanding += n
@@ -104,6 +110,8 @@ class SourcePull:
             self.last_progress = now
         relay = from_source and new and not asked
         self.relayed += relay
+        if relay and self.relay_started is None:
+            self.relay_started = now
         return relay
 
     def source_empty(self) -> None:
@@ -120,8 +128,20 @@ class SourcePull:
         return self.empty or now >= self.last_progress + self.stall_s
 
     def wake_at(self, now: float, swarm_deadline: float | None) -> float:
-        """When the receiver's loop must look again if no event comes first (rule 4)."""
+        """When the receiver's loop must look again if no event comes first (rules 4 and 5)."""
         if not self.repair_due(now):
-            return self.last_progress + self.stall_s
-        later = now + self.quiet()
-        return later if swarm_deadline is None else min(swarm_deadline, later)
+            at = self.last_progress + self.stall_s
+        else:
+            at = now + self.quiet()
+            if swarm_deadline is not None:
+                at = min(swarm_deadline, at)
+        if not (self.drained or self.empty) and self.relay_started is not None:
+            first = self.relay_started + self.first_relay_s
+            if first > now:
+                at = min(at, first)
+        return at
+
+    def _uplink_busy(self, drain_s: float, now: float) -> bool:
+        if self.drained:
+            return drain_s >= self.direct_drain_s
+        return self.relay_started is not None and now >= self.relay_started + self.first_relay_s

@@ -59,6 +59,18 @@ def test_a_busy_uplink_asks_for_direct_pieces_and_never_relays_them() -> None:
     assert pull.direct_outstanding == 0 and pull.mores(1, 5.0) == 0
 
 
+def test_a_first_relay_still_going_after_first_relay_s_asks_for_direct_pieces() -> None:
+    pull = SourcePull(first_relay_s=0.1, stall_s=3.0, last_progress=0.0)
+    pull.asks(0)
+    assert pull.piece(from_source=True, new=True, now=1.0)  # our first relay starts
+    assert pull.wake_at(1.0, None) == 1.1  # look again when it turns first_relay_s old
+    assert pull.mores(1, 0.0, now=1.05) == 0  # 37 ms on symmetric 100 Mbit/s links: done by then
+    assert pull.mores(1, 0.0, now=1.1) == 2  # a slow uplink: the source's spare can go direct
+    assert pull.wake_at(1.2, None) == 4.0
+    pull.relay_drained()  # measured now: only the drain time counts from here
+    assert pull.mores(1, 0.1, now=5.0) == 0 and pull.direct_outstanding == 2
+
+
 def test_only_a_first_copy_from_the_source_is_relayed() -> None:
     pull = SourcePull()
     pull.asks(0)
