@@ -10,8 +10,8 @@ while its own outbound backlog is short and drains within `DRAIN_S` at its measu
 and the mesh runs at the speed of the aggregate uplink, not of its slowest link (a chain would).
 
 When the peers' uplinks are the bottleneck (home links: 10-20 Mbit/s up, 100 down), one copy
-from the learner leaves most of its uplink idle. A peer whose relay queue is busy for
-`direct_drain_s` asks `more`, and the learner sends pieces from the tail of its queue directly
+from the learner leaves most of its uplink idle. A peer whose uplink is busy relaying
+(`SourcePull` rule 5) asks `more`, and the learner sends pieces from the tail of its queue directly
 to every peer, not relayed (Mutualcast): `protocol.weights.source.SourcePlan` says which piece
 goes to whom. On symmetric links nobody asks and the learner still uploads about one copy.
 

@@ -28,15 +28,17 @@ Rules (each is a test in tests/unit/test_protocol_relay.py):
    simulated: 1.13x the bound waiting for quiet, 1.07x repairing at once).
 5. More: while this peer's uplink is busy relaying (its first relay still going
    `first_relay_s` after it started, or, once the uplink is measured, a relay queue that drains
-   in `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline` `more` requests outstanding: the source
-   may then spend its spare uplink on pieces for this peer alone (direct pieces, never relayed;
-   protocol/weights/source.py rule 2). A `more` is answered by a direct piece or by "none". Not
-   only when rule 1 holds the pull back (`drain_s`): the queue then hovers just below the limit,
-   and the peer asked `more` half the time (8 peers, 10/100 Mbit/s: direct pieces came in
-   bursts and the broadcast took 1.47x the bound). Not for a queue that is long in pieces but
-   short in time: on symmetric links peers asked then (a relay queue of 4 pieces at 100 Mbit/s
-   drains in 0.15 s), and each direct piece costs the source a copy per peer (1.15 copies,
-   1.16x the bound). The first relay counts on its own: it takes 37 ms on symmetric 100 Mbit/s
+   in `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline`
+   `more` requests outstanding: the source may then spend its spare uplink on pieces for this
+   peer alone (direct pieces, never relayed; protocol/weights/source.py rule 2). A `more` is
+   answered by a direct piece or by "none". Not only when rule 1 holds the pull back
+   (`drain_s`): the queue then hovers just below the limit, and the peer asked `more` half the
+   time (8 peers, 10/100 Mbit/s: direct pieces came in bursts, 1.47x the bound). Not for a
+   queue that is long in pieces but short in time: on symmetric links peers asked then (a relay
+   queue of 4 pieces at 100 Mbit/s drains in 0.15 s), and each direct piece costs the source a
+   copy per peer (1.15 copies, 1.16x the bound). 0.3 s rather than 0.5 s: one 64 KiB piece to 7
+   peers at 10 Mbit/s takes 0.37 s, and at 0.5 s the learner's uplink idled whenever the relays
+   held less than two (1.32x the bound, 1.22x at 0.3 s). The first relay counts on its own: it takes 37 ms on symmetric 100 Mbit/s
    links (64 KiB to 7 peers) but 0.2-0.4 s on home uplinks, and a small version (14 pieces of
    256 KiB to 3 peers, 0.29 s bound) was handed out to the relays before any was measured. The
    loop wakes when the first relay turns `first_relay_s` old (`wake_at`).
@@ -62,7 +64,7 @@ class SourcePull:
     relayed: int = 0  # first copies this peer relayed
     drained: bool = False  # its relay queue emptied since it relayed one: the uplink is measured
     direct_pipeline: int = 2
-    direct_drain_s: float = 0.5
+    direct_drain_s: float = 0.3
     first_relay_s: float = 0.1
     relay_started: float | None = None  # when this peer first relayed a piece
     direct_outstanding: int = 0  # `more` requests not answered yet
