@@ -2,9 +2,11 @@
 
 What is real and what is modelled:
 - Real: every decision a receiver makes is taken by the protocol objects the live receiver uses
-  (`protocol.weights.relay.SourcePull`: how many `next` to send, whether to relay a piece, when
-  to repair; `protocol.weights.pieces.PieceSwarm`: which piece to ask of whom in the repair,
-  timeouts, endgame), built with the same parameters (`echo_node.weights.broadcast`'s constants
+  (`protocol.weights.relay.SourcePull`: how many `next` and `more` to send, whether to relay a
+  piece, when to repair; `protocol.weights.pieces.PieceSwarm`: which piece to ask of whom in the
+  repair, timeouts, endgame), and every decision of the learner by the live one's
+  (`protocol.weights.source.SourcePlan`: which piece answers a `next`, whether to answer a
+  `get`, which direct piece goes to whom), built with the same parameters (`echo_node.weights.broadcast`'s constants
   and `Receiver`'s default request timeout, imported, not copied), and called at the same
   moments as `echo_node.weights.broadcast.Receiver` calls them (below). The piece size is
   `protocol.weights.manifest.choose_piece_size` unless a caller fixes it.
@@ -12,17 +14,23 @@ What is real and what is modelled:
   `echo_node.sim.net`'s model.
 
 How `Receiver` and `Source` are mirrored, event by event:
-- The learner (`SimSource`, like `Source`) answers each `next` from one shared queue of piece
-  indices (each piece leaves it about once) or with "none"; it answers a `get` with the piece.
+- The learner (`SimSource`, like `Source`) answers each `next` with the head of the shared queue
+  or with "none", a `get` with the piece unless it sent it to that peer before, and after every
+  piece that leaves its uplink (`Link.on_sent`) and every `more`, sends the direct pieces (or
+  "none") `SourcePlan.direct` names for the members with nothing queued towards them. The live
+  link's queue empties only as fast as its peer takes bytes in; here a member counts as idle
+  when nothing is queued for it on the learner's uplink and its downlink has delivered all it
+  was given (else the learner looks again when it has).
 - A receiver connects one round trip after it joins (hello, then manifest and peer list). Its
   links: one to the learner and one to every other connected member of this version (the
   learner's `peers` frames make a full mesh), except pairs where one side bans the other.
   A member that connects late is pushed, by each member, what that member relayed so far
   (`Receiver._run_link`'s replay of `relaying`).
 - On a piece: the swarm hears `received` (and `peer_has` when it came from a peer); `SourcePull
-  .piece` says whether to relay it (told whether a piece from the learner answers our `get`);
-  a first copy from the learner is pushed to every other link
-  at once; a piece from the learner refills the pull. On every piece a link finishes sending,
+  .piece` says whether to relay it (told whether a piece from the learner answers our `get` or
+  is a direct piece); a first copy from the learner is pushed to every other link at once; a
+  piece from the learner refills the pull (`next` and `more`; a complete member asks no
+  `more`). On every piece a link finishes sending,
   the pull is refilled too (`Link.on_sent`). The backlog the pull sees is the longest relay
   queue among this receiver's links (counted per link, kept in a histogram so the maximum is
   O(1)).
@@ -36,7 +44,7 @@ How `Receiver` and `Source` are mirrored, event by event:
 - A completed receiver keeps serving (relay pushes still queued go out, `get`s are answered)
   and keeps refilling its pull, as the live one does while its links live.
 - A member that leaves takes its links with it: every other receiver's swarm hears `peer_gone`.
-Not modelled: link idle timeouts, the follower's fetch timeouts (`FETCH_TIMEOUT_S`,
+Not modelled: link idle and stall timeouts, the follower's fetch timeouts (`FETCH_TIMEOUT_S`,
 `STALL_ABANDON_S`: a download here never gives up), dial failures, NAT.
 """
 
