@@ -109,7 +109,7 @@ SEND_BUFFER_BYTES = 256 * 1024
 # read into a huge buffer costs several times more.
 MIN_READ_BYTES = 64 * 1024
 MAX_READ_BYTES = 512 * 1024
-ENDGAME_QUIET_S = 0.5
+ENDGAME_QUIET_S = 0.1  # (SourcePull rule 4)
 # No new piece for this long, whatever the source says: repair from whoever has what we lack.
 STALL_S = 3.0
 # An inbound data connection must deliver its signed hello within this (a dialer sends it right
@@ -132,9 +132,13 @@ SEND_CHUNK = 128 * 1024
 # the ACKs of a peer whose uplink is busy relaying wait behind its relays (0.2-1 s measured on
 # 10 Mbit/s uplinks), and a capped buffer would cap what the learner can send it.
 SOURCE_NOTSENT_LOWAT = 64 * 1024
-# What a peer may make us queue towards it by asking (`get`, `next`) without reading: beyond
-# this many bytes, it is disconnected rather than buffered.
-LINK_QUEUE_PIECES = 8
+# What a peer may make us queue towards it by asking (`get`, `next`, `more`) without reading:
+# beyond this many bytes, it is disconnected rather than buffered. An honest peer has at most
+# SOURCE_PIPELINE `next` + 4 repair `get`s (PieceSwarm's max_inflight_per_peer) + 2 `more`
+# (SourcePull.direct_pipeline) outstanding, and the learner may have queued one direct piece it
+# owes it: 9 piece frames, each a few bytes over a piece. (At 8 pieces the learner cut honest
+# peers whose loop paused while the learner's kernel buffer held only TCP_NOTSENT_LOWAT.)
+LINK_QUEUE_PIECES = 12
 LINK_QUEUE_MIN_BYTES = 1 << 20
 # A peer that sent a bad piece or a bad frame is refused on the data channel this long; at most
 # this many bans are kept (the one ending first is forgotten first).
