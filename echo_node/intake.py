@@ -611,12 +611,11 @@ class RolloutIntake:
             self.journal.append(["seen", origin, batch.seq])
         taken = 0
         for group in batch.groups:
-            first = self.copies.first_sender(group, origin) if self.copies is not None else origin
+            first, strike = self.copies.first_sender(group, origin) if self.copies is not None else (origin, False)
             if first != origin:
                 log.info("dropped a group of %s: %s sent the same prompt and completions first", origin, first)
                 self.buffer.reject(DropReason.COPIED, len(group.samples))
-                assert self.copies is not None
-                if self.copies.copy_strike_due(group, origin):
+                if strike:
                     self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups others sent first that honest sampling would "
                                           "hardly give twice")
                 continue

@@ -643,22 +643,11 @@ class Copies:
         self._first: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._implausible: OrderedDict[str, int] = OrderedDict()  # copier -> implausible copies sent
 
-    def first_sender(self, group: RolloutGroup, origin: str) -> str:
-        """The publisher that sent `group` first (`origin` if nobody else did)."""
-        return self._first_seen(group, origin)[0]
-
-    def copy_strike_due(self, group: RolloutGroup, copier: str) -> bool:
-        """Count a copy `copier` sent; True when it earns a strike: every COPIES_PER_STRIKE-th
-        copy of a group that honest sampling was unlikely to give twice (by the first
-        publisher's log-probs, which the copier cannot lower)."""
-        _, log_chance = self._first_seen(group, copier)
-        if log_chance >= math.log(PLAUSIBLE_COPY):
-            return False
-        count = self._implausible.get(copier, 0) + 1
-        _keep_recent(self._implausible, copier, count)
-        return count % COPIES_PER_STRIKE == 0
-
-    def _first_seen(self, group: RolloutGroup, origin: str) -> tuple[str, float]:
+    def first_sender(self, group: RolloutGroup, origin: str) -> tuple[str, bool]:
+        """The publisher that sent `group` first (`origin` if nobody else did), and whether this
+        copy earns `origin` a strike: every COPIES_PER_STRIKE-th copy of a group that honest
+        sampling was unlikely to give twice (by the first publisher's log-probs, which the
+        copier cannot lower)."""
         key = group_fingerprint(group)
         first = self._first.get(key)
         if first is None:
@@ -666,4 +655,9 @@ class Copies:
         self._first.move_to_end(key)
         while len(self._first) > self.window:
             self._first.popitem(last=False)
-        return first
+        sender, log_chance = first
+        if sender == origin or log_chance >= math.log(PLAUSIBLE_COPY):
+            return sender, False
+        count = self._implausible.get(origin, 0) + 1
+        _keep_recent(self._implausible, origin, count)
+        return sender, count % COPIES_PER_STRIKE == 0
