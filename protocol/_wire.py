@@ -17,7 +17,8 @@ from protocol.limits import MAX_CONFIG_KEYS, MAX_STR, MAX_WIRE_ARRAY, MAX_WIRE_A
 
 def pack(obj: Any) -> bytes:
     # use_bin_type keeps bytes and str distinct on the wire; floats always pack as float64.
-    return msgpack.packb(obj, use_bin_type=True)
+    packed: bytes = msgpack.packb(obj, use_bin_type=True)
+    return packed
 
 
 class _ArrayBudget:

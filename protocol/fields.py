@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import Field, fields
 from typing import Any, ClassVar, NoReturn, Self, TypeAlias, TypeVar
 
 from protocol.addresses import AddressError, check_data_host
@@ -213,6 +213,8 @@ class WireMessage:
 
     __slots__ = ()
 
+    # Every concrete message is a dataclass (declared here so `fields(cls)` type-checks).
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
     KIND: ClassVar[str | None] = None
     SIGNER_FIELD: ClassVar[str | None] = None
     _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {}
@@ -254,7 +256,7 @@ def _field_names(cls: type[WireMessage]) -> tuple[str, ...]:
     # dataclasses.fields() builds a new tuple per call: a noticeable share of opening a batch.
     names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))  # type: ignore[arg-type]
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
     return names
 
 
@@ -269,7 +271,7 @@ def _to_wire_value(value: object) -> object:
     if isinstance(value, WireMessage):
         return value.to_wire()
     if isinstance(value, tuple) and value and isinstance(value[0], WireMessage):
-        return [v.to_wire() for v in value]  # type: ignore[attr-defined]
+        return [v.to_wire() for v in value]
     if isinstance(value, dict):
         return {k: _to_wire_value(value[k]) for k in sorted(value)}  # canonical key order
     return value  # scalars, bytes, tuples of scalars (msgpack packs tuples as arrays)

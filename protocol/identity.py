@@ -87,7 +87,7 @@ def peer_id_from_public_key(raw32: bytes) -> str:
     return b58encode(_PEER_ID_PREFIX + bytes(raw32))
 
 
-def public_key_from_peer_id(peer_id: str) -> bytes:
+def public_key_from_peer_id(peer_id: object) -> bytes:
     """The raw Ed25519 public key inside an Ed25519 peer id; ValueError for anything else."""
     if not isinstance(peer_id, str) or not 0 < len(peer_id) <= MAX_PEER_ID_LEN:
         raise ValueError("peer id must be a non-empty string of at most 128 characters")
@@ -103,7 +103,7 @@ def public_key_from_peer_id(peer_id: str) -> bytes:
 def is_valid_peer_id(peer_id: object) -> bool:
     """True for a well-formed Ed25519 libp2p peer id string."""
     try:
-        public_key_from_peer_id(peer_id)  # type: ignore[arg-type]
+        public_key_from_peer_id(peer_id)
     except ValueError:
         return False
     return True

@@ -510,7 +510,7 @@ def kind_of(message: object) -> str:
     """The registry kind of a top-level message (or message class); LocalProtocolError otherwise."""
     cls = message if isinstance(message, type) else type(message)
     kind = getattr(cls, "KIND", None)
-    if kind is None or MESSAGE_TYPES.get(kind) is not cls:
+    if not isinstance(kind, str) or MESSAGE_TYPES.get(kind) is not cls:
         raise LocalProtocolError(f"{cls.__name__} is not a top-level protocol message")
     return kind
 

@@ -51,7 +51,7 @@ from array import array
 from collections import deque
 from itertools import accumulate, islice, repeat
 from operator import add
-from typing import overload
+from typing import Final, Iterable, overload
 
 import zstandard
 
@@ -69,7 +69,7 @@ _MAX_GAP_WIDTH = 8
 _XOR_CHUNK = 64 * 1024  # cache-resident: 64 KiB chunks XOR at least as fast as one whole-blob int
 _CHANGE_CHUNK = 1 << 16  # changed lanes handled per step of the sparse coder (bounds temporaries)
 _BIG_ENDIAN = sys.byteorder == "big"
-_LANE_CODE = "H"  # unsigned 16-bit lanes
+_LANE_CODE: Final = "H"  # unsigned 16-bit lanes
 assert array(_LANE_CODE).itemsize == 2, "array('H') must hold 16-bit items"
 _GAP_CODES = {array(c).itemsize: c for c in reversed("QLIHB")}  # itemsize -> typecode
 DEFAULT_DELTA_LEVEL = 3  # zstd's default level: the streams are entropy-coded; higher levels gain little
@@ -137,13 +137,13 @@ def _apply_zigzag(base: int, zz: int, k: _Lanes) -> int:
     return ((base & k.low15) + (d & k.low15)) ^ ((base ^ d) & k.high)
 
 
-def _lane_values(values: array) -> int:  # type: ignore[type-arg]
+def _lane_values(values: array[int]) -> int:
     if _BIG_ENDIAN:
         values.byteswap()
     return int.from_bytes(values, "little")
 
 
-def _lane_array(x: int, count: int) -> array:  # type: ignore[type-arg]
+def _lane_array(x: int, count: int) -> array[int]:
     out = array(_LANE_CODE)
     out.frombytes(x.to_bytes(2 * count, "little"))
     if _BIG_ENDIAN:
@@ -151,10 +151,10 @@ def _lane_array(x: int, count: int) -> array:  # type: ignore[type-arg]
     return out
 
 
-def _lane_view(buf: memoryview, lanes: int) -> memoryview | array:  # type: ignore[type-arg]
+def _lane_view(buf: memoryview, lanes: int) -> memoryview[int] | array[int]:
     """Random access to the first `lanes` little-endian 16-bit lanes of `buf` (no copy if we can)."""
     if not _BIG_ENDIAN:
-        return buf[: 2 * lanes].cast("H")
+        return buf[: 2 * lanes].cast(_LANE_CODE)
     out = array(_LANE_CODE)
     out.frombytes(buf[: 2 * lanes])
     out.byteswap()
@@ -257,9 +257,9 @@ def _scan(mn: memoryview, mb: memoryview, level: int) -> tuple[bytes, list[int] 
     return b"".join(plain), gaps
 
 
-def _positions(gaps: object) -> accumulate[int]:
+def _positions(gaps: Iterable[int]) -> accumulate[int]:
     """Lane index of each changed lane, from the gaps before each."""
-    return accumulate(map(add, gaps, repeat(1)), initial=-1)  # type: ignore[call-overload]
+    return accumulate(map(add, gaps, repeat(1)), initial=-1)
 
 
 def _encode_sparse(mn: memoryview, mb: memoryview, gaps: list[int], level: int) -> bytes:
@@ -431,7 +431,7 @@ def _decode_sparse(data: bytes, base: memoryview, out: memoryview) -> None:
     out[:] = base
     # The changed lanes are rewritten in place: through a 16-bit view of `out`, or on a
     # big-endian host through a byte-swapped copy written back at the end.
-    lanes: memoryview | array  # type: ignore[type-arg]
+    lanes: memoryview[int] | array[int]
     if _BIG_ENDIAN:
         lanes = array(_LANE_CODE)
         lanes.frombytes(out[: 2 * lanes_total])
