@@ -110,11 +110,11 @@ from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse, seal
 from protocol._wire import unpack_strict
 from protocol.assignment import groups_that_fit
+from protocol.envelope import open_manifest
 from protocol.framing import encode_length_prefixed
 from protocol.identity import load_or_create_key_file
 from protocol.messages import RunSpec, StatusRequest, StatusResponse, worst_group_bytes
 from protocol.weights.datachannel import FULL, HELLO_MAX, MAX_WIRE_FRAME, Get, ManifestFrame, decode_frame, encode, make_hello
-from protocol.weights.manifest import open_manifest
 from tests.factories import bad_rollout_messages, closed_port, make_batch
 
 CLASSES = [

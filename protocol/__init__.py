@@ -17,6 +17,7 @@ from protocol.envelope import (
     decode_message,
     encode_message,
     open_envelope,
+    open_manifest,
     seal,
     signing_input,
 )
@@ -62,7 +63,6 @@ from protocol.weights.manifest import (
     WeightManifest,
     build_manifest,
     choose_piece_size,
-    open_manifest,
     payload_digest,
     piece_digest,
     piece_range,

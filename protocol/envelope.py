@@ -45,6 +45,7 @@ from protocol.messages import (
     expected_kind_name,
     kind_of,
 )
+from protocol.weights.manifest import WeightManifest
 
 __all__ = [
     "SIGNATURE_DOMAIN",
@@ -52,6 +53,7 @@ __all__ = [
     "decode_message",
     "encode_message",
     "open_envelope",
+    "open_manifest",
     "seal",
     "signing_input",
 ]
@@ -180,6 +182,21 @@ def open_envelope(
             reason=DropReason.WRONG_SENDER,
         )
     return message, sender
+
+
+def open_manifest(frame: bytes, *, learner_peer_id: str, run_id: str) -> WeightManifest:
+    """Verify and decode a sealed manifest from whoever relayed it.
+
+    RemoteProtocolError with `.reason`: bad_signature (tampered or forged), wrong_sender (validly
+    signed, but not by this run's learner), wrong_run (another run's manifest), malformed or
+    unsupported_schema (bad bytes).
+    """
+    manifest, _ = open_envelope(frame, expected_kind=WeightManifest, expected_sender=learner_peer_id)
+    if manifest.run_id != run_id:
+        raise RemoteProtocolError(
+            f"manifest for run {manifest.run_id!r}, expected {run_id!r}", reason=DropReason.WRONG_RUN
+        )
+    return manifest
 
 
 def _short(value: object) -> str:

@@ -56,6 +56,7 @@ import trio
 
 from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, serve_admitted
 from echo_node.net.framing import read_frame, write_frame
+from protocol.envelope import open_manifest
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
 from protocol.identity import Identity
@@ -86,7 +87,7 @@ from protocol.weights.datachannel import (
     session_signature,
     verify_session,
 )
-from protocol.weights.manifest import WeightManifest, open_manifest, piece_range, verify_piece
+from protocol.weights.manifest import WeightManifest, piece_range, verify_piece
 from protocol.weights.pieces import Cancel, PieceSwarm, Request
 from protocol.weights.relay import SourcePull
 from protocol.weights.source import SourcePlan
@@ -531,7 +532,7 @@ class Source:
     def _send_piece(self, link: Link, index: int) -> None:
         data = self.store.get(index)
         if data is not None:
-            link.answer(Piece(index, data), _SENT)  # type: ignore[arg-type]  (a read-only view packs as bin)
+            link.answer(Piece(index, data), _SENT)  # type: ignore[arg-type]  # a read-only view packs as bin
 
     def _sent(self, _tag: object) -> None:
         """A frame left a link, which may now have nothing queued: room for a direct piece."""

@@ -25,7 +25,7 @@ Invariants (enforced by construction, so also on every decoded manifest):
   sizes are derived, never sent, so they cannot disagree with each other or with the hashes;
 - len(pieces) == ceil(payload_size / piece_size), between 1 and MAX_PIECES;
 - `piece_size` is a power of two in [MIN_PIECE_SIZE, MAX_PIECE_SIZE];
-- a manifest is accepted only if signed by the run's learner (`open_manifest`).
+- a manifest is accepted only if signed by the run's learner (`protocol.envelope.open_manifest`).
 """
 
 from __future__ import annotations
@@ -56,7 +56,6 @@ __all__ = [
     "WeightManifest",
     "build_manifest",
     "choose_piece_size",
-    "open_manifest",
     "payload_digest",
     "piece_digest",
     "piece_range",
@@ -272,22 +271,3 @@ def build_manifest(
         weights_size=weights_size,
         weights_sha256=weights_sha256,
     )
-
-
-def open_manifest(frame: bytes, *, learner_peer_id: str, run_id: str) -> WeightManifest:
-    """Verify and decode a sealed manifest from whoever relayed it.
-
-    RemoteProtocolError with `.reason`: bad_signature (tampered or forged), wrong_sender (validly
-    signed, but not by this run's learner), wrong_run (another run's manifest), malformed or
-    unsupported_schema (bad bytes).
-    """
-    # Imported here: messages.py imports this module to register the kind, and envelope.py
-    # imports messages.py, so a module-level import would be circular.
-    from protocol.envelope import open_envelope
-
-    manifest, _ = open_envelope(frame, expected_kind=WeightManifest, expected_sender=learner_peer_id)
-    if manifest.run_id != run_id:
-        raise RemoteProtocolError(
-            f"manifest for run {manifest.run_id!r}, expected {run_id!r}", reason=DropReason.WRONG_RUN
-        )
-    return manifest

@@ -63,7 +63,7 @@ from protocol.addresses import (
     dial_plan,
     parse_tcp_multiaddr,
 )
-from protocol.envelope import SIGNATURE_DOMAIN, open_envelope, seal, signing_input
+from protocol.envelope import SIGNATURE_DOMAIN, open_envelope, open_manifest, seal, signing_input
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, decode_frame, encode_frame, encode_length_prefixed
 from protocol.identity import Identity, b58decode, is_valid_peer_id, peer_id_from_public_key, public_key_from_peer_id, verify
@@ -88,7 +88,7 @@ from protocol.messages import (
     kind_of,
 )
 from protocol.weights.delta import decode_delta, encode_delta
-from protocol.weights.manifest import build_manifest, open_manifest, payload_digest, piece_range
+from protocol.weights.manifest import build_manifest, payload_digest, piece_range
 from tests.factories import ALICE, MALLORY, make_batch
 
 __all__ = [

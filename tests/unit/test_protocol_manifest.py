@@ -12,6 +12,7 @@ import pytest
 
 from protocol import Identity, decode_message, encode_message, seal
 from protocol.drops import DropReason
+from protocol.envelope import open_manifest
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.framing import decode_frame, encode_frame
 from protocol.limits import MAX_FRAME_BYTES, MAX_PIECE_SIZE, MAX_PIECES, MIN_PIECE_SIZE
@@ -21,7 +22,6 @@ from protocol.weights.manifest import (
     WeightManifest,
     build_manifest,
     choose_piece_size,
-    open_manifest,
     payload_digest,
     piece_digest,
     piece_range,
