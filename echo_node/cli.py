@@ -14,7 +14,7 @@ typo and every input the CLI can judge on its own answer at once. Rules:
 
 SIGINT and SIGTERM stop every role cleanly: the role is cancelled, its own cleanup runs (the
 learner writes its summary and checkpoint), and the process exits with 128 + the signal number
-(130, 143), without a traceback. See `run_until_signal`.
+(130, 143), without a traceback. See `run_until_signal` (echo_node/stopping.py).
 """
 
 from __future__ import annotations
@@ -28,186 +28,19 @@ import os
 import select
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any
 
-if TYPE_CHECKING:
-    import trio
+from echo_node.stopping import Stopped, raise_stopped, run_until_signal, signal_name, signals_deferred
 
 DEFAULT_KEY_DIR = Path(os.environ.get("ECHO_NODE_HOME", Path.home() / ".local" / "share" / "echo-node")) / "keys"
 EXIT_USER_ERROR = 2
 # A bootstrap address as `echo-node bootstrap` prints it; errors quote it as the shape to copy.
 BOOTSTRAP_EXAMPLE = "/ip4/203.0.113.10/tcp/4001/p2p/12D3KooW..."
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 log = logging.getLogger("echo_node.cli")
-T = TypeVar("T")
-
-
-# -- stop signals ----------------------------------------------------------------------------
-#
-# Rules, in the order a process lives through them:
-# - Outside `run_until_signal` (parsing, imports, loading a model; the last log line): SIGINT
-#   raises KeyboardInterrupt as Python's default handler does, SIGTERM raises `Stopped`; `main`
-#   turns both into 128 + the signal number. Before it nothing was written that a summary could
-#   report; after it the role's cleanup is done. `import torch` runs with both held until it ends
-#   (`_signals_deferred`): its C extension swallows exceptions raised inside it.
-# - While `run_until_signal` runs the role: the first SIGINT or SIGTERM cancels the role's
-#   cancel scope and nothing else; the role's own `finally` blocks (the learner's summary and
-#   checkpoint) run under that cancellation, and the exit status is 128 + the signal number.
-# - A second SIGINT or SIGTERM while stopping exits at once (os._exit, 128 + its number),
-#   skipping whatever cleanup is left: an operator who signals twice wants the process gone, and a
-#   shutdown that hangs must not need SIGKILL.
-# - A signal the process was started with ignored (SIG_IGN: `cmd &` in a script ignores SIGINT)
-#   stays ignored, as Python itself leaves it.
-
-
-def _stop_signals() -> tuple[int, ...]:
-    """The stop signals this process acts on: those it was not told to ignore."""
-    return tuple(s for s in STOP_SIGNALS if signal.getsignal(s) is not signal.SIG_IGN)
-
-
-class Stopped(BaseException):
-    """SIGTERM outside `run_until_signal`: unwinds like KeyboardInterrupt does for SIGINT."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _raise_stopped(signum: int, frame: FrameType | None) -> None:
-    raise Stopped(signum)
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-
-
-def _exit_now(signum: int) -> None:
-    # Called from a signal handler, possibly in the middle of a write to stderr: os.write, not
-    # logging (a buffered stream re-entered from a signal handler raises).
-    os.write(2, f"echo-node: {_signal_name(signum)} while stopping: exiting at once\n".encode())
-    os._exit(128 + signum)
-
-
-@contextmanager
-def _signals_deferred() -> Iterator[None]:
-    """Holds SIGINT/SIGTERM until the block ends, then re-raises the first one to the handler it
-    would have met. For `import torch`: its C extension imports numpy and swallows whatever that
-    import raises, so a KeyboardInterrupt (or `Stopped`) raised then would be lost and the process
-    would carry on."""
-    pending: list[int] = []
-    previous = {s: signal.signal(s, lambda signum, frame: pending.append(signum)) for s in _stop_signals()}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if pending:
-        signal.raise_signal(pending[0])
-
-
-@dataclass
-class _StopState:
-    watched: tuple[int, ...] = field(default_factory=_stop_signals)
-    signum: int | None = None  # the first stop signal received
-
-    def on_signal(self, signum: int, frame: FrameType | None) -> None:
-        """Python-level handler while trio runs but no receiver is open (before the watcher opens
-        it, after it closed) and once stopping: the first signal is recorded, the watcher acts on
-        it; any later one exits at once."""
-        if self.signum is None:
-            self.signum = signum
-        else:
-            _exit_now(signum)
-
-
-async def _watch_signals(
-    state: _StopState, role: trio.CancelScope, doing: str, *, task_status: trio.TaskStatus[None]
-) -> None:
-    import trio
-
-    with trio.open_signal_receiver(*state.watched) as signals:
-        task_status.started()
-        if state.signum is None:  # else it arrived before the receiver was open
-            async for signum in signals:
-                state.signum = signum
-                break
-        assert state.signum is not None
-        log.info("stopping on %s%s", _signal_name(state.signum), f": {doing}" if doing else "")
-        # The role's cleanup may run synchronously for a while (the learner's summary, plots and
-        # checkpoint) and this task would not see a signal until it yields: a plain handler acts
-        # on the next one at once. The receiver restores `state.on_signal` when it closes.
-        for s in state.watched:
-            signal.signal(s, state.on_signal)
-        role.cancel()
-        async for signum in signals:  # one queued before the handlers were replaced
-            _exit_now(signum)
-
-
-def _leaf_errors(exc: BaseException) -> list[BaseException]:
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in _leaf_errors(inner)]
-    return [exc]
-
-
-def run_until_signal(fn: Callable[[], Awaitable[T]], *, doing: str = "") -> tuple[T | None, int | None]:
-    """`trio.run(fn)` until it returns or SIGINT/SIGTERM cancels it.
-
-    Returns fn's result (None if a signal cancelled it) and the stop signal's number (None if
-    none came). `doing` says, in the log line a signal brings, what the role does on its way out.
-    An error the role raises while stopping is logged, not raised: the operator asked it to stop,
-    and the exit status says it was stopped.
-    """
-    import trio
-
-    state = _StopState()
-    if not state.watched:  # both ignored: nothing to stop on
-        return trio.run(fn), None
-    result: list[T] = []
-    # The role's own error, raised after trio.run as the role raised it (the nursery here would
-    # wrap it in an exception group that `trio.run(fn)` does not add).
-    error: list[Exception] = []
-
-    async def main() -> None:
-        role = trio.CancelScope()
-        async with trio.open_nursery() as nursery:
-            # Started (receiver open) before the role runs, so no signal can reach the role as
-            # KeyboardInterrupt: the role sees only a cancellation.
-            await nursery.start(partial(_watch_signals, state, role, doing))
-            try:
-                with role:
-                    result.append(await fn())
-            except Exception as exc:
-                if state.signum is None:
-                    error.append(exc)
-                    return
-                errors = "; ".join(f"{type(e).__name__}: {e}" for e in _leaf_errors(exc))
-                log.error("while stopping on %s: %s", _signal_name(state.signum), errors)
-                log.debug("while stopping", exc_info=exc)
-            finally:
-                nursery.cancel_scope.cancel()  # the watcher
-
-    # trio installs its own SIGINT handler (KeyboardInterrupt at a safe point) only when it finds
-    # Python's default one; with `state.on_signal` in place a signal outside the receiver is
-    # recorded instead and stops the role like any other.
-    previous = {s: signal.signal(s, state.on_signal) for s in state.watched}
-    try:
-        trio.run(main)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
-    if error:
-        raise error[0]
-    return (result[0] if result else None), state.signum
 
 
 def _exit_status(signum: int | None) -> int:
@@ -582,7 +415,7 @@ def _cmd_learn(args: argparse.Namespace) -> int:
     from echo_node.heap import limit_heap_growth
 
     heap = limit_heap_growth()  # before the model's first allocations (echo_node/heap.py)
-    with _signals_deferred():
+    with signals_deferred():
         import torch
     from echo_node.ml.sharded import init_from_env
     from echo_node.policy import set_threads
@@ -677,7 +510,7 @@ def _reward_change(summary: dict[str, Any]) -> str:
 def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | None) -> None:
     """The learner's last line when a signal stopped it: what summary.json says, if this run wrote
     it (a file still at modification time `stale` is an earlier run's under the same id)."""
-    how = f"stopped on {_signal_name(signum)}" if signum is not None else "stopped"
+    how = f"stopped on {signal_name(signum)}" if signum is not None else "stopped"
     if _mtime(path) in (None, stale):
         log.warning("run %s %s without writing %s", run_id, how, path)
         return
@@ -691,7 +524,7 @@ def _log_stopped(path: Path, run_id: str, signum: int | None, *, stale: float | 
 
 def _cmd_join(args: argparse.Namespace) -> int:
     cfg = args.run_config  # built and checked by check_inputs
-    with _signals_deferred():
+    with signals_deferred():
         import torch  # noqa: F401
     from echo_node.policy import set_threads
     from echo_node.rollout_peer import RolloutPeer
@@ -780,7 +613,7 @@ def _cmd_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_import_gguf(args: argparse.Namespace) -> int:
-    with _signals_deferred():
+    with signals_deferred():
         import torch  # noqa: F401
     from echo_node.ml.device import DTYPES
     from echo_node.ml.gguf_import import import_gguf
@@ -799,10 +632,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(build_parser(), argv)
     role = args.command
     # SIGTERM unwinds like SIGINT wherever `run_until_signal` is not handling it (stop-signal
-    # rules above); the demo's cleanup then stops its children as it does on Ctrl-C.
+    # rules in echo_node/stopping.py); the demo's cleanup then stops its children as it does on Ctrl-C.
     previous_sigterm = signal.getsignal(signal.SIGTERM)
     if previous_sigterm is not signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, _raise_stopped)
+        signal.signal(signal.SIGTERM, raise_stopped)
     try:
         check_inputs(args)  # first: before logging, the file limit and every heavy import
         if role not in ("demo", "tiny-model", "status", "plan", "import-gguf"):

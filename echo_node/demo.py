@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from echo_node.cli import Stopped
+from echo_node.stopping import Stopped
 from echo_node.metrics import json_safe, read_metrics, rounded
 
 READY_TIMEOUT_S = 240.0
@@ -143,7 +143,7 @@ def run_demo(args: argparse.Namespace) -> int:
         progress.close()
         print("interrupted; all demo processes stopped", file=sys.stderr)
         return 130
-    except Stopped as exc:  # SIGTERM (echo_node/cli.py)
+    except Stopped as exc:  # SIGTERM (echo_node/stopping.py)
         progress.close()
         print("stopped; all demo processes stopped", file=sys.stderr)
         return 128 + exc.signum
