@@ -33,23 +33,24 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file as st_load_file
 
 from echo_node.checkpoint import Checkpoint, CheckpointStore
 from echo_node.config import RunConfig, to_dict
-from echo_node.intake import JoinRefused
+from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.journal import Journal, replay_records
 from echo_node.ml.export import export_pretrained
 from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy, save_state
+from echo_node.policy import Policy
+from echo_node.replay import ReplayBuffer
+from echo_node.trainer import Trainer
+from protocol.drops import DropReason
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RolloutGroup
 from protocol.weights.manifest import payload_digest
-
-if TYPE_CHECKING:
-    from echo_node.learner import Learner
 
 log = logging.getLogger(__name__)
 
@@ -158,10 +159,22 @@ class PreparedCheckpoint:
     weights: dict[str, torch.Tensor]  # the canonical weights, copied
 
 
+class LearnerParts(Protocol):
+    """The parts of a learner that its checkpoints save and a resume restores (a `Learner`)."""
+
+    cfg: RunConfig
+    epoch: int
+    policy: Policy
+    peers: PeerBook
+    buffer: ReplayBuffer
+    intake: RolloutIntake
+    trainer: Trainer
+
+
 class RunState:
     """Writes a learner's checkpoints and resumes it from them."""
 
-    def __init__(self, learner: Learner) -> None:
+    def __init__(self, learner: LearnerParts) -> None:
         self.learner = learner
         cfg = learner.cfg
         self.store = CheckpointStore(cfg.run_dir, keep=cfg.checkpoint.keep)
@@ -422,7 +435,7 @@ class RunState:
         try:
             trainer.redo(groups)
         except Exception as exc:  # the same batch failed the same way then: train_error
-            self.learner.buffer.mark_failed(groups, "train_error")
+            self.learner.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
             resumed.diverged = f"redoing the step to version {version} failed: {exc}"
             return
         resumed.redone += 1
