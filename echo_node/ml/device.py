@@ -84,7 +84,7 @@ def describe_choice(device_setting: str, dtype_setting: str | None, *, cpuinfo: 
     device = resolve_device(device_setting)
     if device_setting == "auto":
         where = (
-            f"device auto -> {device} ({torch.cuda.get_device_setting(device)})" if device.type == "cuda"
+            f"device auto -> {device} ({torch.cuda.get_device_name(device)})" if device.type == "cuda"
             else "device auto -> cpu: torch sees no CUDA device"
         )
     else:

@@ -34,3 +34,14 @@ def test_explicit_settings_and_a_peer_are_named_as_such() -> None:
     assert describe_choice("cpu", None).endswith("dtype: the run's rollout dtype, as its learner chose it")
     with pytest.raises(ValueError):
         describe_choice("cpu", "float8")
+
+
+def test_auto_on_a_gpu_names_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch, on any machine: the GPU is faked, the line is real. (It once called a
+    torch.cuda function that does not exist, so every node on a GPU with device auto failed at
+    start; the type checker found it.)"""
+    monkeypatch.setattr("echo_node.ml.device.resolve_device", lambda setting: torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    line = describe_choice("auto", "auto")
+    assert line.startswith("device auto -> cuda:0 (NVIDIA H200); dtype auto -> bfloat16 on cuda:0"), line
+    assert describe_choice("auto", None).startswith("device auto -> cuda:0 (NVIDIA H200); dtype: the run's")
