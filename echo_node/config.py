@@ -21,6 +21,7 @@ from echo_node.ml import defaults as ml_defaults
 from protocol.addresses import AddressError, check_announce, check_data_host, parse_tcp_multiaddr
 from protocol.identity import is_valid_peer_id
 from protocol.limits import MAX_STALENESS, MAX_TEMPERATURE, MAX_TOKENS_PER_SEQUENCE
+from protocol.weights.overlay import DEFAULT_DEGREE, DEGREE_RANGE
 
 SyncMode = Literal["pull", "async"]
 Correction = Literal["tis", "decoupled", "none"]
@@ -271,6 +272,21 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class WeightsConfig:
+    # Data links each peer keeps (k), chosen by the learner (protocol/weights/overlay.py); a
+    # swarm of at most k + 1 peers is a full mesh. Allowed: overlay.DEGREE_RANGE.
+    degree: int = DEFAULT_DEGREE
+    # Peers the learner itself sends pieces to, rotated `source_rotate` at a time per version.
+    source_degree: int = 32
+    source_rotate: int = 2
+    # A member counts as settled (may fill the first half of a newcomer's links) this long
+    # after it joined: a burst of identities cannot surround the next newcomer.
+    settle_s: float = 60.0
+    # Share of the overlay's links rewired per version (slow rotation).
+    rotate_share: float = 0.02
+
+
+@dataclass(kw_only=True, slots=True)
 class RunConfig:
     run_id: str = "default"
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -291,6 +307,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
+    weights: WeightsConfig = field(default_factory=WeightsConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -371,6 +388,15 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError("capacity needs gamma >= 1, tick_s > 0, release_margin >= 0 and window_s > 0")
     if not 0 <= cfg.rollout.price_per_hour <= 1e6:
         raise ValueError(f"rollout.price_per_hour must be in [0, 1e6], got {cfg.rollout.price_per_hour}")
+    w = cfg.weights
+    lo, hi = DEGREE_RANGE
+    if not (lo <= w.degree <= hi and 1 <= w.source_degree <= 1024 and 0 <= w.source_rotate <= w.source_degree
+            and 0 <= w.settle_s <= 86400 and 0 <= w.rotate_share <= 1):
+        raise ValueError(
+            f"weights needs {lo} <= degree <= {hi}, 1 <= source_degree <= 1024, 0 <= source_rotate <= source_degree, "
+            f"0 <= settle_s <= 86400 and 0 <= rotate_share <= 1 (got {w.degree}, {w.source_degree}, {w.source_rotate}, "
+            f"{w.settle_s}, {w.rotate_share})"
+        )
     validate_net(cfg.net)
 
 
