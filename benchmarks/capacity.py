@@ -33,6 +33,17 @@ tiers with their own μ and price); 20 % churn per hour unless said otherwise. M
 Targets: bcast ratios <= 1.2, idle error <= 0.1, saving >= 30 % at equal or lower idle,
 sim_wall_s <= 300 s for 1,000 peers x 100 versions. This process is pinned to one core.
 
+Section `mesh`: the bounded-degree overlay of `echo_node.sim.mesh`, driving the real
+`protocol.weights.overlay.Overlay` (k = 16 links per peer, chosen by the learner),
+`protocol.weights.exchange.Exchange` (have, requests, rarest first, endgame) and `SeedPlan` (the
+learner's sends) over the same link model. `mesh_n1000`: 1,000 workers of the population, no
+churn; `mesh_n1000_churn`: uplinks uniform in 5-35 Mbit/s, 10 % churn per hour (each leave
+replaced by a newcomer); `mesh_n10000` with `--n10000-versions`. Each: median and max over
+versions of (publication until every member present at publication that stayed holds it) ÷
+the bound over the members at publication, the last peer's (newcomers included) separately,
+links per peer, the learner's copies, CPU and wall seconds per version. Targets: ratios <= 1.05
+(no churn) and <= 1.10 (churn), links per peer <= 24, <= 30 s of wall per version at 1,000.
+
 Section `simcheck` (root: network namespaces): the simulator against live broadcasts of real
 receivers over the same shaped links (3 and 4 peers, 4 MiB); `sim_vs_live_bcast` is the largest
 |live / simulated - 1|.
@@ -69,7 +80,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from echo_node.sim import PeerSpec, SwarmConfig, SwarmResult, draw_peers, population, run_swarm
+from echo_node.sim import MBIT, PeerSpec, SwarmConfig, SwarmResult, draw_peers, population, run_swarm
+from echo_node.sim.mesh import MeshResult, MeshSim
 from protocol.capacity import choose_kappa, mu_min
 
 IDLE_FACTORS = (0.5, 0.8, 1.0, 1.2, 2.0)
@@ -139,6 +151,64 @@ def sim_broadcast(args: argparse.Namespace) -> dict[str, Any]:
         "bcast_n100": {"model_mib": 64, **_broadcasts(small)},
         "bcast_n1000": {"model_mib": args.n1000_mib, "budget_s": args.n1000_budget_s, **big_stats},
     }
+
+
+def _mesh_stats(result: MeshResult) -> dict[str, Any]:
+    done = [v for v in result.versions if v.ratio is not None]
+    ratios = [v.ratio for v in done]
+    last = [v.last_s / v.bound_s for v in result.versions if v.last_s is not None]
+    return {
+        "ratio_median": _round(statistics.median(ratios)) if ratios else None,
+        "ratio_max": _round(max(ratios)) if ratios else None,
+        "last_peer_ratio_median": _round(statistics.median(last)) if last else None,
+        "last_peer_ratio_max": _round(max(last)) if last else None,
+        "versions": len(result.versions),
+        "versions_unfinished": len(result.versions) - len(done),
+        "bound_s": [_round(v.bound_s, 2) for v in result.versions],
+        "learner_copies_median": _round(statistics.median(v.learner_copies for v in result.versions), 2) if result.versions else None,
+        "duplicate_share": _round(sum(v.duplicates for v in result.versions) / max(1, sum(v.deliveries for v in result.versions))),
+        "links_per_peer_max": result.links_per_peer_max,
+        "links_per_peer_mean": _round(result.links_per_peer_mean, 2),
+        "cpu_s_per_version": _round(result.cpu_s / max(1, len(result.versions)), 1),
+        "wall_s_per_version": _round(result.wall_s / max(1, len(result.versions)), 1),
+        "events": result.events,
+    }
+
+
+def mesh_run(n: int, model_mib: int, versions: int, seed: int, *, churn_per_hour: float = 0.0,
+             uplink_mbit: tuple[float, float] | None = None) -> MeshResult:
+    """N workers of the population (or with uplinks uniform in `uplink_mbit`, never above their
+    downlink) on the bounded-degree overlay; under churn, each leave is replaced by a newcomer."""
+    rng = random.Random(seed)
+    specs = draw_peers(rng, n + n // 2)
+    def row(p: PeerSpec) -> tuple[str, float, float, float]:
+        up = p.up if uplink_mbit is None else min(p.down, rng.uniform(*uplink_mbit) * MBIT)
+        return (p.peer_id, p.down, up, p.lat)
+    rows = [row(p) for p in specs]
+    sim = MeshSim(1000 * MBIT, rows[:n], size_bytes=model_mib << 20, churn_per_hour=churn_per_hour, spare=rows[n:], seed=seed)
+    return sim.run(versions)
+
+
+def sim_mesh(args: argparse.Namespace) -> dict[str, Any]:
+    """The bounded-degree overlay (echo_node.sim.mesh): 1,000 peers without churn, 1,000 with
+    uplinks of 5-35 Mbit/s and 10 % churn per hour, and 10,000 peers when asked."""
+    started = time.perf_counter()
+    out: dict[str, Any] = {}
+    plain = mesh_run(1000, args.n1000_mib, args.mesh_versions, args.seed)
+    out["mesh_n1000"] = _mesh_stats(plain)
+    churn = mesh_run(1000, args.n1000_mib, args.mesh_versions, args.seed + 1, churn_per_hour=0.1, uplink_mbit=(5.0, 35.0))
+    out["mesh_n1000_churn"] = _mesh_stats(churn)
+    if args.n10000_versions:
+        out["mesh_n10000"] = _mesh_stats(mesh_run(10000, args.n1000_mib, args.n10000_versions, args.seed + 2))
+    out["mesh_ratio_n1000"] = out["mesh_n1000"]["ratio_median"]
+    out["mesh_ratio_n1000_churn"] = out["mesh_n1000_churn"]["ratio_median"]
+    out["mesh_links_per_peer_max"] = max(out[k]["links_per_peer_max"] for k in out if k.startswith("mesh_n"))
+    out["mesh_section_wall_s"] = _round(time.perf_counter() - started, 1)
+    return out
+
+
+def section_mesh(args: argparse.Namespace) -> dict[str, Any]:
+    return sim_mesh(args)
 
 
 def _scaled(pool: list[PeerSpec], total_mu: float) -> list[PeerSpec]:
@@ -390,7 +460,7 @@ def section_simcheck(args: argparse.Namespace) -> dict[str, Any]:
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
-    "sim": section_sim, "simcheck": section_simcheck, "live": section_live,
+    "sim": section_sim, "mesh": section_mesh, "simcheck": section_simcheck, "live": section_live,
 }
 
 
@@ -405,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n100-versions", type=int, default=10)
     p.add_argument("--n1000-mib", type=int, default=64, help="model size of the N = 1,000 run")
     p.add_argument("--n1000-budget-s", type=float, default=600.0, help="wall time for the N = 1,000 run")
+    p.add_argument("--mesh-versions", type=int, default=10, help="versions of each N = 1,000 run of section mesh")
+    p.add_argument("--n10000-versions", type=int, default=0, help="versions of the N = 10,000 run of section mesh (0: none)")
     p.add_argument("--live-seconds", type=float, default=180.0, help="training time of each live run")
     p.add_argument("--live-settle", type=float, default=60.0, help="seconds of updates left out (joins, first measurements)")
     p.add_argument("--quick", action="store_true", help="fewer versions and seeds, smaller budget")
@@ -414,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.seeds, args.cost_versions, args.idle_versions, args.n100_versions = 1, 15, 15, 4
         args.n1000_budget_s = min(args.n1000_budget_s, 120.0)
+        args.mesh_versions = min(args.mesh_versions, 2)
     sections = [s for s in args.sections.split(",") if s]
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown:

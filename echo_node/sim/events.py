@@ -48,3 +48,7 @@ class EventLoop:
                 return
         if until != math.inf:
             self.now = max(self.now, until)
+
+    def clear(self) -> None:
+        """Forget every pending event (a simulation moving on to a fresh phase); `now` stays."""
+        self._heap.clear()

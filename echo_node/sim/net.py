@@ -95,6 +95,18 @@ class Uplinks:
         if not node.busy:
             self._start(node)
 
+    def cancel(self, src: Endpoint, dst: Endpoint, index: int) -> bool:
+        """Drop a transfer of `index` from `src` to `dst` that has not started (the receiver
+        called its request off); False when there is none (it started, or left already)."""
+        q = src.node.queues.get(src)
+        if q:
+            for entry in q:
+                if entry[1] is dst and entry[2] == index:
+                    q.remove(entry)
+                    src.unsent(dst, index)
+                    return True
+        return False
+
     def queued(self, node: Node) -> int:
         """Transfers waiting on `node`'s uplink (the one in progress not counted)."""
         return sum(len(q) for q in node.queues.values())

@@ -1,0 +1,462 @@
+"""Weight versions over a bounded-degree overlay, decided by the real protocol machines, at the
+scale of thousands of peers.
+
+What is real and what is modelled:
+- Real: who links to whom is `protocol.weights.overlay.Overlay`'s (the learner's draws, healing
+  on churn, slow rotation, its own bounded set); which piece a peer asks of which neighbour,
+  pipelining, rarest first, the endgame are `protocol.weights.exchange.Exchange`'s; which piece
+  the learner sends to whom is `protocol.weights.exchange.SeedPlan`'s.
+- Modelled: bytes, hashes and sockets, by `echo_node.sim.net` (each uplink a FIFO at its rate,
+  each downlink a serial queue; its module doc states the model): a transfer costs two events
+  whatever the swarm's size, so a version costs O(N·M) events for N peers and M pieces.
+  Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified since
+  and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
+  requests of one decision travel together, one access latency each way.
+  The learner counts a served peer as having download headroom when its downlink delivered all
+  it was given (as `echo_node.sim.broadcast.SimSource` does).
+- Churn: a peer leaves at once (its links and what it was sending go with it); a newcomer is
+  given its neighbours by the overlay and fetches the current version, announced pieces
+  exchanged both ways on every new link.
+
+Not modelled: hostile peers (tests/unit/test_protocol_exchange.py drives the machine's defences),
+request timeouts (no honest peer stalls here), NAT, the TCP slow start.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from dataclasses import dataclass, field
+
+from echo_node.sim.events import EventLoop
+from echo_node.sim.net import Endpoint, Node, Uplinks
+from protocol.capacity import broadcast_bound
+from protocol.weights.exchange import Exchange, SeedPlan
+from protocol.weights.manifest import choose_piece_size
+from protocol.weights.overlay import DEFAULT_DEGREE, Overlay
+
+__all__ = ["MeshResult", "MeshSim", "VersionResult", "simulate_mesh"]
+
+LEARNER_ID = "learner"
+# A served peer has download headroom while its downlink holds at most this many pieces not yet
+# delivered (a live link: its TCP window keeps a few pieces in flight).
+HEADROOM_PIECES = 4
+# A receiver announces what it verified in one `have` frame per this many seconds (one event per
+# batch instead of one per piece and neighbour).
+HAVE_BATCH_S = 0.05
+
+
+class _Seed:
+    """The learner's side of one version (SeedPlan rules 6-8) over the simulated uplink."""
+
+    def __init__(self, v: _Version, node: Node) -> None:
+        self.v = v
+        self.node = node
+        self.id = LEARNER_ID
+        self.connected = True
+        self.plan = SeedPlan(v.num_pieces, random.Random(v.rng_seed), width=v.source_degree)
+        self.timer_at = math.inf
+
+    def sent(self, dst: Endpoint, index: int) -> None:
+        self.plan.done(dst.id)  # type: ignore[attr-defined]
+        self.fill()
+
+    def unsent(self, dst: Endpoint, index: int) -> None:
+        self.plan.done(dst.id)  # type: ignore[attr-defined]
+
+    def on_piece(self, src: Endpoint, index: int) -> None:
+        """Nothing is sent to the learner."""
+
+    def on_no_more(self) -> None:
+        raise AssertionError("the learner is never told 'none'")
+
+    def fill(self) -> None:
+        v = self.v
+        now = v.loop.now
+        idle, busy_until = [], math.inf
+        for peer in self.plan.idle():
+            r = v.receivers.get(peer)
+            if r is None or not r.connected or r.ex.complete:
+                continue
+            # Headroom: its downlink has at most HEADROOM_PIECES pieces still to deliver.
+            free_at = r.node.down_free - HEADROOM_PIECES * v.piece_size / r.node.down
+            if free_at > now:
+                busy_until = min(busy_until, free_at)
+            else:
+                idle.append(peer)
+        while idle:
+            pick = self.plan.pick(idle)
+            if pick is None:
+                break
+            peer, index = pick
+            idle.remove(peer)
+            v.uplinks.send(self, v.receivers[peer], index, v.piece_bytes(index))
+        if now < busy_until < self.timer_at:
+            self.timer_at = busy_until
+            v.loop.at(busy_until, self._timer, busy_until)
+
+    def _timer(self, at: float) -> None:
+        if at == self.timer_at:
+            self.timer_at = math.inf
+            self.fill()
+
+
+class _Receiver:
+    """A peer's side of one version: announces, asks its neighbours (Exchange), serves them."""
+
+    __slots__ = ("v", "node", "id", "connected", "ex", "links", "done_at", "joined_at", "fresh")
+
+    def __init__(self, v: _Version, node: Node, seed: int) -> None:
+        self.v = v
+        self.node = node
+        self.id = node.id
+        self.connected = False
+        self.ex = Exchange(v.num_pieces, random.Random(seed), pipeline=v.pipeline)
+        self.links: dict[str, _Receiver] = {}
+        self.done_at: float | None = None
+        self.joined_at = v.loop.now
+        self.fresh: list[int] = []  # verified since the last announcement
+
+    def link(self, other: _Receiver) -> None:
+        """A new link: both sides announce what they hold, then ask."""
+        self.links[other.id] = other
+        other.links[self.id] = self
+        self.ex.neighbour_up(other.id)
+        other.ex.neighbour_up(self.id)
+        for a, b in ((self, other), (other, self)):
+            b.ex.has_many(a.id, [i for i, held in enumerate(a.ex.have) if held])
+        self.ask(other)
+        other.ask(self)
+
+    def unlink(self, other: _Receiver) -> None:
+        self.links.pop(other.id, None)
+        other.links.pop(self.id, None)
+        self.ex.neighbour_gone(other.id)
+        other.ex.neighbour_gone(self.id)
+        self.refill()
+        other.refill()
+
+    def refill(self) -> None:
+        for other in list(self.links.values()):
+            self.ask(other)
+
+    def announce(self) -> None:
+        """One `have` frame to every neighbour with the pieces verified since the last."""
+        fresh, self.fresh = self.fresh, []
+        if not self.connected:
+            return
+        me = self.id
+        for other in self.links.values():
+            if other.connected and other.ex.has_many(me, fresh):
+                other.ask(self)
+
+    def ask(self, holder: _Receiver) -> None:
+        if not self.connected or self.ex.complete:
+            return
+        loop = self.v.loop
+        wanted = self.ex.requests(holder.id, loop.now)
+        if wanted:
+            loop.at(loop.now + self.node.lat + holder.node.lat, holder.on_get, self, wanted)
+
+    def on_get(self, asker: _Receiver, indices: list[int]) -> None:
+        if not (self.connected and asker.connected and asker.id in self.links):
+            return
+        have, size = self.ex.have, self.v.piece_bytes
+        entries = [(self, asker, i, size(i)) for i in indices if have[i]]
+        if entries:
+            self.v.uplinks.send_many(self, entries)
+
+    def sent(self, dst: Endpoint, index: int) -> None:
+        pass
+
+    def unsent(self, dst: Endpoint, index: int) -> None:
+        pass
+
+    def on_no_more(self) -> None:
+        raise AssertionError("no 'none' on the mesh")
+
+    def on_piece(self, src: Endpoint, index: int) -> None:
+        if not self.connected:
+            return
+        v = self.v
+        sid = src.id  # type: ignore[attr-defined]
+        v.deliveries += 1
+        new = self.ex.received(sid, index)
+        if new:
+            cancels = self.ex.take_cancels()
+            if cancels:
+                at = v.loop.now + self.node.lat
+                for peer, i in cancels:
+                    holder = self.links.get(peer)
+                    if holder is not None:
+                        v.loop.at(at + holder.node.lat, v.uplinks.cancel, holder, self, i)
+            if not self.fresh:
+                v.loop.at(v.loop.now + HAVE_BATCH_S, self.announce)
+            self.fresh.append(index)
+            v.seed.plan.has(self.id, index)
+            if self.ex.complete:
+                self.done_at = v.loop.now
+                v.done += 1
+                v.pending -= 1
+        else:
+            v.duplicates += 1
+            if sid == LEARNER_ID:
+                v.learner_duplicates += 1
+        holder = self.links.get(sid)
+        if holder is not None:
+            self.ask(holder)
+
+
+@dataclass(slots=True)
+class VersionResult:
+    version: int
+    bound_s: float
+    seconds: float | None  # publication until every member present at publication that stayed holds it
+    last_s: float | None  # until the last member (newcomers included) held it
+    members: int
+    learner_copies: float  # pieces the learner sent ÷ pieces of the version
+    deliveries: int  # pieces that reached a connected receiver
+    duplicates: int  # of which it held already
+    wall_s: float
+    cpu_s: float  # this process's CPU time for the version (the wall time counts a loaded machine's other work)
+
+    @property
+    def ratio(self) -> float | None:
+        return None if self.seconds is None else self.seconds / self.bound_s
+
+
+class _Version:
+    def __init__(self, sim: MeshSim, version: int, size_bytes: int) -> None:
+        self.loop = sim.loop
+        self.uplinks = sim.uplinks
+        self.rng_seed = sim.seed * 1_000_003 + version
+        self.version = version
+        self.pipeline = sim.pipeline
+        self.source_degree = sim.overlay.source_degree
+        self.piece_size = sim.piece_size or choose_piece_size(size_bytes)
+        self.num_pieces = -(-size_bytes // self.piece_size)
+        self._last = size_bytes - (self.num_pieces - 1) * self.piece_size
+        self.receivers: dict[str, _Receiver] = {}
+        self.deliveries = 0
+        self.duplicates = 0
+        self.learner_duplicates = 0
+        self.done = 0
+        self.pending = 0  # connected receivers that lack pieces
+        self.published_at = sim.loop.now
+        self.seed = _Seed(self, sim.learner)
+
+    def piece_bytes(self, index: int) -> int:
+        return self._last if index == self.num_pieces - 1 else self.piece_size
+
+
+@dataclass(slots=True)
+class MeshResult:
+    versions: list[VersionResult] = field(default_factory=list)
+    links_per_peer_max: int = 0
+    links_per_peer_mean: float = 0.0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    events: int = 0
+
+
+class MeshSim:
+    """A learner and a churning swarm of peers on the overlay, one version after another."""
+
+    def __init__(
+        self,
+        learner_up: float,
+        peers: list[tuple[str, float, float, float]],
+        *,
+        size_bytes: int,
+        degree: int = DEFAULT_DEGREE,
+        source_degree: int = 32,
+        pipeline: int = 2,
+        piece_size: int | None = None,
+        churn_per_hour: float = 0.0,
+        rotate_share: float = 0.02,
+        source_rotate: int = 2,
+        seed: int = 0,
+        spare: list[tuple[str, float, float, float]] | None = None,
+    ) -> None:
+        self.loop = EventLoop()
+        self.uplinks = Uplinks(self.loop)
+        self.rng = random.Random(seed)
+        self.seed = seed
+        self.size_bytes = size_bytes
+        self.pipeline = pipeline
+        self.piece_size = piece_size
+        self.churn_per_hour = churn_per_hour
+        self.rotate_share = rotate_share
+        self.source_rotate = source_rotate
+        self.learner = Node(LEARNER_ID, up=learner_up, down=math.inf)
+        self.nodes: dict[str, Node] = {}
+        self.overlay = Overlay(random.Random(seed + 1), degree=degree, source_degree=source_degree, settle_s=0.0)
+        for pid, down, up, lat in peers:
+            self._add(pid, down, up, lat)
+        # Newcomers under churn are drawn from these (and from those who left), one per leave.
+        self.spare = list(spare or [])
+        self.gone: list[tuple[str, float, float, float]] = []
+        self.current: _Version | None = None
+
+    def _add(self, pid: str, down: float, up: float, lat: float) -> None:
+        self.nodes[pid] = Node(pid, up=up, down=down, lat=lat)
+        self.overlay.join(pid, reachable=True, now=self.loop.now)
+
+    # --- one version --------------------------------------------------------------------------
+
+    def publish(self, version: int) -> tuple[_Version, set[str]]:
+        v = _Version(self, version, self.size_bytes)
+        self.current = v
+        for pid, node in self.nodes.items():
+            v.receivers[pid] = _Receiver(v, node, self.rng.getrandbits(32))
+        for r in v.receivers.values():
+            r.connected = True
+        v.pending = len(v.receivers)
+        for a, b in self.overlay.links():
+            v.receivers[a].link(v.receivers[b])
+        preferred = self.overlay.source_links()
+        for pid in v.receivers:
+            v.seed.plan.link(pid, preferred=pid in preferred)
+        v.seed.fill()
+        return v, set(self.nodes)
+
+    def leave(self, pid: str) -> None:
+        node = self.nodes.pop(pid, None)
+        if node is None:
+            return
+        self.gone.append((pid, node.down, node.up, node.lat))
+        change = self.overlay.leave(pid, now=self.loop.now)
+        v = self.current
+        if v is None:
+            return
+        r = v.receivers.get(pid)
+        if r is not None:
+            if r.connected and not r.ex.complete:
+                v.pending -= 1
+            r.connected = False
+            for other in list(r.links.values()):
+                r.unlink(other)
+            v.seed.plan.drop(pid)
+        self._apply(v, change.added, set())
+        v.seed.fill()
+
+    def join(self, pid: str, down: float, up: float, lat: float) -> None:
+        self.nodes[pid] = node = Node(pid, up=up, down=down, lat=lat)
+        change = self.overlay.join(pid, reachable=True, now=self.loop.now)
+        v = self.current
+        if v is None:
+            return
+        r = v.receivers[pid] = _Receiver(v, node, self.rng.getrandbits(32))
+        r.connected = True
+        v.pending += 1
+        self._apply(v, change.added, change.removed)
+        v.seed.plan.link(pid)
+        v.seed.fill()
+
+    def _apply(self, v: _Version, added: set[tuple[str, str]], removed: set[tuple[str, str]]) -> None:
+        for a, b in removed:
+            ra, rb = v.receivers.get(a), v.receivers.get(b)
+            if ra is not None and rb is not None:
+                ra.unlink(rb)
+        for a, b in added:
+            ra, rb = v.receivers.get(a), v.receivers.get(b)
+            if ra is not None and rb is not None and ra.connected and rb.connected:
+                ra.link(rb)
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def run(self, versions: int, *, max_wall_s: float = math.inf, timeout_factor: float = 10.0) -> MeshResult:
+        result = MeshResult()
+        started, cpu = time.perf_counter(), time.process_time()
+        for version in range(versions):
+            if time.perf_counter() - started > max_wall_s:
+                break
+            result.versions.append(self._one(version, timeout_factor))
+            # Between versions the learner rewires a few links and rotates its own set.
+            self.overlay.rotate(int(self.rotate_share * len(self.overlay.links())), now=self.loop.now)
+            self.overlay.rotate_source(self.source_rotate)
+        degrees = [len(self.overlay.neighbours(p)) for p in self.nodes]
+        result.links_per_peer_max = max(degrees, default=0)
+        result.links_per_peer_mean = sum(degrees) / max(1, len(degrees))
+        result.wall_s = time.perf_counter() - started
+        result.cpu_s = time.process_time() - cpu
+        result.events = self.loop.events_run
+        return result
+
+    def _one(self, version: int, timeout_factor: float) -> VersionResult:
+        wall, cpu = time.perf_counter(), time.process_time()
+        nodes = list(self.nodes.values())
+        bound = broadcast_bound(self.size_bytes, self.learner.up, [n.down for n in nodes], [n.up for n in nodes])
+        v, members = self.publish(version)
+        start = self.loop.now
+        deadline = start + timeout_factor * bound
+        if self.churn_per_hour > 0:
+            self._schedule_churn(v, deadline)
+        self.loop.run(until=deadline, stop=lambda: v.pending == 0)
+        stayed = [r for pid, r in v.receivers.items() if pid in members and r.connected]
+        done = [r.done_at for r in stayed]
+        seconds = max(done) - start if done and all(t is not None for t in done) else None  # type: ignore[type-var]
+        every = [r.done_at for r in v.receivers.values() if r.connected]
+        last = max(every) - start if every and all(t is not None for t in every) else None  # type: ignore[type-var]
+        # What is still queued for this version goes: the next starts on idle links.
+        for r in v.receivers.values():
+            r.connected = False
+        v.seed.connected = False
+        self._drain()
+        return VersionResult(
+            version=version, bound_s=bound, seconds=seconds, last_s=last, members=len(members),
+            learner_copies=v.seed.plan.total_sent / v.num_pieces, deliveries=v.deliveries, duplicates=v.duplicates,
+            wall_s=time.perf_counter() - wall, cpu_s=time.process_time() - cpu,
+        )
+
+    def _drain(self) -> None:
+        """Start the next version on a clean slate: drop the queues and timers of the last one."""
+        self.loop.clear()
+        for node in [*self.nodes.values(), self.learner]:
+            node.queues.clear()
+            node.turns.clear()
+            node.current = None
+            node.busy = False
+            node.down_free = min(node.down_free, self.loop.now)
+
+    def _schedule_churn(self, v: _Version, until: float) -> None:
+        rate = self.churn_per_hour / 3600.0 * len(self.nodes)  # leaves per second, each replaced
+        t = self.loop.now
+        while True:
+            t += self.rng.expovariate(rate)
+            if t >= until:
+                return
+            self.loop.at(t, self._churn_one)
+
+    def _churn_one(self) -> None:
+        if not self.nodes:
+            return
+        pid = self.rng.choice(sorted(self.nodes)) if len(self.nodes) < 64 else self._draw_node()
+        self.leave(pid)
+        pool = self.spare or self.gone
+        if pool:
+            new = pool.pop(self.rng.randrange(len(pool)))
+            if new[0] in self.nodes:
+                return
+            self.join(*new)
+
+    def _draw_node(self) -> str:
+        keys = list(self.nodes)
+        return keys[self.rng.randrange(len(keys))]
+
+
+def simulate_mesh(
+    size_bytes: int,
+    learner_up: float,
+    peers: list[tuple[float, float]],
+    *,
+    versions: int = 1,
+    latency_s: float = 0.0,
+    seed: int = 0,
+    **kwargs: object,
+) -> MeshResult:
+    """Versions of `size_bytes` over the overlay, for peers given as (down, up) in bytes/s."""
+    specs = [(f"p{i:05d}", down, up, latency_s) for i, (down, up) in enumerate(peers)]
+    sim = MeshSim(learner_up, specs, size_bytes=size_bytes, seed=seed, **kwargs)  # type: ignore[arg-type]
+    return sim.run(versions)

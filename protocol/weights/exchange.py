@@ -1,0 +1,400 @@
+"""Piece exchange on a bounded-degree overlay: a receiver's requests to its neighbours
+(`Exchange`) and the learner's sends to the peers it serves (`SeedPlan`). Pure: no I/O, no
+clock; randomness from the caller's seeded `random.Random`. Each peer links to the k neighbours
+the learner chose (protocol/weights/overlay.py), announces every piece it verified to them
+(`have`), and asks them for what it lacks; the learner pushes pieces to its own bounded set.
+
+Receiver rules (`Exchange`; tests in tests/unit/test_protocol_exchange.py):
+1. Announcements: `has(peer, index)` records that a neighbour holds a piece; `availability` of
+   a piece is the number of neighbours that announced it.
+2. Order: the first `random_first` pieces are asked at random among what a neighbour offers
+   (so neighbours that start together hold different pieces to trade); after that, rarest
+   first, approximated cheaply: of `sample` random candidates the neighbour offers, the one the
+   fewest neighbours announced. (An exact rarest-first over M pieces costs O(M) per request,
+   O(M²) per version and peer; sampling costs O(sample).)
+3. Pipelining: at most `pipeline` requests outstanding per neighbour; one request per piece,
+   except in the endgame.
+4. Endgame: once every piece we lack is requested and at most `endgame_pieces` are missing, a
+   neighbour with a free slot is asked for a piece already in flight elsewhere that it holds, at
+   most `ENDGAME_COPIES` requests per piece; the first copy wins. (From the moment all are
+   requested, with k neighbours x `pipeline` requests out, a tenth of all uploads were copies.)
+5. A neighbour that leaves takes its announcements; its outstanding requests are free to ask
+   elsewhere at once. A request outstanding for `request_timeout` is given up (`expire`) and the
+   piece asked elsewhere: a neighbour that trickles or never answers stops holding pieces back.
+   A piece that fails its hash check (`received(ok=False)`) counts against its sender; at
+   `max_bad_pieces` it is dropped as a neighbour (`banned`) and its announcements forgotten, so
+   advertising pieces it lacks costs it the link.
+
+Learner rules (`SeedPlan`):
+6. One piece in flight per served peer (download headroom: a link that still carries our last
+   piece is not sent another), sent as soon as the previous one left, so the learner's uplink
+   carries as many copies as it can.
+7. Whom: among the idle served peers, the one holding the fewest pieces as far as the learner
+   knows (the larger of what it announced and what the learner sent it); a peer that already
+   took more than its fair share of what the learner sent (`fair_slack` pieces above the mean
+   over served peers) goes after every other. A peer claiming to hold nothing therefore draws
+   no more than its share of the learner's uplink.
+8. What: the piece the learner sent fewest times among those that peer lacks (rarest first
+   from the source's point of view); on symmetric links that is one copy of every piece first.
+   Each piece at most once per peer, whatever it claims.
+9. The served set: at most `width` peers at a time, the overlay's `source_links` first; one
+   that holds every piece is replaced at once by a random linked peer that still lacks some,
+   so the learner's uplink never idles while someone still needs a piece.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from typing import Final
+
+from protocol.errors import LocalProtocolError
+from protocol.limits import MAX_PIECES
+
+__all__ = ["ENDGAME_COPIES", "Exchange", "SeedPlan"]
+
+ENDGAME_COPIES: Final = 2
+
+
+def _check_pieces(num_pieces: int) -> None:
+    if type(num_pieces) is not int or not 1 <= num_pieces <= MAX_PIECES:
+        raise LocalProtocolError(f"num_pieces must be an int in [1, {MAX_PIECES}], got {num_pieces!r}")
+
+
+class _Neighbour:
+    __slots__ = ("has", "offer", "inflight")
+
+    def __init__(self, num_pieces: int) -> None:
+        self.has = bytearray(num_pieces)
+        self.offer: list[int] = []  # announced, maybe held or asked since (lazily pruned)
+        self.inflight: dict[int, float] = {}  # index -> when asked
+
+
+class Exchange:
+    """One receiver's requests for one version (rules 1-5)."""
+
+    def __init__(
+        self,
+        num_pieces: int,
+        rng: random.Random,
+        *,
+        pipeline: int = 2,
+        random_first: int = 4,
+        sample: int = 4,
+        request_timeout: float = 5.0,
+        max_bad_pieces: int = 3,
+        endgame_pieces: int = 4,
+    ) -> None:
+        _check_pieces(num_pieces)
+        if type(pipeline) is not int or pipeline < 1 or type(sample) is not int or sample < 1:
+            raise LocalProtocolError(f"pipeline and sample must be ints >= 1, got {pipeline!r}, {sample!r}")
+        if not request_timeout > 0:
+            raise LocalProtocolError(f"request_timeout must be > 0, got {request_timeout!r}")
+        self.num_pieces: Final = num_pieces
+        self.rng = rng
+        self.pipeline: Final = pipeline
+        self.random_first: Final = random_first
+        self.sample: Final = sample
+        self.request_timeout: Final = float(request_timeout)
+        self.max_bad_pieces: Final = max_bad_pieces
+        self.endgame_pieces: Final = endgame_pieces
+        self.have = bytearray(num_pieces)
+        self.count = 0
+        self.availability = [0] * num_pieces
+        self.requested = [0] * num_pieces  # outstanding requests per piece
+        self.outstanding = 0  # pieces we lack with at least one request out
+        self.penalties: dict[str, int] = {}
+        self.stalls: dict[str, int] = {}
+        self.banned: set[str] = set()
+        self.wasted = 0  # copies that arrived after another had won (endgame, late answers)
+        self._n: dict[str, _Neighbour] = {}
+        self._asked: dict[int, list[str]] = {}  # piece -> neighbours asked for it, not answered
+        self._cancels: list[tuple[str, int]] = []
+
+    # --- events -----------------------------------------------------------------------------
+
+    def neighbour_up(self, peer: str) -> None:
+        if peer not in self.banned and peer not in self._n:
+            self._n[peer] = _Neighbour(self.num_pieces)
+
+    def neighbour_gone(self, peer: str) -> None:
+        nb = self._n.pop(peer, None)
+        if nb is None:
+            return
+        avail = self.availability
+        for i, held in enumerate(nb.has):
+            if held:
+                avail[i] -= 1
+        for i in nb.inflight:
+            self._unrequest(peer, i)
+
+    def has(self, peer: str, index: int) -> bool:
+        """`peer` announced `index`; True if it is worth asking it now (we lack the piece)."""
+        nb = self._n.get(peer)
+        if nb is None or nb.has[index]:
+            return False
+        nb.has[index] = 1
+        self.availability[index] += 1
+        if self.have[index]:
+            return False
+        nb.offer.append(index)
+        return len(nb.inflight) < self.pipeline
+
+    def has_many(self, peer: str, indices: Iterable[int]) -> bool:
+        """`peer` announced several pieces at once (one `have` frame); True if it is worth
+        asking it now."""
+        nb = self._n.get(peer)
+        if nb is None:
+            return False
+        held, avail, have, offer = nb.has, self.availability, self.have, nb.offer
+        useful = False
+        for index in indices:
+            if not held[index]:
+                held[index] = 1
+                avail[index] += 1
+                if not have[index]:
+                    offer.append(index)
+                    useful = True
+        return useful and len(nb.inflight) < self.pipeline
+
+    def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
+        """A piece from `peer` arrived and was checked; True if it is new to us. The other
+        requests for it still out become cancels (`take_cancels`)."""
+        nb = self._n.get(peer)
+        if nb is not None and nb.inflight.pop(index, None) is not None:
+            self._unrequest(peer, index, reoffer=not ok)
+        if not ok:
+            self.penalties[peer] = self.penalties.get(peer, 0) + 1
+            if self.penalties[peer] >= self.max_bad_pieces:
+                self.banned.add(peer)
+                self.neighbour_gone(peer)
+            return False
+        if self.have[index]:
+            self.wasted += 1
+            return False
+        self.have[index] = 1
+        self.count += 1
+        for other in self._asked.pop(index, ()):
+            self._n[other].inflight.pop(index, None)
+            self._cancels.append((other, index))
+        if self.requested[index]:
+            self.requested[index] = 0
+            self.outstanding -= 1
+        return True
+
+    def take_cancels(self) -> list[tuple[str, int]]:
+        """(neighbour, piece) requests to call off: the piece came from elsewhere first."""
+        out, self._cancels = self._cancels, []
+        return out
+
+    def expire(self, now: float) -> list[tuple[str, int]]:
+        """Give up requests outstanding for `request_timeout` (rule 5); what was given up."""
+        cut = now - self.request_timeout
+        out: list[tuple[str, int]] = []
+        for peer, nb in self._n.items():
+            for i, sent in list(nb.inflight.items()):
+                if sent <= cut:
+                    del nb.inflight[i]
+                    self._unrequest(peer, i)
+                    self.stalls[peer] = self.stalls.get(peer, 0) + 1
+                    out.append((peer, i))
+        return out
+
+    # --- decisions --------------------------------------------------------------------------
+
+    def requests(self, peer: str, now: float) -> list[int]:
+        """The pieces to ask `peer` for now (fill its pipeline: rules 2-4)."""
+        nb = self._n.get(peer)
+        if nb is None:
+            return []
+        out: list[int] = []
+        while len(nb.inflight) < self.pipeline:
+            index = self._pick(nb)
+            if index is None:
+                index = self._endgame(nb)
+                if index is None:
+                    break
+            nb.inflight[index] = now
+            if not self.requested[index]:
+                self.outstanding += 1
+            self.requested[index] += 1
+            self._asked.setdefault(index, []).append(peer)
+            out.append(index)
+        return out
+
+    def next_deadline(self) -> float | None:
+        sent = [t for nb in self._n.values() for t in nb.inflight.values()]
+        return min(sent) + self.request_timeout if sent else None
+
+    @property
+    def complete(self) -> bool:
+        return self.count == self.num_pieces
+
+    def neighbours(self) -> list[str]:
+        return list(self._n)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _unrequest(self, peer: str, index: int, *, reoffer: bool = True) -> None:
+        asked = self._asked.get(index)
+        if asked is not None:
+            asked.remove(peer)
+            if not asked:
+                del self._asked[index]
+        self.requested[index] -= 1
+        if not self.requested[index] and not self.have[index]:
+            self.outstanding -= 1
+            if reoffer:
+                # Offers drop a piece once it is asked (`_pick`); asked no more, it is offered
+                # again. (Not for a piece that just arrived: `received` takes it.)
+                for nb in self._n.values():
+                    if nb.has[index]:
+                        nb.offer.append(index)
+
+    def _pick(self, nb: _Neighbour) -> int | None:
+        offer, have, requested, draw = nb.offer, self.have, self.requested, self.rng.random
+        best = -1
+        best_avail = 1 << 30
+        tries = 1 if self.count < self.random_first else self.sample
+        while offer and tries:
+            j = int(draw() * len(offer))
+            index = offer[j]
+            if have[index] or requested[index]:
+                offer[j] = offer[-1]  # swap-remove: held or asked already
+                offer.pop()
+                continue
+            tries -= 1
+            a = self.availability[index]
+            if a < best_avail:
+                best, best_avail = index, a
+        return None if best < 0 else best
+
+    def _endgame(self, nb: _Neighbour) -> int | None:
+        if self.count + self.outstanding < self.num_pieces or self.num_pieces - self.count > self.endgame_pieces:
+            return None  # some piece we lack is not asked yet, or many are missing: not the endgame (rule 4)
+        for index, n in enumerate(self.requested):
+            if n and n < ENDGAME_COPIES and not self.have[index] and nb.has[index] and index not in nb.inflight:
+                return index
+        return None
+
+
+class SeedPlan:
+    """The learner's sends for one version (rules 6-9)."""
+
+    def __init__(self, num_pieces: int, rng: random.Random, *, width: int = 32, fair_slack: int = 8) -> None:
+        _check_pieces(num_pieces)
+        if type(width) is not int or width < 1:
+            raise LocalProtocolError(f"width must be an int >= 1, got {width!r}")
+        self.num_pieces: Final = num_pieces
+        self.rng = rng
+        self.width: Final = width
+        self.fair_slack: Final = fair_slack
+        order = list(range(num_pieces))
+        rng.shuffle(order)
+        # Pieces by how many times the learner sent them: buckets[c] holds those sent c times,
+        # in a fixed random order (a dict as an ordered set).
+        self._buckets: list[dict[int, None]] = [dict.fromkeys(order)]
+        self._copies = [0] * num_pieces
+        self._known: dict[str, bytearray] = {}  # linked peer -> pieces sent to it or announced
+        self._known_count: dict[str, int] = {}
+        self._sent_count: dict[str, int] = {}
+        self._active: dict[str, None] = {}  # the peers served now (rule 9), in order
+        self._waiting: list[str] = []  # linked, not served, not complete (lazily pruned)
+        self._busy: set[str] = set()
+        self.total_sent = 0
+
+    # --- events -----------------------------------------------------------------------------
+
+    def link(self, peer: str, *, preferred: bool = False) -> None:
+        """`peer` linked to the learner for this version; `preferred` ones are served first
+        (the overlay's rotating `source_links`)."""
+        if peer in self._known:
+            return
+        self._known[peer] = bytearray(self.num_pieces)
+        self._known_count[peer] = 0
+        self._sent_count[peer] = 0
+        if preferred and len(self._active) < self.width:
+            self._active[peer] = None
+        else:
+            self._waiting.append(peer)
+            self._top_up()
+
+    def drop(self, peer: str) -> None:
+        for table in (self._known, self._known_count, self._sent_count):
+            table.pop(peer, None)
+        self._busy.discard(peer)
+        if self._active.pop(peer, 0) is None:
+            self._top_up()
+
+    def has(self, peer: str, index: int) -> None:
+        known = self._known.get(peer)
+        if known is not None and not known[index]:
+            known[index] = 1
+            self._known_count[peer] += 1
+            if self._known_count[peer] == self.num_pieces and self._active.pop(peer, 0) is None:
+                self._top_up()
+
+    def done(self, peer: str) -> None:
+        """The piece in flight to `peer` left the learner's uplink (rule 6)."""
+        self._busy.discard(peer)
+
+    # --- decisions --------------------------------------------------------------------------
+
+    def served(self) -> list[str]:
+        return list(self._active)
+
+    def idle(self) -> list[str]:
+        return [p for p in self._active if p not in self._busy]
+
+    def pick(self, idle: Iterable[str]) -> tuple[str, int] | None:
+        """The next send among the `idle` served peers (rules 7-8), or None: nothing useful."""
+        served = [p for p in idle if p in self._active and p not in self._busy]
+        if not served:
+            return None
+        fair = self.total_sent / max(1, len(self._known)) + self.fair_slack
+        served.sort(key=lambda p: (self._sent_count[p] > fair, self._known_count[p], p))
+        for peer in served:
+            index = self._rarest_for(peer)
+            if index is not None:
+                self._mark(peer, index)
+                return peer, index
+        return None
+
+    def copies(self, index: int) -> int:
+        return self._copies[index]
+
+    def sent_to(self, peer: str) -> int:
+        return self._sent_count.get(peer, 0)
+
+    # --- internals --------------------------------------------------------------------------
+
+    def _top_up(self) -> None:
+        """Serve random waiting peers that still lack pieces until `width` are served (rule 9)."""
+        waiting, rng = self._waiting, self.rng
+        while len(self._active) < self.width and waiting:
+            j = rng.randrange(len(waiting))
+            peer = waiting[j]
+            waiting[j] = waiting[-1]
+            waiting.pop()
+            if peer in self._known and peer not in self._active and self._known_count[peer] < self.num_pieces:
+                self._active[peer] = None
+
+    def _rarest_for(self, peer: str) -> int | None:
+        known = self._known[peer]
+        for bucket in self._buckets:
+            for index in bucket:
+                if not known[index]:
+                    return index
+        return None
+
+    def _mark(self, peer: str, index: int) -> None:
+        self.has(peer, index)
+        self._sent_count[peer] += 1
+        self._busy.add(peer)
+        self.total_sent += 1
+        c = self._copies[index]
+        del self._buckets[c][index]
+        if c + 1 == len(self._buckets):
+            self._buckets.append({})
+        self._buckets[c + 1][index] = None
+        self._copies[index] = c + 1

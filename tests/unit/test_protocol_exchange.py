@@ -1,0 +1,201 @@
+"""Piece exchange on the overlay (protocol/weights/exchange.py): a receiver's requests to its
+neighbours and the learner's sends to the peers it serves."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from protocol.errors import LocalProtocolError
+from protocol.weights.exchange import ENDGAME_COPIES, Exchange, SeedPlan
+
+
+def exchange(num_pieces: int = 16, **kwargs: object) -> Exchange:
+    return Exchange(num_pieces, random.Random(0), **kwargs)  # type: ignore[arg-type]
+
+
+def test_only_announced_pieces_are_asked_and_at_most_pipeline_per_neighbour() -> None:
+    ex = exchange(pipeline=2)
+    ex.neighbour_up("a")
+    assert ex.requests("a", 0.0) == []  # it announced nothing
+    assert ex.has("a", 3) and ex.has("a", 5) and ex.has("a", 7)
+    asked = ex.requests("a", 0.0)
+    assert len(asked) == 2 and set(asked) <= {3, 5, 7}
+    assert ex.requests("a", 0.0) == []  # pipeline full
+    assert not ex.has("b", 1)  # not a neighbour: ignored
+
+
+def test_one_request_per_piece_outside_the_endgame() -> None:
+    ex = exchange(pipeline=4)
+    for p in "ab":
+        ex.neighbour_up(p)
+        for i in range(8):
+            ex.has(p, i)
+    first, second = ex.requests("a", 0.0), ex.requests("b", 0.0)
+    assert not set(first) & set(second)
+
+
+def test_rarest_first_after_the_random_start() -> None:
+    # Of `sample` random candidates the neighbour offers, the one the fewest neighbours hold.
+    rare = 0
+    for seed in range(200):
+        ex = Exchange(64, random.Random(seed), pipeline=1, random_first=0, sample=16)
+        for p in "abc":
+            ex.neighbour_up(p)
+        for i in range(64):
+            ex.has("a", i)
+        for i in range(63):  # piece 63 is the one only "a" holds
+            ex.has("b", i)
+            ex.has("c", i)
+        rare += ex.requests("a", 0.0) == [63]
+    # Uniform would pick it 1/64 of the time; 16 samples find it 1 - (63/64)^16 = 22 % of the time.
+    assert rare >= 30, rare
+
+
+def test_a_piece_arriving_elsewhere_cancels_the_other_requests() -> None:
+    ex = exchange(pipeline=1)
+    ex.neighbour_up("a")
+    ex.has("a", 2)
+    assert ex.requests("a", 0.0) == [2]
+    assert ex.received("learner", 2)  # the learner's copy came first
+    assert ex.take_cancels() == [("a", 2)]
+    assert not ex.received("a", 2)  # the late copy: counted as waste, not new
+    assert ex.wasted == 1
+
+
+def test_endgame_duplicates_only_the_last_pieces() -> None:
+    ex = exchange(num_pieces=8, pipeline=8, endgame_pieces=2)
+    ex.neighbour_up("a")
+    ex.neighbour_up("b")
+    for i in range(8):
+        ex.has("a", i)
+        ex.has("b", i)
+    assert len(ex.requests("a", 0.0)) == 8
+    assert ex.requests("b", 0.0) == []  # 8 missing > 2: no copies yet
+    for i in range(6):
+        ex.received("a", i)
+    dup = ex.requests("b", 1.0)
+    assert sorted(dup) == [6, 7] and all(ex.requested[i] == ENDGAME_COPIES for i in dup)
+
+
+def test_a_leaving_neighbour_frees_its_requests_for_the_others() -> None:
+    ex = exchange(pipeline=2)
+    for p in "ab":
+        ex.neighbour_up(p)
+        ex.has(p, 0)
+        ex.has(p, 1)
+    assert sorted(ex.requests("a", 0.0)) == [0, 1]
+    assert ex.requests("b", 0.0) == []
+    ex.neighbour_gone("a")
+    assert sorted(ex.requests("b", 0.0)) == [0, 1]
+    assert ex.availability[0] == 1
+
+
+def test_a_neighbour_that_never_answers_is_given_up_and_the_piece_asked_elsewhere() -> None:
+    ex = exchange(pipeline=1, request_timeout=5.0)
+    for p in "ab":
+        ex.neighbour_up(p)
+        ex.has(p, 4)
+    holder = ex.requests("a", 0.0) and "a" or ex.requests("b", 0.0) and "b"
+    other = "b" if holder == "a" else "a"
+    assert ex.requests(other, 1.0) == []
+    assert ex.expire(4.9) == [] and ex.next_deadline() == 5.0
+    assert ex.expire(5.0) == [(holder, 4)] and ex.stalls == {holder: 1}
+    assert ex.requests(other, 5.0) == [4]
+
+
+def test_a_neighbour_advertising_pieces_it_lacks_is_dropped_after_bad_copies() -> None:
+    ex = exchange(pipeline=4, max_bad_pieces=3)
+    ex.neighbour_up("liar")
+    ex.neighbour_up("honest")
+    for i in range(4):
+        ex.has("liar", i)
+        ex.has("honest", i)
+    for i in ex.requests("liar", 0.0):
+        ex.received("liar", i, ok=False)  # what it sends fails the hash check
+    assert "liar" in ex.banned and "liar" not in ex.neighbours()
+    assert not ex.has("liar", 5)  # its announcements no longer count
+    assert sorted(ex.requests("honest", 1.0)) == [0, 1, 2, 3]
+
+
+def test_bad_parameters_are_refused() -> None:
+    with pytest.raises(LocalProtocolError):
+        Exchange(0, random.Random(0))
+    with pytest.raises(LocalProtocolError):
+        Exchange(4, random.Random(0), pipeline=0)
+    with pytest.raises(LocalProtocolError):
+        SeedPlan(4, random.Random(0), width=0)
+
+
+# --- the learner ----------------------------------------------------------------------------
+
+
+def plan(num_pieces: int = 8, peers: str = "abc", width: int = 8) -> SeedPlan:
+    sp = SeedPlan(num_pieces, random.Random(0), width=width)
+    for p in peers:
+        sp.link(p, preferred=True)
+    return sp
+
+
+def test_one_piece_in_flight_per_peer_and_every_piece_once_before_any_twice() -> None:
+    sp = plan(num_pieces=4, peers="ab")
+    a = sp.pick(["a", "b"])
+    b = sp.pick(["a", "b"])
+    assert a is not None and b is not None and {a[0], b[0]} == {"a", "b"}
+    assert sp.pick(["a", "b"]) is None  # both busy until their piece left
+    sp.done("a")
+    sp.done("b")
+    sent = [a[1], b[1]]
+    for _ in range(2):
+        nxt = sp.pick(["a", "b"])
+        assert nxt is not None
+        sent.append(nxt[1])
+        sp.done(nxt[0])
+    assert sorted(sent) == [0, 1, 2, 3]  # four sends, four different pieces: rarest first
+
+
+def test_the_peer_with_the_fewest_pieces_goes_first() -> None:
+    sp = plan(peers="ab")
+    for i in range(5):
+        sp.has("a", i)
+    assert sp.pick(["a", "b"])[0] == "b"  # type: ignore[index]
+
+
+def test_a_peer_claiming_an_empty_store_draws_no_more_than_its_fair_share() -> None:
+    sp = SeedPlan(1000, random.Random(1), width=4, fair_slack=8)
+    for p in ("liar", "a", "b", "c"):
+        sp.link(p, preferred=True)
+    got = {p: 0 for p in ("liar", "a", "b", "c")}
+    for step in range(2000):
+        for n, p in enumerate(("a", "b", "c")):  # honest peers also fetch from their neighbours
+            sp.has(p, (step * 7 + n) % 500)  # (never all: they keep needing the learner)
+        pick = sp.pick(list(got))
+        if pick is None:
+            break
+        got[pick[0]] += 1
+        sp.done(pick[0])
+    fair = sum(got.values()) / len(got)
+    assert got["liar"] <= fair + 8 + 1, got
+    assert len({i for i in range(1000) if sp.copies(i)}) >= 900  # the uplink still went to pieces
+
+
+def test_each_piece_goes_to_a_peer_at_most_once_whatever_it_claims() -> None:
+    sp = plan(num_pieces=6, peers="a")
+    seen = []
+    while (pick := sp.pick(["a"])) is not None:
+        seen.append(pick[1])
+        sp.done("a")
+    assert sorted(seen) == list(range(6))
+
+
+def test_a_complete_peer_is_replaced_in_the_served_set() -> None:
+    sp = SeedPlan(4, random.Random(0), width=1)
+    sp.link("a", preferred=True)
+    sp.link("b")
+    assert sp.served() == ["a"]
+    for i in range(4):
+        sp.has("a", i)
+    assert sp.served() == ["b"]
+    sp.drop("b")
+    assert sp.served() == []
