@@ -154,8 +154,7 @@ def sim_broadcast(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _mesh_stats(result: MeshResult) -> dict[str, Any]:
-    done = [v for v in result.versions if v.ratio is not None]
-    ratios = [v.ratio for v in done]
+    ratios = [r for r in (v.ratio for v in result.versions) if r is not None]
     last = [v.last_s / v.bound_s for v in result.versions if v.last_s is not None]
     return {
         "ratio_median": _round(statistics.median(ratios)) if ratios else None,
@@ -163,7 +162,7 @@ def _mesh_stats(result: MeshResult) -> dict[str, Any]:
         "last_peer_ratio_median": _round(statistics.median(last)) if last else None,
         "last_peer_ratio_max": _round(max(last)) if last else None,
         "versions": len(result.versions),
-        "versions_unfinished": len(result.versions) - len(done),
+        "versions_unfinished": len(result.versions) - len(ratios),
         "bound_s": [_round(v.bound_s, 2) for v in result.versions],
         "learner_copies_median": _round(statistics.median(v.learner_copies for v in result.versions), 2) if result.versions else None,
         "duplicate_share": _round(sum(v.duplicates for v in result.versions) / max(1, sum(v.deliveries for v in result.versions))),

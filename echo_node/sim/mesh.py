@@ -163,9 +163,13 @@ class _Receiver:
         if not (self.connected and asker.connected and asker.id in self.links):
             return
         have, size = self.ex.have, self.v.piece_bytes
-        entries = [(self, asker, i, size(i)) for i in indices if have[i]]
+        entries: list[tuple[Endpoint, Endpoint, int, int]] = [(self, asker, i, size(i)) for i in indices if have[i]]
         if entries:
             self.v.uplinks.send_many(self, entries)
+
+    def on_cancel(self, asker: _Receiver, index: int) -> None:
+        """`asker` called its request off: the transfer is dropped if it has not started."""
+        self.v.uplinks.cancel(self, asker, index)
 
     def sent(self, dst: Endpoint, index: int) -> None:
         pass
@@ -190,7 +194,7 @@ class _Receiver:
                 for peer, i in cancels:
                     holder = self.links.get(peer)
                     if holder is not None:
-                        v.loop.at(at + holder.node.lat, v.uplinks.cancel, holder, self, i)
+                        v.loop.at(at + holder.node.lat, holder.on_cancel, self, i)
             if not self.fresh:
                 v.loop.at(v.loop.now + HAVE_BATCH_S, self.announce)
             self.fresh.append(index)
@@ -394,11 +398,8 @@ class MeshSim:
         if self.churn_per_hour > 0:
             self._schedule_churn(v, deadline)
         self.loop.run(until=deadline, stop=lambda: v.pending == 0)
-        stayed = [r for pid, r in v.receivers.items() if pid in members and r.connected]
-        done = [r.done_at for r in stayed]
-        seconds = max(done) - start if done and all(t is not None for t in done) else None  # type: ignore[type-var]
-        every = [r.done_at for r in v.receivers.values() if r.connected]
-        last = max(every) - start if every and all(t is not None for t in every) else None  # type: ignore[type-var]
+        seconds = _until_all([r.done_at for pid, r in v.receivers.items() if pid in members and r.connected], start)
+        last = _until_all([r.done_at for r in v.receivers.values() if r.connected], start)
         # What is still queued for this version goes: the next starts on idle links.
         for r in v.receivers.values():
             r.connected = False
@@ -444,6 +445,12 @@ class MeshSim:
     def _draw_node(self) -> str:
         keys = list(self.nodes)
         return keys[self.rng.randrange(len(keys))]
+
+
+def _until_all(done_at: list[float | None], start: float) -> float | None:
+    """Seconds from `start` until the last of them completed; None if one did not (or none)."""
+    times = [t for t in done_at if t is not None]
+    return max(times) - start if times and len(times) == len(done_at) else None
 
 
 def simulate_mesh(

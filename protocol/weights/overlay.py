@@ -310,17 +310,17 @@ class Overlay:
         """Draw links for `peer` until it holds `degree` (rules 2-4)."""
         me = self._members[peer]
         k = self.degree
-        for other in first:  # former neighbours of a peer that left: they lost a link too
+        for former in first:  # former neighbours of a peer that left: they lost a link too
             if len(me.links) >= k:
                 return
-            if other != peer and other not in me.links and self._may_link(peer, other) and len(self._members[other].links) < k:
-                self._link(peer, other, change)
+            if former != peer and former not in me.links and self._may_link(peer, former) and len(self._members[former].links) < k:
+                self._link(peer, former, change)
         n = len(self._members)
         if n - 1 <= k:  # a small swarm: a full mesh (rule 1)
-            for other in list(self._members):
-                if other != peer and other not in me.links and self._may_link(peer, other) \
-                        and len(self._members[other].links) < self.max_degree:
-                    self._link(peer, other, change)
+            for member in list(self._members):
+                if member != peer and member not in me.links and self._may_link(peer, member) \
+                        and len(self._members[member].links) < self.max_degree:
+                    self._link(peer, member, change)
             return
         draws = picks = 0
         limit = _DRAWS_PER_LINK * k
