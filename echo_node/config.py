@@ -119,6 +119,25 @@ class TaskConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class EnvConfig:
+    # A multi-turn environment (echo_node/envs): a built-in name ("calc") or "module:Class"
+    # imported from this node's own Python path. None: the run trains `[task]`, one turn.
+    name: str | None = None
+    # The environment's own table ([env.options]), passed to its class as keyword arguments.
+    options: dict[str, Any] = field(default_factory=dict)
+    # Budgets of one episode: model turns, tokens of one model turn, tokens of all turns.
+    max_turns: int = 4
+    turn_tokens: int = 8
+    episode_tokens: int = 64
+    # A reset or step that takes longer ends its episode (counted as env_timeout), never the node.
+    step_timeout_s: float = 5.0
+    # An environment that is not deterministic given (seed, actions) cannot be verified by a
+    # re-run; it is refused unless the operator marks it untrusted-only, which needs a private
+    # swarm (net.allow_peers).
+    untrusted_only: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
 class SamplingConfig:
     temperature: float = ml_defaults.RL.temperature
     top_p: float = ml_defaults.RL.top_p
@@ -290,6 +309,7 @@ class WeightsConfig:
 class RunConfig:
     run_id: str = "default"
     task: TaskConfig = field(default_factory=TaskConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     runs_dir: Path = Path("runs")
     # Torch intra-op threads for this process. Oversubscribing the cores is the largest slowdown
     # on this platform (docs/platform.md), so every process sets it explicitly.
@@ -383,6 +403,7 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"task.reward_range must be [low, high] with low < high, got {t.reward_range}")
     if t.dataset is None and (t.rewards or t.prompt_template):
         raise ValueError("task.rewards and task.prompt_template need task.dataset (a built-in task has its own)")
+    _validate_env(cfg)
     cap = cfg.capacity
     if not (cap.gamma >= 1 and cap.tick_s > 0 and cap.release_margin >= 0 and cap.window_s > 0):
         raise ValueError("capacity needs gamma >= 1, tick_s > 0, release_margin >= 0 and window_s > 0")
@@ -398,6 +419,18 @@ def validate(cfg: RunConfig) -> None:
             f"{w.settle_s}, {w.rotate_share})"
         )
     validate_net(cfg.net)
+
+
+def _validate_env(cfg: RunConfig) -> None:
+    e = cfg.env
+    if not isinstance(e.options, dict) or not all(isinstance(k, str) for k in e.options):
+        raise ValueError("env.options must be a table of named values")
+    if not (1 <= e.max_turns <= 64 and 1 <= e.turn_tokens <= MAX_TOKENS_PER_SEQUENCE and 1 <= e.episode_tokens <= MAX_TOKENS_PER_SEQUENCE):
+        raise ValueError(f"env needs 1 <= max_turns <= 64 and 1 <= turn_tokens, episode_tokens <= {MAX_TOKENS_PER_SEQUENCE}")
+    if not 0 < e.step_timeout_s <= 3600:
+        raise ValueError(f"env.step_timeout_s must be in (0, 3600], got {e.step_timeout_s}")
+    if e.untrusted_only and not cfg.net.allow_peers:
+        raise ValueError("env.untrusted_only needs a private swarm: list the trusted peers in net.allow_peers")
 
 
 def validate_net(net: NetConfig) -> None:

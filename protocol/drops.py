@@ -44,3 +44,4 @@ class DropReason(enum.StrEnum):
     TRAIN_ERROR = "train_error"  # admitted, but the training step on its batch failed
     NO_SIGNAL = "no_signal"  # admitted, but no group of its batch had reward variance: nothing to train
     UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped
+    BAD_EPISODE = "bad_episode"  # an observation or reward the environment, re-run on the actions, does not give

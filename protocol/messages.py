@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Final, Literal, TypeAlias, TypeVar, overload
 
 from protocol._wire import pack, unpack_strict
 from protocol.drops import DropReason
+from protocol.episodes import EpisodeBatch
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.fields import (
     ConfigDict,
@@ -492,6 +493,7 @@ Message: TypeAlias = (
     | RepairResponse
     | ErrorResponse
     | WeightManifest
+    | EpisodeBatch
 )
 
 # kind string -> class, for every message that travels on its own (not only nested).
@@ -500,7 +502,7 @@ MESSAGE_TYPES: Final[Mapping[str, type[WireMessage]]] = {
     for cls in (
         RunSpec, RolloutBatch, JoinRequest, JoinResponse, StatusRequest, StatusResponse,
         VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
-        WeightManifest,
+        WeightManifest, EpisodeBatch,
     )
     if cls.KIND is not None
 }

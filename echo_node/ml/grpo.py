@@ -71,6 +71,10 @@ class TrainGroup:
     # learner's current one), so the behaviour log-prob must match the learner's own. Optional:
     # feeds the `lp_gap_*` stats, the calibration for log-prob spot checks.
     on_policy: list[list[bool]] | None = None
+    # Per token: whether it enters the loss. Multi-turn episodes (echo_node/envs) run the
+    # environment's turns through the forward as context and leave them out of the loss, the
+    # importance weights and the token mean (their "log-probs" are placeholders). None: all do.
+    loss_masks: list[list[bool]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.completions)
@@ -82,6 +86,10 @@ class TrainGroup:
         for c, lp in zip(self.completions, self.behaviour_logprobs):
             if len(c) != len(lp):
                 raise ValueError(f"completion of {len(c)} tokens has {len(lp)} log-probs")
+        if self.loss_masks is not None and (
+            len(self.loss_masks) != n or any(len(m) != len(c) for m, c in zip(self.loss_masks, self.completions))
+        ):
+            raise ValueError("loss_masks needs one flag per completion token")
 
 
 def group_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
@@ -631,6 +639,8 @@ class PolicyOptimizer:
         completions = [c for g in used for c in g.completions]
         behaviour = [lp for g in used for lp in g.behaviour_logprobs]
         on_policy = [f for g in used for f in (g.on_policy or [[False] * len(c) for c in g.completions])]
+        loss_masks = [m for g in used for m in (g.loss_masks or [[True] * len(c) for c in g.completions])]
+        masked = any(g.loss_masks is not None for g in used)
         advantages = _advantages([g.rewards for g in used]).to(self.device)
         # Every used group has two or more completions, so no minibatch is empty.
         chunks = _split(range(len(completions)), min(self.minibatches, len(completions)))
@@ -642,7 +652,7 @@ class PolicyOptimizer:
         else:
             lengths = [len(c) for c in completions]
             parts = [share.of(c, lengths) for c in chunks]
-            token_totals = [float(sum(lengths[i] for i in c)) for c in chunks]
+            token_totals = [float(sum(sum(loss_masks[i]) for i in c)) for c in chunks]
         rows = [i for part, _ in parts for i in part]
         # Where each minibatch's rows sit in `rows` (and so in `prox`, `mask` and `weights`).
         spans: list[slice] = []
@@ -664,6 +674,8 @@ class PolicyOptimizer:
             if stand_in:
                 mask[span] = False
         t_max = prox.shape[1]
+        if masked:
+            mask &= torch.tensor([loss_masks[i] + [False] * (t_max - len(loss_masks[i])) for i in rows], dtype=torch.bool, device=self.device)
         mu = torch.tensor(
             [behaviour[i] + [0.0] * (t_max - len(behaviour[i])) for i in rows], dtype=torch.float32, device=self.device
         )

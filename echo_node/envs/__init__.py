@@ -1,0 +1,285 @@
+"""Multi-turn environments: the protocol a user writes, tool calls, and the registry.
+
+The API is Gymnasium's on chat messages:
+
+    class MyEnv:
+        deterministic = True                  # same seed and actions -> same answers
+        reward_range = (0.0, 1.0)             # of an episode's return
+        def reset(self, seed: int) -> Message: ...          # the first user message
+        def step(self, action: str) -> Step: ...            # the model's turn, as text
+
+A `Message` is {"role": "user" | "tool", "content": str}; `Step(observation, reward, done, info)`
+gives the environment's answer (ignored when `done`), the reward of this step (an episode's
+return is their sum) and whether the episode is over. A tool call is a step like any other: a
+`ToolEnv` parses the model's turn, and when it is a call of one of its `tools` answers with the
+tool's output as a "tool" message (reward 0, not done); anything else goes to its `answer`.
+
+Rules an environment keeps (the learner depends on them):
+- Deterministic given (seed, actions): the learner re-runs the environment on a peer's actions
+  and checks every answer and the return (echo_node/envs/verify.py). One instance serves one
+  episode; a new episode gets a new instance. No wall clock, no global RNG, no I/O that can
+  answer differently. One that cannot promise this sets `deterministic = False` and runs only
+  when the operator marks it untrusted-only (`[env] untrusted_only`, a private swarm).
+- Bounded: a reset or step that takes longer than `[env] step_timeout_s` ends its episode (its
+  group is dropped and counted), an exception likewise; neither ends the node.
+
+Registration mirrors `[task]`: `[env] name` is a built-in ("calc") or "module:Class" imported
+from the node's own Python path, `[env.options]` its keyword arguments. A run spec carries only
+the environment's id (`EnvSpec.env_id`, a hash of the name, options, budgets and, for a plug-in,
+its module's source), never code: a peer builds the environment from its own config and must
+arrive at the same id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypedDict
+
+from echo_node.config import RunConfig
+from protocol.episodes import Budgets
+
+__all__ = [
+    "ENVS",
+    "Env",
+    "EnvError",
+    "EnvSpec",
+    "Message",
+    "Step",
+    "ToolCall",
+    "ToolEnv",
+    "load_env",
+]
+
+MAX_ENV_ID = 256
+# An observation's content is at most this many characters (an environment that answers more
+# is failing: its episode ends as env_error).
+MAX_CONTENT_CHARS = 16384
+ROLES = ("user", "tool")
+_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+
+
+class Message(TypedDict):
+    role: str
+    content: str
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    observation: Message | None
+    reward: float
+    done: bool
+    info: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Env(Protocol):
+    deterministic: bool
+    reward_range: tuple[float, float]
+
+    def reset(self, seed: int) -> Message: ...
+
+    def step(self, action: str) -> Step: ...
+
+
+class EnvError(ValueError):
+    """An environment broke a rule of the protocol (a malformed answer, a bad registration)."""
+
+
+def check_message(obj: object) -> Message:
+    """`obj` as a Message, or EnvError naming what is wrong."""
+    if not isinstance(obj, Mapping) or set(obj) != {"role", "content"}:
+        raise EnvError(f"an observation is {{'role', 'content'}}, got {str(obj)[:80]!r}")
+    role, content = obj["role"], obj["content"]
+    if role not in ROLES or not isinstance(content, str):
+        raise EnvError(f"an observation's role is one of {ROLES} and its content a str, got {role!r}")
+    if len(content) > MAX_CONTENT_CHARS:
+        raise EnvError(f"an observation of {len(content)} characters, above {MAX_CONTENT_CHARS}")
+    return Message(role=role, content=content)
+
+
+def check_step(obj: object) -> Step:
+    """`obj` as a well-formed Step (observation checked unless done), or EnvError."""
+    if not isinstance(obj, Step):
+        raise EnvError(f"step() returns a Step, got {type(obj).__name__}")
+    if not isinstance(obj.done, bool):
+        raise EnvError(f"Step.done is a bool, got {type(obj.done).__name__}")
+    reward = obj.reward
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise EnvError(f"Step.reward is a finite number, got {str(reward)[:40]!r}")
+    observation = None if obj.done else check_message(obj.observation)
+    return Step(observation, float(reward), obj.done, obj.info)
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    name: str
+    arguments: Any
+
+
+# Hermes / Qwen tool-call syntax: <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*\})\s*</tool_call>", re.DOTALL)
+# A tool's output is cut to this many characters before it becomes an observation.
+MAX_TOOL_OUTPUT = 2048
+
+
+class ToolEnv:
+    """An environment whose model may call `tools` (name -> function of the call's arguments,
+    returning text) before it answers. A call is one step: the tool runs, its output is the
+    next observation (role "tool", reward 0). At most `max_tool_calls` calls per episode; the
+    next one ends the episode with no reward. Subclasses define `reset`, `answer` and `tools`,
+    and may override `parse_tool_call` (default: the Hermes syntax above)."""
+
+    deterministic = True
+    reward_range = (0.0, 1.0)
+    tools: Mapping[str, Callable[[Any], str]] = {}
+    max_tool_calls = 4
+
+    def __init__(self) -> None:
+        self.tool_calls = 0
+
+    def parse_tool_call(self, action: str) -> ToolCall | None:
+        m = _TOOL_CALL.search(action)
+        if m is None:
+            return None
+        try:
+            data = json.loads(m.group(1))
+        except ValueError:
+            return ToolCall("", None)  # a call, but not one any tool takes
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return ToolCall("", None)
+        return ToolCall(data["name"], data.get("arguments"))
+
+    def step(self, action: str) -> Step:
+        call = self.parse_tool_call(action)
+        if call is None:
+            return self.answer(action)
+        self.tool_calls += 1
+        if self.tool_calls > self.max_tool_calls:
+            return Step(None, 0.0, True, {"ended": "tool_calls"})
+        tool = self.tools.get(call.name)
+        # The tool's name came from the model: it is quoted, bounded, never rendered raw.
+        output = tool(call.arguments) if tool is not None else f"error: no tool named {call.name[:40]!r}"
+        return Step(Message(role="tool", content=str(output)[:MAX_TOOL_OUTPUT]), 0.0, False, {"tool": call.name})
+
+    def answer(self, action: str) -> Step:
+        raise NotImplementedError
+
+    def reset(self, seed: int) -> Message:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class EnvSpec:
+    """A loaded environment: how to make one per episode, its id, budgets and bounds."""
+
+    name: str
+    env_id: str
+    factory: Callable[[], Env]
+    budgets: Budgets
+    step_timeout_s: float
+    reward_range: tuple[float, float]
+    deterministic: bool
+
+
+def _import_class(spec: str) -> type:
+    if not _SPEC.fullmatch(spec):
+        raise EnvError(f"env {spec!r} is neither a built-in ({', '.join(sorted(ENVS))}) nor 'module:Class'")
+    module_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import runs the module's code: any error means "not importable"
+        raise EnvError(f"env {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}") from e
+    cls = getattr(module, attr, None)
+    if not isinstance(cls, type):
+        raise EnvError(f"env {spec!r}: module {module_name!r} has no class {attr!r}")
+    return cls
+
+
+def _source_digest(cls: type) -> str | None:
+    try:
+        return hashlib.sha256(inspect.getsource(inspect.getmodule(cls) or cls).encode()).hexdigest()
+    except (OSError, TypeError):
+        return None
+
+
+def env_id(name: str, options: Mapping[str, Any], budgets: Budgets, source: str | None) -> str:
+    blob = json.dumps(
+        {"env": name, "options": dict(options), "budgets": [budgets.max_turns, budgets.turn_tokens, budgets.episode_tokens],
+         "source": source},
+        sort_keys=True, separators=(",", ":"),
+    ).encode()
+    return f"env:{name.replace(':', '.')}@{hashlib.sha256(blob).hexdigest()[:32]}"
+
+
+def probe_transcript(factory: Callable[[], Env], seed: int, actions: Sequence[str]) -> list[object]:
+    """What an environment answers to `actions` from `reset(seed)`: compared between two runs
+    at load time, a cheap refusal of environments that answer differently (it cannot prove
+    determinism; the learner's re-run of every checked episode is the real check)."""
+    env = factory()
+    out: list[object] = [check_message(env.reset(seed))]
+    for action in actions:
+        step = check_step(env.step(action))
+        out.append((step.observation, step.reward, step.done))
+        if step.done:
+            break
+    return out
+
+
+def load_env(cfg: RunConfig) -> EnvSpec:
+    """The environment `[env]` names, checked: importable, constructible with its options,
+    deterministic (declared and probed) unless untrusted-only. EnvError with the remedy."""
+    e = cfg.env
+    if e.name is None:
+        raise EnvError("no environment configured: set [env] name")
+    builtins = ENVS
+    cls = builtins.get(e.name) or _import_class(e.name)
+    options = dict(e.options)
+    try:
+        json.dumps(options, sort_keys=True)
+        cls(**options)
+    except TypeError as exc:
+        raise EnvError(f"env {e.name!r}: [env.options] {sorted(options)} do not fit its class: {exc}") from None
+    except Exception as exc:  # the class's own checks of its options
+        raise EnvError(f"env {e.name!r}: cannot construct it with [env.options]: {type(exc).__name__}: {exc}") from None
+    budgets = Budgets(max_turns=e.max_turns, turn_tokens=e.turn_tokens, episode_tokens=e.episode_tokens)
+    source = None if e.name in builtins else _source_digest(cls)
+    factory: Callable[[], Env] = lambda: cls(**options)  # noqa: E731  (one instance per episode)
+    deterministic = getattr(cls, "deterministic", False) is True
+    if not deterministic and not e.untrusted_only:
+        raise EnvError(
+            f"env {e.name!r} does not declare itself deterministic (deterministic = True): the learner cannot "
+            "verify its episodes by a re-run. Mark it [env] untrusted_only = true for a private swarm"
+        )
+    if deterministic:
+        from echo_node.envs.bounded import call_bounded  # it builds on this module
+
+        probe = list(getattr(cls, "probe_actions", ("0", "1", "")))
+        for seed in (0, 1):
+
+            def transcript(seed: int = seed) -> list[object]:
+                return probe_transcript(factory, seed, probe)
+
+            runs = call_bounded([transcript, transcript], e.step_timeout_s * (len(probe) + 1))
+            failed = next((r.error for r in runs if r.error is not None), None)
+            if failed is not None:
+                raise EnvError(f"env {e.name!r} failed its load-time probe: {failed}")
+            if runs[0].value != runs[1].value:
+                raise EnvError(f"env {e.name!r} declares itself deterministic but answered one seed's actions differently twice")
+    low, high = getattr(cls, "reward_range", (0.0, 1.0))
+    eid = env_id(e.name, options, budgets, source)
+    if len(eid) > MAX_ENV_ID:
+        raise EnvError(f"env id {eid[:40]!r}... is longer than {MAX_ENV_ID} characters; use a shorter name")
+    return EnvSpec(e.name, eid, factory, budgets, e.step_timeout_s, (float(low), float(high)), deterministic)
+
+
+# Built-ins, after ToolEnv (calc subclasses it): their ids hash name, options and budgets only,
+# since their code ships with echo-node.
+from echo_node.envs.calc import CalcEnv  # noqa: E402
+
+ENVS: dict[str, type] = {"calc": CalcEnv}
