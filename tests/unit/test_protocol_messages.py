@@ -9,6 +9,7 @@ from typing import Any
 import msgpack
 import pytest
 
+from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
 from protocol import (
     MESSAGE_TYPES,
     SCHEMA_VERSION,
@@ -132,6 +133,8 @@ ALL_MESSAGES: list[WireMessage] = [
     RepairResponse(envelopes=(b"frame-1", b"frame-2"), unavailable=(3,)),
     RepairResponse(envelopes=()),
     ErrorResponse(code="unknown_run", message="no such run"),
+    EpisodeBatch(run_id="r", peer_id=PEER, seq=4, groups=(EpisodeGroup(group_id="g", prompt_ids=(1, 2), episodes=(
+        Episode(turns=(Turn(from_env=False, token_ids=(5, 2), logprobs=(-0.5, -0.25), versions=(3, 3)),), reward=1.0),)),)),
 ]
 
 
