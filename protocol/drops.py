@@ -45,3 +45,4 @@ class DropReason(enum.StrEnum):
     NO_SIGNAL = "no_signal"  # admitted, but no group of its batch had reward variance: nothing to train
     UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped
     BAD_EPISODE = "bad_episode"  # an observation or reward the environment, re-run on the actions, does not give
+    ENV_FAILED = "env_failed"  # the learner's re-run of the environment raised or overran its time (nobody's fault)

@@ -53,6 +53,7 @@ from typing import Any
 import msgpack
 import zstandard
 
+from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
 from protocol._wire import unpack_strict
 from protocol.addresses import (
     AddressError,
@@ -175,7 +176,18 @@ def messages() -> tuple[tuple[Message, Identity], ...]:
         (RepairResponse(envelopes=(seal(batch, ALICE),), unavailable=(3,)), ALICE),
         (RepairResponse(envelopes=()), ALICE),
         (ErrorResponse(code="unknown_run", message="no such run"), LEARNER),
+        (_episodes(), ALICE),
     )
+
+
+def _episodes() -> EpisodeBatch:
+    """Two groups of multi-turn episodes (model, environment, model turns; a weight swap between)."""
+    model = Turn(from_env=False, token_ids=(5, 6, 2), logprobs=(-0.5, -1.25, -0.125), versions=(3, 3, 4))
+    env = Turn(from_env=True, token_ids=(7, 8, 9), logprobs=(), versions=())
+    last = Turn(from_env=False, token_ids=(10, 2), logprobs=(-2.0, -0.25), versions=(4, 4))
+    episodes = (Episode(turns=(model, env, last), reward=0.5), Episode(turns=(model,), reward=0.0))
+    groups = tuple(EpisodeGroup(group_id=f"g{i}", prompt_ids=(1, 4, 5), episodes=episodes) for i in range(2))
+    return EpisodeBatch(run_id=RUN_ID, peer_id=ALICE.peer_id, seq=3, groups=groups)
 
 
 @dataclass(frozen=True)
