@@ -385,6 +385,10 @@ def build_task(cfg: TaskConfig) -> Task:
     """
     if cfg.dataset is not None:
         return DatasetTask(cfg)
+    if cfg.name.startswith("rg:") and not cfg.chat:  # a reasoning-gym generator (echo_node/envs/rgym.py)
+        from echo_node.envs.rgym import ReasoningGymTask
+
+        return ReasoningGymTask(cfg.name)
     if cfg.name not in TASKS:
         raise ValueError(
             f"unknown built-in task {cfg.name!r}; built-ins: {sorted(TASKS)}; a task read from a file needs task.dataset"
