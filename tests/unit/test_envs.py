@@ -131,3 +131,27 @@ def test_non_deterministic_env_needs_untrusted_only_and_a_private_swarm() -> Non
         _cfg("tests.unit.env_plugins:HonestlyRandom", untrusted_only=True)
     cfg = load_config(None, env__name="tests.unit.env_plugins:HonestlyRandom", env__untrusted_only=True, net__allow_peers=[PEER])
     assert load_env(cfg).deterministic is False
+
+
+def test_the_readme_example_environment_loads_and_plays() -> None:
+    import re
+    import sys
+    import types
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "class Guess" in b)
+    assert len(code.splitlines()) <= 32
+    module = types.ModuleType("readme_guess_env")
+    exec(compile(code, "README.md", "exec"), module.__dict__)
+    sys.modules["readme_guess_env"] = module
+    try:
+        spec = load_env(load_config(None, env__name="readme_guess_env:Guess", env__options={"tries": 3}))
+    finally:
+        del sys.modules["readme_guess_env"]
+    env = spec.factory()
+    env.reset(5)
+    secret = env.secret  # type: ignore[attr-defined]
+    low = env.step(str((secret + 1) % 10) if secret < 9 else "0")
+    assert not low.done and low.observation is not None
+    assert env.step(str(secret)) == Step(None, 1.0, True)
