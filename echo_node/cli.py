@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a live display")
     p.add_argument("--model", default=None, metavar="DIR", help="train this local Hugging Face model instead of the embedded one (e.g. one `echo-node tiny-model` built)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="rollout dtype of the run")
+    p.add_argument("--task", default=None, metavar="ENV",
+                   help="a multi-turn environment (built-in 'calc' or module:Class) for the embedded model: one rollout "
+                        "peer and the learner as two processes, episodes verified by re-running the environment")
 
     p = sub.add_parser("status", help="read a learner's or peer's metrics endpoint (--metrics-port) and print them")
     p.add_argument("--learner", required=True, type=_host_port, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
@@ -545,6 +548,10 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.task is not None:  # a multi-turn environment: peer and learner processes over pipes
+        from echo_node.envs.local import run_env_demo
+
+        return run_env_demo(args)
     from echo_node.demo import run_demo
 
     return run_demo(args)
