@@ -9,8 +9,8 @@ process holds its CPU no longer than an unpaced one. Benchmarks use it to build 
 peers have known, different speeds and a learner whose step is as slow as a large model's,
 which on two shared cores cannot be had otherwise (every process here runs the same tiny model
 at about the same speed). A rollout peer's floor is per group of the engine call
-(`Generator._generate(prompts, seed)`: one group per prompt), so the peer has a rate, as a GPU
-does, whatever the batch; a learner's is per update (`Trainer._optimize`: the optimizer step,
+(`Generator._generate(prompts, seed)`: one group per prompt, in a subclass the peer is given as
+its generator), so the peer has a rate, as a GPU does, whatever the batch; a learner's is per update (`Trainer._optimize`: the optimizer step,
 not the snapshot or publication).
 """
 
@@ -43,6 +43,19 @@ def at_least(floor: Callable[..., float], fn: F) -> F:
     return paced  # type: ignore[return-value]
 
 
+def paced_generator(group_s: float) -> type[Any]:
+    """A `Generator` that takes at least `group_s` per group of each engine call: injected as the
+    peer's `RolloutPeer.generator_class` (the extension point the attack benchmarks use too),
+    the real generator otherwise."""
+    from echo_node.rollout_peer import Generator
+
+    class PacedGenerator(Generator):
+        def _generate(self, prompts: list[str], seed: int) -> Any:
+            return at_least(lambda *_: group_s * len(prompts), super()._generate)(prompts, seed)
+
+    return PacedGenerator
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("--group-s", type=float, default=0.0, help="a rollout peer takes at least this long per group")
@@ -51,12 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.group_s >= 0 and args.train_s >= 0):
         p.error("--group-s and --train-s must be >= 0")
     from echo_node import cli
-    from echo_node.rollout_peer import Generator
+    from echo_node.rollout_peer import RolloutPeer
     from echo_node.trainer import Trainer
 
     if args.group_s:
-        per_group = lambda self, prompts, seed: args.group_s * len(prompts)  # noqa: E731
-        Generator._generate = at_least(per_group, Generator._generate)  # type: ignore[method-assign]
+        RolloutPeer.generator_class = paced_generator(args.group_s)
     if args.train_s:
         Trainer._optimize = at_least(lambda self, batch: args.train_s, Trainer._optimize)  # type: ignore[method-assign]
     return cli.main(rest)

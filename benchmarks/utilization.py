@@ -77,6 +77,10 @@ def steady_window(records: list[dict[str, Any]], settle_s: float) -> dict[str, A
         "staleness_hist": {str(k): v for k, v in summary["staleness_hist"].items()},
         "reward_last": window[-1]["reward_mean"],
         "dropped": window[-1]["dropped"],
+        # Received rollouts dropped as stale: over the whole run, and over the steady window.
+        "stale_share": round(last["dropped"].get("stale", 0) / max(1, last["received"]), 4),
+        "stale_share_window": round(
+            (last["dropped"].get("stale", 0) - first["dropped"].get("stale", 0)) / max(1, last["received"] - first["received"]), 4),
     }
 
 
@@ -113,22 +117,24 @@ def main(argv: list[str] | None = None) -> int:
         help="async: the learner publishes every K-th version (pull needs every one)",
     )
     p.add_argument("--staleness", type=int, default=STALENESS, metavar="S", help="async: the staleness bound S")
+    p.add_argument("--modes", nargs="+", choices=["pull", "async"], default=["pull", "async"],
+                   help="run only these (the ratio needs both)")
     a = p.parse_args(argv)
     started = time.monotonic()
     results = {}
-    for mode in ("pull", "async"):
+    for mode in a.modes:
         if mode == "async":
             results[mode] = run_mode(mode, a.seconds, a.settle, a.publish_every, a.staleness)
         else:
             results[mode] = run_mode(mode, a.seconds, a.settle)
         print(f"{mode}: {results[mode]}", file=sys.stderr, flush=True)
-    pull, asy = results["pull"], results["async"]
+    pull, asy = results.get("pull", {}), results.get("async", {})
     print(json.dumps({
-        "pull_samples_per_s": pull["samples_per_s"],
-        "async_samples_per_s": asy["samples_per_s"],
-        "ratio": round(asy["samples_per_s"] / pull["samples_per_s"], 3),
-        "learner_idle_pull": pull["learner_idle"],
-        "learner_idle_async": asy["learner_idle"],
+        "pull_samples_per_s": pull.get("samples_per_s"),
+        "async_samples_per_s": asy.get("samples_per_s"),
+        "ratio": round(asy["samples_per_s"] / pull["samples_per_s"], 3) if pull and asy else None,
+        "learner_idle_pull": pull.get("learner_idle"),
+        "learner_idle_async": asy.get("learner_idle"),
         "seconds_per_mode": a.seconds,
         "publish_every_async": a.publish_every,
         "staleness_async": a.staleness,

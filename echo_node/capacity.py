@@ -92,8 +92,14 @@ class PeerState:
 
 
 class CapacityController:
-    def __init__(self, cfg: CapacityConfig, *, rollouts_per_update: int, staleness: int, kappa: int, auto_kappa: bool) -> None:
+    def __init__(
+        self, cfg: CapacityConfig, *, rollouts_per_update: int, staleness: int, kappa: int, auto_kappa: bool,
+        pipelined: bool = False,
+    ) -> None:
         self.cfg = cfg
+        # Peers generate on the weights they have while a version downloads (async mode): the
+        # broadcast costs staleness, not generation time (protocol.capacity.mu_min).
+        self.pipelined = pipelined
         self.rollouts_per_update = rollouts_per_update
         self.staleness = staleness
         self.kappa = kappa
@@ -201,14 +207,17 @@ class CapacityController:
                 state.arrivals.popleft()
             while len(state.changes) > 1 and state.changes[1][0] < since:
                 state.changes.popleft()  # the first one still says what held then
-            if now - state.joined_at >= self.cfg.window_s and self.is_active(peer):
+            if not self.is_active(peer):
+                continue  # standing by: its last rate as an active peer stands
+            # Ranked (`measured`) only after a window; its rate is shown from its first work on.
+            if now - state.joined_at >= self.cfg.window_s:
                 state.measured = True
-                if now - _quiet_since(state) >= self._silence_s():
-                    state.mu = 0.0  # nothing delivered for a window while active (module doc)
-                    continue
-                rollouts, busy = _work(cycles, now, state)
-                if busy > 0:  # else it has not worked since it was woken: its last rate stands
-                    state.mu = rollouts / busy
+            if now - _quiet_since(state) >= self._silence_s():
+                state.mu = 0.0  # nothing delivered for a window while active (module doc)
+                continue
+            rollouts, busy = _work(cycles, now, state)
+            if busy > 0:  # else it has not worked since it was woken: its last rate stands
+                state.mu = rollouts / busy
 
     def _silence_s(self) -> float:
         """How long an active peer may deliver nothing before its μ is 0 (module doc)."""
@@ -243,6 +252,7 @@ class CapacityController:
             return self._wake(now, workers, t_train, t_bcast)
         decision = self.scheduler.decide(
             now, workers, kappa=self.kappa, rollouts_per_update=self.rollouts_per_update, t_train=t_train, t_bcast=t_bcast,
+            pipelined=self.pipelined,
         )
         if decision is None:
             return None
@@ -311,7 +321,7 @@ class CapacityController:
             "changed": changed,
             "reason": decision.reason,
             "delta_max_predicted": delta_max(self.kappa, t_train, t_bcast),
-            "idle_predicted": round(predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, decision.mu_active), 4),
+            "idle_predicted": round(self._idle(t_train, t_bcast, decision.mu_active), 4),
             "workers": {w.peer_id: {"mu": round(w.mu, 3), "price": w.price} for w in workers},
         }
 
@@ -325,30 +335,41 @@ class CapacityController:
         unmeasured = state is None or not state.measured
         return not self.cfg.enabled or self.active is None or unmeasured or peer in self.active
 
+    def _idle(self, t_train: float, t_bcast: float, mu: float) -> float:
+        return predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, mu, pipelined=self.pipelined)
+
     def snapshot(self) -> dict[str, Any]:
         """What the operator's metrics show (prometheus, `echo-node status`, `echo-node plan
-        --learner`); None where nothing is measured yet."""
+        --learner`); None where nothing is measured yet. One definition of each figure, the
+        decisions' own: μ_i the rate measured above (shown from a peer's first work on, ranked
+        after a window); μ of the pool Σ μ_i over the joined peers, of the active set over the
+        active ones; μ_min, target (γ·μ_min) and predicted idle from `protocol.capacity` with
+        this learner's κ, R, T_train, T_bcast and mode."""
         t_train, t_bcast = self.t_train, self.t_bcast
-        d = self.decision
-        needed = mu_min(self.kappa, self.rollouts_per_update, t_train, t_bcast) if t_train and t_bcast is not None else None
         active = [p for p in self.peers if self.is_active(p)]
+        mu_active = math.fsum(self.peers[p].mu for p in active)
+        needed = delta = idle = None
+        if t_train is not None and t_bcast is not None:
+            needed = mu_min(self.kappa, self.rollouts_per_update, t_train, t_bcast, pipelined=self.pipelined)
+            delta, idle = delta_max(self.kappa, t_train, t_bcast), self._idle(t_train, t_bcast, mu_active)
         return {
             "kappa": self.kappa,
             "staleness": self.staleness,
             "rollouts_per_update": self.rollouts_per_update,
+            "pipelined": float(self.pipelined),
             "t_train": t_train,
             "t_bcast": t_bcast,
-            "mu_pool": sum(s.mu for s in self.peers.values()),
+            "mu_pool": math.fsum(s.mu for s in self.peers.values()),
+            "mu_active": mu_active,
             # Infinite when no pool keeps up: the dashboard shows +Inf, not a stale number.
             "mu_min": needed,
-            "mu_target": d.target if d is not None else None,
+            "mu_target": self.scheduler.gamma * needed if needed is not None else None,
             "workers": {p: {"mu": s.mu, "price": s.price, "active": float(self.is_active(p))} for p, s in self.peers.items()},
             "active_peers": len(active),
             "standby_peers": len(self.peers) - len(active),
             "cost_per_hour": sum(self.peers[p].price for p in active),
-            "delta_max_predicted": delta_max(self.kappa, t_train, t_bcast) if t_train and t_bcast is not None else None,
-            "idle_predicted": predicted_idle(self.kappa, self.rollouts_per_update, t_train, t_bcast, sum(self.peers[p].mu for p in active))
-            if t_train and t_bcast is not None else None,
+            "delta_max_predicted": delta,
+            "idle_predicted": idle,
         }
 
 

@@ -55,6 +55,7 @@ from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
 from echo_node.weights.publisher import WeightPublisher
 from protocol.addresses import dial_back_refusal
 from protocol.admission import RunBounds
+from protocol.capacity import groups_to_ask
 from protocol.envelope import seal
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
@@ -73,9 +74,6 @@ from protocol.weights.manifest import WeightManifest, payload_digest
 
 log = logging.getLogger(__name__)
 
-# Ask for this much more than one update consumes, so that jitter or a lost message never
-# leaves the learner waiting; the excess is what the staleness rule drops.
-DEMAND_SLACK = 1.5
 # The capacity controller measures peers' throughput this often (it decides on its own tick).
 CAPACITY_MEASURE_S = 1.0
 # A joining peer's data address must answer a dial-back within this to be handed out as a relay
@@ -171,7 +169,7 @@ class Learner:
         auto = rl.publish_auto and rl.mode == "async"
         self.capacity = CapacityController(
             cfg.capacity, rollouts_per_update=rl.groups_per_step * rl.group_size, staleness=rl.staleness,
-            kappa=max(1, rl.staleness - 1) if auto else rl.publish_every, auto_kappa=auto,
+            kappa=max(1, rl.staleness - 1) if auto else rl.publish_every, auto_kappa=auto, pipelined=rl.mode == "async",
         )
         # Checkpoints, the journal and the history of published versions.
         self.state = RunState(self)
@@ -199,6 +197,11 @@ class Learner:
         # only on a network of that scope this learner is on itself.
         self._own_hosts = (*interface_hosts(), self.data.host)
         self._last_staleness = 0.0
+        # Groups each peer is asked for per version: decided at each publication (`_ask`), and
+        # the same in every status answer until the next one (a peer counts what it sampled
+        # against it since the version came out).
+        self._demand = 1
+        self._first_version = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -207,6 +210,7 @@ class Learner:
         budget is spent or the task is cancelled; the summary and a checkpoint are written either way."""
         self._started = time.monotonic()
         blob = self._start()
+        self._first_version = self.version  # where this incarnation began (updates/s counts from here)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -523,7 +527,16 @@ class Learner:
         )
 
     def demand_groups(self) -> int:
-        return self.intake.demand_groups(self.cfg.rl.groups_per_step * self.capacity.kappa, DEMAND_SLACK)
+        return self._demand
+
+    def _ask(self) -> int:
+        """Groups per peer for the version being published (protocol/capacity.py, rule 7): what
+        the learner trains until the next publication plus one update in reserve, less what it
+        holds, split among the peers that deliver; at least one (the wire's floor)."""
+        rl = self.cfg.rl
+        need = groups_to_ask(mode=rl.mode, groups_per_step=rl.groups_per_step, kappa=self.capacity.kappa,
+                             buffered=self.buffer.count_admissible(self.version))
+        return self.intake.demand_groups(need, 1.0)
 
     def _check_run(self, run_id: str) -> None:
         if run_id != self.cfg.run_id:
@@ -650,7 +663,9 @@ class Learner:
             "version": self.version,
             "published_version": self.weights.published,
             "epoch": self.epoch,
-            "steps_per_s": self.version / wall if wall > 0 else 0.0,
+            # This incarnation's updates over its own wall time (a resumed run's earlier versions
+            # were trained by another process).
+            "steps_per_s": (self.version - self._first_version) / wall if wall > 0 else 0.0,
             "learner_idle": self.trainer.idle_ratio,
             "staleness_mean": self._last_staleness,
             "rollouts_received": ledger.received,
@@ -674,9 +689,10 @@ class Learner:
                 continue
             self._write({**record, "version": self.version})
             if record["changed"]:
+                target = "no target (no pool is enough)" if record["target"] is None else f"a target of {record['target']:.1f}"
                 log.info(
-                    "capacity: %d active, %d standby, %.1f rollouts/s for a target of %s, %.2f/h (%s)",
-                    len(record["active"]), len(record["standby"]), record["mu_active"], record["target"],
+                    "capacity: %d active, %d standby, %.1f rollouts/s for %s, %.2f/h (%s)",
+                    len(record["active"]), len(record["standby"]), record["mu_active"], target,
                     record["cost_per_hour"], record["reason"],
                 )
 
@@ -695,6 +711,7 @@ class Learner:
             self.verifier.remember(version, blob)
         with self.profile.stage("offer_and_delta"):  # wall: the delta's encode runs in worker threads
             await self.weights.publish(version, blob, manifest)
+        self._demand = self._ask()
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,
             version=version,

@@ -51,7 +51,9 @@ from typing import Any, Literal, TextIO
 
 from protocol.capacity import (
     GAMMA,
+    Choice,
     Worker,
+    cheapest_set,
     broadcast_bound,
     choose_kappa,
     delta_max,
@@ -242,196 +244,9 @@ def _candidate(row: list[str], index: dict[str, int], fail: Callable[[int, str],
     return Candidate(peer_id, mu, price, bandwidth=down * MBIT, up=None if up is None else up * MBIT)
 
 
-# --- Choosing the set -----------------------------------------------------------------------
+# --- Choosing the set ---------------------------------------------------------------------
 #
-# The cheapest set of workers whose rates reach the target is a covering knapsack (minimise
-# Σ price subject to Σ μ >= target): NP-hard in general, easy at the sizes plans have. Rules:
-# - Exact where the pool is small: a branch and bound over the measured workers (μ > 0) in ρ
-#   order (price/μ), include-first, pruned by the fractional (LP) cost of what is still missing,
-#   seeded with the greedy answer below; for at most EXACT_MAX_WORKERS measured workers, and
-#   within EXACT_MAX_NODES search nodes (equal-ρ pools are its worst case: 20 such workers took
-#   0.9 s in `protocol.capacity.optimal_cost`). Past either limit the greedy answer stands.
-# - Greedy with a bound otherwise (`_dearest_guess`): at most the optimum plus the price of the
-#   optimum's dearest worker, so never more than twice the optimum.
-# - Workers with μ = 0 (not measured) only add cost: never chosen while the target can be met.
-# - A pool that cannot reach the target (or an infinite target) gets every worker, as
-#   `cheapest_prefix` does: each still shortens the learner's wait.
-# - Everything here is linear or O(n log n) in the pool outside the exact search
-#   (`cheapest_prefix` re-sums its prefix per step: quadratic over a 100,000-worker file).
-
-EXACT_MAX_WORKERS = 24
-EXACT_MAX_NODES = 500_000  # about 0.2 s of search
-
-
-@dataclass(frozen=True, slots=True)
-class Choice:
-    """The chosen workers (cheapest ρ first) and how they were chosen: "exact" (proven
-    cheapest), "greedy" (within the bound above) or "all" (the pool falls short)."""
-
-    workers: list[Worker]
-    method: Literal["exact", "greedy", "all"]
-
-
-def _rank(w: Worker) -> tuple[int, float, float, str]:
-    """`protocol.capacity`'s order: measured workers by ρ = price/μ, ties to the higher μ, then
-    peer id (deterministic); unmeasured ones (μ = 0) after, by price."""
-    return (0, w.price / w.mu, -w.mu, w.peer_id) if w.mu > 0 else (1, w.price, 0.0, w.peer_id)
-
-
-def _prefix(ranked: Sequence[Worker], goal: float) -> list[Worker]:
-    """The shortest prefix of `ranked` whose rate reaches `goal` (all of it if none does)."""
-    rate = 0.0
-    for i, w in enumerate(ranked):
-        if rate >= goal and _reaches(ranked[:i], goal):
-            return list(ranked[:i])
-        rate += w.mu
-    return list(ranked)
-
-
-def _cost(workers: Sequence[Worker]) -> float:
-    return math.fsum(w.price for w in workers)
-
-
-def _reaches(workers: Sequence[Worker], goal: float) -> bool:
-    return math.fsum(w.mu for w in workers) >= goal
-
-
-def cheapest_set(workers: Sequence[Worker], target: float) -> Choice:
-    """The least-cost set of `workers` whose Σ μ reaches `target` (rules above)."""
-    pool = list(workers)
-    if math.isinf(target) or not _reaches(pool, target):
-        return Choice(sorted(pool, key=_rank), "all")
-    if target <= 0:
-        return Choice([], "exact")
-    useful = sorted((w for w in pool if w.mu > 0), key=_rank)
-    best = _dearest_guess(useful, target)  # never dearer than the plain ρ prefix
-    if len(useful) <= EXACT_MAX_WORKERS:
-        found = _branch_and_bound(useful, target, best)
-        if found is not None:
-            return Choice(sorted(found, key=_rank), "exact")
-    return Choice(sorted(best, key=_rank), "greedy")
-
-
-def _branch_and_bound(useful: list[Worker], goal: float, seed: list[Worker]) -> list[Worker] | None:
-    """The cheapest covering subset of `useful` (in ρ order), or None when the search passed
-    EXACT_MAX_NODES before it proved its answer. `seed` covers the goal: the bound to beat."""
-    n = len(useful)
-    # Running sums over the ρ order: cum_mu[k] and cum_price[k] are over useful[:k].
-    cum_mu = list(itertools.accumulate((w.mu for w in useful), initial=0.0))
-    cum_price = list(itertools.accumulate((w.price for w in useful), initial=0.0))
-    best = list(seed)
-    best_cost = _cost(seed)
-    chosen: list[Worker] = []
-    nodes = 0
-
-    def lp_cost(i: int, need: float) -> float:
-        """The least fractional cost of `need` more from useful[i:] (ρ order is optimal for it):
-        whole workers up to the one that completes it, then the share of that one it takes."""
-        j = min(bisect.bisect_left(cum_mu, cum_mu[i] + need) - 1, n - 1)
-        return cum_price[j] - cum_price[i] + (cum_mu[i] + need - cum_mu[j]) / useful[j].mu * useful[j].price
-
-    def search(i: int, have: float, cost: float) -> bool:
-        """False once the node budget is spent."""
-        nonlocal best, best_cost, nodes
-        nodes += 1
-        if nodes > EXACT_MAX_NODES:
-            return False
-        if have >= goal and _reaches(chosen, goal):  # the running sum, then exactly
-            if cost < best_cost:
-                best, best_cost = list(chosen), cost
-            return True
-        if i == n or have + cum_mu[n] - cum_mu[i] < goal or cost + lp_cost(i, goal - have) >= best_cost:
-            return True
-        chosen.append(useful[i])
-        if not search(i + 1, have + useful[i].mu, cost + useful[i].price):
-            return False
-        chosen.pop()
-        return search(i + 1, have, cost)
-
-    return best if search(0, 0.0, 0.0) else None
-
-
-def _dearest_guess(useful: list[Worker], goal: float) -> list[Worker]:
-    """Greedy with a bound, O(n log n): for each worker e taken as the dearest of the set, e plus
-    the other workers no dearer than e in ρ order until the goal is reached; the cheapest of
-    these sets, or the plain ρ prefix when none is cheaper. `useful` is in ρ order, every μ > 0,
-    and the whole of it reaches `goal`.
-
-    Bound: let O be a cheapest set and e its dearest worker. O − e reaches goal − μ_e with
-    workers no dearer than e, so the fractional (LP) cost of reaching it in ρ order from those
-    workers is at most c(O) − c_e; the integral ρ prefix exceeds that LP cost by at most its last
-    worker's price, itself at most c_e. The set guessed from e therefore costs at most
-    c_e + (c(O) − c_e) + c_e = c(O) + c_e <= 2·c(O), and the cheapest guess no more. Guesses
-    in order of price stop at the first e with c_e >= the best cost so far (no set containing it
-    can be cheaper): if that skips O's dearest worker, the best found already costs <= c(O).
-
-    Rates and prices are summed in Fenwick trees over the ρ positions, so each guess is a
-    prefix search in O(log n); the set found is then rebuilt and checked with exact sums."""
-    n = len(useful)
-    mu_tree = [0.0] * (n + 1)
-    price_tree = [0.0] * (n + 1)
-
-    def add(pos: int, mu: float, price: float) -> None:
-        i = pos + 1
-        while i <= n:
-            mu_tree[i] += mu
-            price_tree[i] += price
-            i += i & -i
-
-    top = 1 << n.bit_length()
-
-    def shortest_prefix(need: float) -> tuple[int, float] | None:
-        """(how many ρ positions, their price) for the first prefix whose rate reaches `need`."""
-        pos, rate = 0, 0.0  # the longest prefix short of `need`: the next position completes it
-        step = top
-        while step:
-            nxt = pos + step
-            if nxt <= n and rate + mu_tree[nxt] < need:
-                pos, rate = nxt, rate + mu_tree[nxt]
-            step >>= 1
-        if pos == n:
-            return None
-        count, price = pos + 1, 0.0
-        while count > 0:
-            price += price_tree[count]
-            count -= count & -count
-        return pos + 1, price
-
-    position = {id(w): i for i, w in enumerate(useful)}
-    by_price = sorted(useful, key=lambda w: (w.price, _rank(w)))
-    best = _prefix(useful, goal)
-    best_cost = _cost(best)
-    best_guess: tuple[Worker, int] | None = None  # (e, positions taken)
-    start = 0
-    while start < n:
-        price = by_price[start].price
-        if price >= best_cost:
-            break
-        end = start
-        while end < n and by_price[end].price == price:  # all workers no dearer than e are in
-            add(position[id(by_price[end])], by_price[end].mu, by_price[end].price)
-            end += 1
-        for e in by_price[start:end]:
-            need = goal - e.mu
-            if need <= 0:
-                found: tuple[int, float] | None = (0, 0.0)
-            else:
-                add(position[id(e)], -e.mu, -e.price)
-                found = shortest_prefix(need)
-                add(position[id(e)], e.mu, e.price)
-            if found is not None and e.price + found[1] < best_cost:
-                best_cost, best_guess = e.price + found[1], (e, found[0])
-        start = end
-    if best_guess is None:
-        return best
-    e, taken = best_guess
-    rebuilt = [e] + [w for w in useful[:taken] if w is not e and w.price <= e.price]
-    for w in useful[taken:]:  # the trees' rounding may have stopped one short of the goal
-        if _reaches(rebuilt, goal):
-            break
-        if w is not e and w.price <= e.price:
-            rebuilt.append(w)
-    return rebuilt if _reaches(rebuilt, goal) and _cost(rebuilt) < _cost(best) else best
+# `protocol.capacity.cheapest_set`: the same solver the learner's live scheduler uses.
 
 
 # --- Planning -------------------------------------------------------------------------------
@@ -520,13 +335,14 @@ def _evaluate(
     fixed: Sequence[Worker] | None = None,
     broadcast: Callable[[float], str],
     pool_name: str,
+    pipelined: bool = False,
 ) -> dict[str, Any]:
     """The plan for a known T_bcast: κ, μ_min, the cheapest set of `workers` for γ·μ_min
     (`cheapest_set`; or the `fixed` set, when given) and its outcome. An infeasible plan's
     reason names the input that makes it so: `broadcast(seconds)` says what sets T_bcast and
     what it must become to fall below `seconds`; `pool_name` names where the workers came from."""
     k, warning = _kappa(kappa, staleness, t_train, t_bcast)
-    floor = mu_min(k, rollouts_per_update, t_train, t_bcast)
+    floor = mu_min(k, rollouts_per_update, t_train, t_bcast, pipelined=pipelined)
     target = GAMMA * floor
     if fixed is None:
         choice = cheapest_set(workers, target)
@@ -571,7 +387,7 @@ def _evaluate(
         "cost_per_hour": math.fsum(w.price for w in chosen),
         "mu_active": mu_active,
         "delta_max_predicted": delta_max(k, t_train, t_bcast),
-        "idle_predicted": predicted_idle(k, rollouts_per_update, t_train, t_bcast, mu_active),
+        "idle_predicted": predicted_idle(k, rollouts_per_update, t_train, t_bcast, mu_active, pipelined=pipelined),
         "feasible": feasible,
         "reason": reason,
     }
@@ -675,7 +491,8 @@ def plan_from_status(status: Mapping[str, Any]) -> dict[str, Any]:
     """The plan from a learner's measurements (`echo-node plan --learner ADDR`): `status` holds
     t_train, t_bcast (seconds, measured), rollouts_per_update, staleness, kappa (int or "auto")
     and workers: a list of {peer_id, mu, price}, or a mapping peer_id -> {mu, price} (the form
-    of the learner's `capacity` record). Same dict as `plan_from_inputs`, with
+    of the learner's `capacity` record); optionally pipelined (the learner's peers generate while
+    a version downloads: its async mode), so that the plan's figures are the learner's own. Same dict as `plan_from_inputs`, with
     `t_bcast_bound_s` the measured T_bcast and `t_bcast_source` "measured". The status comes
     over the network: every field is checked, ValueError names the first bad one."""
     missing = [key for key in _STATUS_KEYS if key not in status]
@@ -708,6 +525,7 @@ def plan_from_status(status: Mapping[str, Any]) -> dict[str, Any]:
     plan = _evaluate(
         workers, t_bcast=t_bcast, t_train=status["t_train"], rollouts_per_update=status["rollouts_per_update"],
         staleness=status["staleness"], kappa=status["kappa"], pool_name="the swarm (more or faster peers)",
+        pipelined=bool(status.get("pipelined", False)),
         broadcast=lambda below: (
             f"the learner's measurement: a faster broadcast is needed, under {below:.4g} s"
             " (learner uplink; smaller publications: --dtype bfloat16)"

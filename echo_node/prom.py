@@ -137,7 +137,9 @@ METRICS: dict[str, _Spec] = {
         "echo_learner_idle_ratio", "gauge", "Share of time the learner waited for rollouts."
     ),
     "staleness_mean": _Spec("echo_staleness_mean", "gauge", "Mean policy-version lag of trained rollouts."),
-    "mu_pool": _Spec("echo_mu_pool", "gauge", "Measured rollout rate of the active pool (rollouts/s)."),
+    "mu_pool": _Spec("echo_mu_pool", "gauge", "Measured rollout rate of every joined peer together (rollouts/s)."),
+    "mu_active": _Spec("echo_mu_active", "gauge", "Measured rollout rate of the active peers together (rollouts/s)."),
+    "pipelined": _Spec("echo_pipelined", "gauge", "1 if peers generate while a version downloads (async), else 0."),
     "mu_min": _Spec("echo_mu_min", "gauge", "Least rollout rate that keeps the learner busy (rollouts/s).", True),
     "mu_target": _Spec("echo_mu_target", "gauge", "Rollout rate the pool is sized for (rollouts/s).", True),
     "active_peers": _Spec("echo_active_peers", "gauge", "Rollout peers in the active set."),

@@ -163,15 +163,24 @@ class ReplayBuffer:
         self.bytes -= self._release(group)
 
     def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
-        """Pop up to `n_groups` admissible groups, freshest first; stale ones are dropped.
+        """Pop up to `n_groups` admissible groups: those this update is the last chance for
+        first, then the freshest; stale ones are dropped.
 
-        Freshest = newest oldest-token version, then latest arrival. Peers produce with slack
-        so the learner never waits, so the buffer holds more than a step needs: taken oldest
-        first, every step would train at the full staleness S (measured: all tokens 4 versions
-        old at S = 4); taken freshest first, the surplus is what ages out, counted as stale.
+        Freshest = newest oldest-token version, then latest arrival: taken oldest first, a
+        buffer that holds more than a step needs would make every step train at the full
+        staleness S. But a group skipped for fresher ones at its last admissible version is
+        dropped as stale after this update: volunteer work thrown away while it could still be
+        trained. So groups that expire with this update go first (async only: in pull mode
+        every group expires with its version).
         """
         self.evict_stale(current_version)
-        order = sorted(range(len(self._groups)), key=lambda i: (self._groups[i].min_version, i), reverse=True)
+        last_chance = current_version - self.staleness if self.mode == "async" else None
+
+        def rank(i: int) -> tuple[bool, int, int]:
+            v = self._groups[i].min_version
+            return (v == last_chance, v, i)
+
+        order = sorted(range(len(self._groups)), key=rank, reverse=True)
         # First pass: at most `share` groups per origin; second: fill up from whatever is left,
         # so a lone peer still fills a step.
         share = max(1, math.floor(n_groups * self.max_share))

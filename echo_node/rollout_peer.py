@@ -85,6 +85,8 @@ log = logging.getLogger(__name__)
 # then samples one more batch anyway: an announcement may have been lost, and a learner short of
 # data must never wait on peers that wait on it.
 DEMAND_WAIT_S = 3.0
+# async: a peer whose weights are too old to make admissible rollouts looks for newer ones this often.
+WEIGHTS_POLL_S = 0.05
 # A volunteer's status line in the log comes this often.
 STATUS_LINE_S = 30.0
 # An unpinned peer asks each provider of the run for its status before joining any, within this.
@@ -293,6 +295,7 @@ class Generator:
         self.produced_version = -1
         self.swaps_mid_generation = 0
         self.batches_abandoned = 0  # stopped mid-generation (a signal), never published
+        self.waits_for_weights = 0  # batches not begun on weights the learner can no longer admit
         # Set when the batch being generated is to be abandoned (`generate_stoppably`).
         self._stop: threading.Event | None = None
 
@@ -315,6 +318,10 @@ class Generator:
             if left <= 0:
                 await self.wait_for_version()
                 continue
+            if self.weights_too_old():  # what it would sample now is stale before it is sent
+                self.waits_for_weights += 1
+                await trio.sleep(WEIGHTS_POLL_S)
+                continue
             version, seq = self.engine.version, self.publisher.seq
             prompts = self.assigned_prompts(version, seq, min(left, self.cfg.rollout.groups_per_batch))
             seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, version, seq)
@@ -334,6 +341,14 @@ class Generator:
         longest = max(len(tokenizer.encode_prompt(p)) for p in prompts)
         worst = worst_group_bytes(group_size=self.spec.group_size, prompt_tokens=longest, max_new_tokens=self.spec.sampling.max_new_tokens)
         return prompts[: groups_that_fit(worst)]
+
+    def weights_too_old(self) -> bool:
+        """async: whether a batch begun now would be dropped as stale on arrival. A rollout is
+        judged by its oldest token, and the learner's version is at least the newest it
+        announced, so weights older than that minus S make only stale rollouts however the
+        batch ends: the peer waits for newer weights (being fetched) instead of wasting them."""
+        newest = self.follower.newest
+        return self.spec.sync_mode == "async" and newest is not None and self.engine.version < newest.version - self.spec.staleness
 
     def track_version(self) -> None:
         """The learner's demand is per version: the count starts over when a newer version is

@@ -24,11 +24,12 @@ ROWS: tuple[tuple[str, str], ...] = (
     ("echo_installed_version", "installed version"),
     ("echo_steps_per_second", "updates/s"),
     ("echo_learner_idle_ratio", "learner idle"),
-    ("echo_idle_predicted", "idle predicted"),
+    ("echo_learner_idle_predicted_ratio", "learner idle predicted"),
     ("echo_staleness_mean", "staleness (mean)"),
     ("echo_kappa", "kappa (updates per publication)"),
     ("echo_delta_max_predicted", "worst staleness predicted"),
     ("echo_mu_pool", "rollouts/s, whole pool"),
+    ("echo_mu_active", "rollouts/s, active peers"),
     ("echo_mu_min", "rollouts/s needed (mu_min)"),
     ("echo_mu_target", "rollouts/s target"),
     ("echo_active_peers", "active peers"),
@@ -78,6 +79,12 @@ def format_status(values: dict[str, Any]) -> str:
     for metric, label in ROWS:
         if metric in values:
             lines.append(f"  {label:<34} {_show(values[metric])}")
+    workers = values.get("workers") or {}
+    if workers:
+        lines.append("  rollouts/s per peer (measured by the learner):")
+        for peer, w in sorted(workers.items()):
+            state = "active" if w.get("active", 1.0) else "standby"
+            lines.append(f"    {peer[-12:]:<14} {_show(w.get('mu', 0.0)):>10}  {state}, {_show(w.get('price', 0.0))}/h")
     drops = values.get("drops") or {}
     if drops:
         lines.append("  rollouts dropped, by reason:")

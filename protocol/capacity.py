@@ -16,40 +16,58 @@ Rules (each is a test in tests/unit/test_capacity.py):
 3. Staleness: Δ_max ≤ κ + ⌈(1 − 1/κ)·T_bcast / T_train⌉. With T_bcast < T_train the ceiling is at
    most 1, so κ = S − 1 keeps Δ_max ≤ S; a slower broadcast forces a smaller κ (`choose_kappa`).
 4. Activation: minimise Σ c_i subject to Σ μ_i ≥ γ·μ_min(κ), γ = 1.1 of headroom for measurement
-   noise. Rank by ρ_i = c_i/μ_i and activate the cheapest prefix; unmeasured workers (μ = 0)
-   go last. Adding happens at once; releasing only once capacity exceeds the target by
+   noise. Measured free workers are always active; the rest is `cheapest_set` (exact branch and
+   bound on small pools, a greedy within a proven bound otherwise); unmeasured workers (μ = 0)
+   go last. Between decisions, standby workers are added at once by ρ_i = c_i/μ_i when the
+   target breaks; releasing happens only once capacity exceeds the target by
    `release_margin`, and decisions come on a slow tick: a worker is not started and stopped on
    every wobble of a measurement (no churn), unless the target is broken (then at once). When
-   the cheapest prefix of the whole pool costs less than the active set by more than
+   the cheapest set of the whole pool costs less than the active set by more than
    `release_margin` of its cost (a cheap worker joined, prices or rates moved), the active set
-   becomes that prefix: kept workers are not kept at any price.
+   becomes that set: kept workers are not kept at any price. The first decision takes it.
 5. Greedy by ratio is not the exact optimum (this is a covering knapsack): the prefix's cost is
    at most the optimum plus the price of its last worker (`cheapest_prefix`), but no constant
    factor bounds it; `optimal_cost` solves small pools exactly to measure the gap.
 6. μ and prices come from untrusted peers and noisy measurements: NaN, inf, negatives and
    non-numbers raise ValueError when a `Worker` is built, so they never reach a decision.
+7. Flow control (`groups_to_ask`): at each publication the pool is asked for what the learner
+   will train until the publication after it, less what it already holds: async, κ·G for the
+   κ updates of this version plus RESERVE_UPDATES·G in reserve, minus the admissible groups
+   buffered; pull, G (nothing buffered survives a version there). The reserve is what the
+   learner trains on while the next rollouts are generated: one update's worth for the step
+   under way, one for a generation batch still in flight when that step ends (a peer delivers
+   a batch at a time, not a group at a time). A fixed multiple of κ·G instead overshoots by
+   that multiple whenever the pool keeps up, and the overshoot is exactly what goes stale;
+   subtracting the buffer makes any overshoot shrink the next ask.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import numbers
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from typing import Literal
 
 __all__ = [
     "GAMMA",
     "MAX_EXACT_WORKERS",
+    "RESERVE_UPDATES",
+    "Choice",
     "Decision",
     "KappaChoice",
     "Scheduler",
     "Worker",
     "broadcast_bound",
     "cheapest_prefix",
+    "cheapest_set",
     "choose_kappa",
     "delta_max",
+    "groups_to_ask",
     "mu_min",
     "optimal_cost",
     "overlap_holds",
@@ -59,6 +77,7 @@ __all__ = [
 
 GAMMA = 1.1  # provision 10 % above μ_min: measured rates are noisy and the formula has no slack
 MAX_EXACT_WORKERS = 20  # optimal_cost is exponential in the worst case
+RESERVE_UPDATES = 2  # rule 7: updates' worth of groups asked for beyond the next κ updates
 
 
 def _number(name: str, value: object, *, positive: bool = False, allow_inf: bool = False) -> float:
@@ -111,19 +130,26 @@ class Worker:
             object.__setattr__(self, "bandwidth", _number(f"bandwidth (worker {self.peer_id!r})", self.bandwidth))
 
 
-def mu_min(kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float) -> float:
+def mu_min(kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float, *, pipelined: bool = False) -> float:
     """The least pool rate, rollouts/s, with no training bubbles (rule 2); inf when
-    κ·T_train <= T_bcast: the broadcast alone outlasts κ updates, so no pool is enough."""
+    κ·T_train <= T_bcast: the broadcast alone outlasts κ updates, so no pool is enough.
+
+    `pipelined`: the workers keep generating on the weights they have while a version
+    downloads and swap it in mid-generation (this implementation's async mode), so the
+    broadcast costs staleness (rule 3), not generation time: μ_min = κ·R/(κ·T_train) = R/T_train."""
     k, r, tt, tb = _model(kappa, rollouts_per_update, t_train, t_bcast)
-    slack = k * tt - tb  # seconds left for generation once the version has arrived
+    slack = k * tt - (0.0 if pipelined else tb)  # seconds of generation per κ updates
     return k * r / slack if slack > 0 else math.inf
 
 
-def overlap_holds(kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float, mu_pool: float) -> bool:
-    """Whether κ·T_train ≥ T_bcast + κ·R/μ_pool (rule 1). Computed as μ_pool ≥ μ_min, the same
-    inequality solved for μ, so that this and `mu_min` never disagree at the boundary."""
+def overlap_holds(
+    kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float, mu_pool: float, *, pipelined: bool = False
+) -> bool:
+    """Whether κ·T_train ≥ T_bcast + κ·R/μ_pool (rule 1; without the T_bcast term when
+    `pipelined`). Computed as μ_pool ≥ μ_min, the same inequality solved for μ, so that this
+    and `mu_min` never disagree at the boundary."""
     pool = _number("mu_pool", mu_pool)
-    return pool >= mu_min(kappa, rollouts_per_update, t_train, t_bcast)
+    return pool >= mu_min(kappa, rollouts_per_update, t_train, t_bcast, pipelined=pipelined)
 
 
 def delta_max(kappa: int, t_train: float, t_bcast: float) -> int:
@@ -139,7 +165,9 @@ def delta_max(kappa: int, t_train: float, t_bcast: float) -> int:
     return k + math.ceil(Fraction(k - 1) * Fraction(repr(tb)) / (k * Fraction(repr(tt))))
 
 
-def predicted_idle(kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float, mu_pool: float) -> float:
+def predicted_idle(
+    kappa: int, rollouts_per_update: float, t_train: float, t_bcast: float, mu_pool: float, *, pipelined: bool = False
+) -> float:
     """The fraction of wall time the learner waits for rollouts, in [0, 1].
 
     Model: the run is a sequence of publication cycles. In one cycle the learner trains κ updates
@@ -152,15 +180,29 @@ def predicted_idle(kappa: int, rollouts_per_update: float, t_train: float, t_bca
     Assumptions: steady state with constant T_train, T_bcast and μ_pool; every rollout is
     admissible (none dropped as stale or invalid); the whole pool generates on the newest version
     only after it has fully arrived (no pipelining of broadcast and generation); the learner
-    needs all of a cycle's κ·R rollouts before it stops waiting (no partial-batch steps)."""
+    needs all of a cycle's κ·R rollouts before it stops waiting (no partial-batch steps).
+    `pipelined` (see `mu_min`): the workers do not wait for the version, so the cycle is
+    max(κ·T_train, κ·R/μ_pool) and idle = max(0, 1 − μ_pool·T_train/R)."""
     k, r, tt, tb = _model(kappa, rollouts_per_update, t_train, t_bcast)
     pool = _number("mu_pool", mu_pool)
-    if overlap_holds(k, r, tt, tb, pool):
+    if overlap_holds(k, r, tt, tb, pool, pipelined=pipelined):
         return 0.0
     if pool == 0:
         return 1.0
-    cycle = max(k * tt, tb + k * r / pool)
+    cycle = max(k * tt, (0.0 if pipelined else tb) + k * r / pool)
     return 1.0 - k * tt / cycle
+
+
+def groups_to_ask(*, mode: str, groups_per_step: int, kappa: int, buffered: int) -> int:
+    """Groups the whole pool is asked to sample for a version just published (rule 7), >= 0.
+
+    `buffered`: admissible groups the learner holds at the publication."""
+    g = _count("groups_per_step", groups_per_step, 1)
+    k = _count("kappa", kappa, 1)
+    held = _count("buffered", buffered, 0)
+    if mode == "pull":
+        return g  # on-policy: only this version's rollouts count, one update's worth
+    return max(0, g * (k + RESERVE_UPDATES) - held)
 
 
 @dataclass(frozen=True, slots=True)
@@ -340,6 +382,192 @@ def optimal_cost(workers: Sequence[Worker], target: float) -> tuple[float, list[
     return math.fsum(w.price for w in best), best
 
 
+# The cheapest covering set (rule 4), for `echo-node plan` and the live `Scheduler`.
+# The cheapest set of workers whose rates reach the target is a covering knapsack (minimise
+# Σ price subject to Σ μ >= target): NP-hard in general, easy at the sizes plans have. Rules:
+# - Exact where the pool is small: a branch and bound over the measured workers (μ > 0) in ρ
+#   order (price/μ), include-first, pruned by the fractional (LP) cost of what is still missing,
+#   seeded with the greedy answer below; for at most EXACT_MAX_WORKERS measured workers, and
+#   within EXACT_MAX_NODES search nodes (equal-ρ pools are its worst case: 20 such workers took
+#   0.9 s in `protocol.capacity.optimal_cost`). Past either limit the greedy answer stands.
+# - Greedy with a bound otherwise (`_dearest_guess`): at most the optimum plus the price of the
+#   optimum's dearest worker, so never more than twice the optimum.
+# - Workers with μ = 0 (not measured) only add cost: never chosen while the target can be met.
+# - A pool that cannot reach the target (or an infinite target) gets every worker, as
+#   `cheapest_prefix` does: each still shortens the learner's wait.
+# - Everything here is linear or O(n log n) in the pool outside the exact search
+#   (`cheapest_prefix` re-sums its prefix per step: quadratic over a 100,000-worker file).
+
+EXACT_MAX_WORKERS = 24
+EXACT_MAX_NODES = 500_000  # about 0.2 s of search
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """The chosen workers (cheapest ρ first) and how they were chosen: "exact" (proven
+    cheapest), "greedy" (within the bound above) or "all" (the pool falls short)."""
+
+    workers: list[Worker]
+    method: Literal["exact", "greedy", "all"]
+
+
+def _prefix(ranked: Sequence[Worker], goal: float) -> list[Worker]:
+    """The shortest prefix of `ranked` whose rate reaches `goal` (all of it if none does)."""
+    rate = 0.0
+    for i, w in enumerate(ranked):
+        if rate >= goal and _reaches(ranked[:i], goal):
+            return list(ranked[:i])
+        rate += w.mu
+    return list(ranked)
+
+
+def _cost(workers: Sequence[Worker]) -> float:
+    return math.fsum(w.price for w in workers)
+
+
+def _reaches(workers: Sequence[Worker], goal: float) -> bool:
+    return math.fsum(w.mu for w in workers) >= goal
+
+
+def cheapest_set(workers: Sequence[Worker], target: float) -> Choice:
+    """The least-cost set of `workers` whose Σ μ reaches `target` (rules above)."""
+    pool = list(workers)
+    if math.isinf(target) or not _reaches(pool, target):
+        return Choice(sorted(pool, key=_rank), "all")
+    if target <= 0:
+        return Choice([], "exact")
+    useful = sorted((w for w in pool if w.mu > 0), key=_rank)
+    best = _dearest_guess(useful, target)  # never dearer than the plain ρ prefix
+    if len(useful) <= EXACT_MAX_WORKERS:
+        found = _branch_and_bound(useful, target, best)
+        if found is not None:
+            return Choice(sorted(found, key=_rank), "exact")
+    return Choice(sorted(best, key=_rank), "greedy")
+
+
+def _branch_and_bound(useful: list[Worker], goal: float, seed: list[Worker]) -> list[Worker] | None:
+    """The cheapest covering subset of `useful` (in ρ order), or None when the search passed
+    EXACT_MAX_NODES before it proved its answer. `seed` covers the goal: the bound to beat."""
+    n = len(useful)
+    # Running sums over the ρ order: cum_mu[k] and cum_price[k] are over useful[:k].
+    cum_mu = list(itertools.accumulate((w.mu for w in useful), initial=0.0))
+    cum_price = list(itertools.accumulate((w.price for w in useful), initial=0.0))
+    best = list(seed)
+    best_cost = _cost(seed)
+    chosen: list[Worker] = []
+    nodes = 0
+
+    def lp_cost(i: int, need: float) -> float:
+        """The least fractional cost of `need` more from useful[i:] (ρ order is optimal for it):
+        whole workers up to the one that completes it, then the share of that one it takes."""
+        j = min(bisect.bisect_left(cum_mu, cum_mu[i] + need) - 1, n - 1)
+        return cum_price[j] - cum_price[i] + (cum_mu[i] + need - cum_mu[j]) / useful[j].mu * useful[j].price
+
+    def search(i: int, have: float, cost: float) -> bool:
+        """False once the node budget is spent."""
+        nonlocal best, best_cost, nodes
+        nodes += 1
+        if nodes > EXACT_MAX_NODES:
+            return False
+        if have >= goal and _reaches(chosen, goal):  # the running sum, then exactly
+            if cost < best_cost:
+                best, best_cost = list(chosen), cost
+            return True
+        if i == n or have + cum_mu[n] - cum_mu[i] < goal or cost + lp_cost(i, goal - have) >= best_cost:
+            return True
+        chosen.append(useful[i])
+        if not search(i + 1, have + useful[i].mu, cost + useful[i].price):
+            return False
+        chosen.pop()
+        return search(i + 1, have, cost)
+
+    return best if search(0, 0.0, 0.0) else None
+
+
+def _dearest_guess(useful: list[Worker], goal: float) -> list[Worker]:
+    """Greedy with a bound, O(n log n): for each worker e taken as the dearest of the set, e plus
+    the other workers no dearer than e in ρ order until the goal is reached; the cheapest of
+    these sets, or the plain ρ prefix when none is cheaper. `useful` is in ρ order, every μ > 0,
+    and the whole of it reaches `goal`.
+
+    Bound: let O be a cheapest set and e its dearest worker. O − e reaches goal − μ_e with
+    workers no dearer than e, so the fractional (LP) cost of reaching it in ρ order from those
+    workers is at most c(O) − c_e; the integral ρ prefix exceeds that LP cost by at most its last
+    worker's price, itself at most c_e. The set guessed from e therefore costs at most
+    c_e + (c(O) − c_e) + c_e = c(O) + c_e <= 2·c(O), and the cheapest guess no more. Guesses
+    in order of price stop at the first e with c_e >= the best cost so far (no set containing it
+    can be cheaper): if that skips O's dearest worker, the best found already costs <= c(O).
+
+    Rates and prices are summed in Fenwick trees over the ρ positions, so each guess is a
+    prefix search in O(log n); the set found is then rebuilt and checked with exact sums."""
+    n = len(useful)
+    mu_tree = [0.0] * (n + 1)
+    price_tree = [0.0] * (n + 1)
+
+    def add(pos: int, mu: float, price: float) -> None:
+        i = pos + 1
+        while i <= n:
+            mu_tree[i] += mu
+            price_tree[i] += price
+            i += i & -i
+
+    top = 1 << n.bit_length()
+
+    def shortest_prefix(need: float) -> tuple[int, float] | None:
+        """(how many ρ positions, their price) for the first prefix whose rate reaches `need`."""
+        pos, rate = 0, 0.0  # the longest prefix short of `need`: the next position completes it
+        step = top
+        while step:
+            nxt = pos + step
+            if nxt <= n and rate + mu_tree[nxt] < need:
+                pos, rate = nxt, rate + mu_tree[nxt]
+            step >>= 1
+        if pos == n:
+            return None
+        count, price = pos + 1, 0.0
+        while count > 0:
+            price += price_tree[count]
+            count -= count & -count
+        return pos + 1, price
+
+    position = {id(w): i for i, w in enumerate(useful)}
+    by_price = sorted(useful, key=lambda w: (w.price, _rank(w)))
+    best = _prefix(useful, goal)
+    best_cost = _cost(best)
+    best_guess: tuple[Worker, int] | None = None  # (e, positions taken)
+    start = 0
+    while start < n:
+        price = by_price[start].price
+        if price >= best_cost:
+            break
+        end = start
+        while end < n and by_price[end].price == price:  # all workers no dearer than e are in
+            add(position[id(by_price[end])], by_price[end].mu, by_price[end].price)
+            end += 1
+        for e in by_price[start:end]:
+            need = goal - e.mu
+            if need <= 0:
+                found: tuple[int, float] | None = (0, 0.0)
+            else:
+                add(position[id(e)], -e.mu, -e.price)
+                found = shortest_prefix(need)
+                add(position[id(e)], e.mu, e.price)
+            if found is not None and e.price + found[1] < best_cost:
+                best_cost, best_guess = e.price + found[1], (e, found[0])
+        start = end
+    if best_guess is None:
+        return best
+    e, taken = best_guess
+    rebuilt = [e] + [w for w in useful[:taken] if w is not e and w.price <= e.price]
+    for w in useful[taken:]:  # the trees' rounding may have stopped one short of the goal
+        if _reaches(rebuilt, goal):
+            break
+        if w is not e and w.price <= e.price:
+            rebuilt.append(w)
+    return rebuilt if _reaches(rebuilt, goal) and _cost(rebuilt) < _cost(best) else best
+
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     active: frozenset[str]
@@ -382,6 +610,7 @@ class Scheduler:
         rollouts_per_update: float,
         t_train: float,
         t_bcast: float,
+        pipelined: bool = False,
     ) -> Decision | None:
         """The active set for this pool and timing, or None before the next tick (see the class).
 
@@ -395,7 +624,7 @@ class Scheduler:
         if isinstance(now, bool) or not isinstance(now, numbers.Real) or not math.isfinite(now):
             raise ValueError(f"now must be a finite number, got {now!r}")
         pool = _pool(workers)
-        floor = mu_min(kappa, rollouts_per_update, t_train, t_bcast)
+        floor = mu_min(kappa, rollouts_per_update, t_train, t_bcast, pipelined=pipelined)
         target = self.gamma * floor
         kept = sorted((w for w in pool if w.peer_id in self._active), key=_rank)
         broken = len(kept) < len(self._active) or (_rate(kept) < target and len(kept) < len(pool))
@@ -443,11 +672,17 @@ class Scheduler:
         if feasible:
             cost = math.fsum(w.price for w in active)
             best = [w for w in pool if w.price == 0 and w.mu > 0]
-            _fill(best, sorted((w for w in pool if w not in best), key=_rank), target)
-            _fill_count(best, sorted((w for w in pool if w not in best), key=_rank), self.min_active)
+            rest = [w for w in pool if w not in best]
+            choice = cheapest_set(rest, max(0.0, target - _rate(best)))
+            best += choice.workers
+            _fill_count(best, sorted((w for w in rest if w not in best), key=_rank), self.min_active)
             best_cost = math.fsum(w.price for w in best)
-            if best_cost < cost * (1 - self.release_margin):
-                notes = [f"switched to the cheapest prefix: {best_cost:.4g}/h instead of {cost:.4g}/h"]
+            # The first decision takes the cheapest set outright; later ones move to it only
+            # past the margin (no churn for a few cents).
+            first = not self._active
+            if best_cost < cost * (1 - self.release_margin) or (first and best_cost < cost):
+                how = "exact search" if choice.method == "exact" else "greedy within its bound"
+                notes = [f"the cheapest set ({how}): {best_cost:.4g}/h instead of {cost:.4g}/h"]
                 active = best
         if not notes:
             notes.append(f"kept: active {rate:.4g}/s covers target {target:.4g}/s within the release margin")

@@ -16,7 +16,7 @@ import trio.testing
 
 from echo_node.learner import Learner
 from protocol import seal
-from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch, offer
+from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch, make_group, offer
 
 
 @pytest.fixture(autouse=True)
@@ -102,24 +102,45 @@ def test_demand_is_split_among_the_peers_that_deliver(learner: Learner) -> None:
     async def go() -> list[int]:
         for p in list(learner.peers.joined):
             learner.peers.leave(p)
-        out = [learner.demand_groups()]
+        out = [learner._ask()]
         for i in range(4):
             learner.peers.join(f"p{i}", trio.current_time())
             learner.peers.contributed(f"p{i}", 8, trio.current_time())
-        out.append(learner.demand_groups())
+        out.append(learner._ask())
         # Joined peers that only ask (status, joins) or deliver a trickle cannot cut the demand
         # of the peers that do the work.
         for i in range(12):
             learner.peers.join(f"sybil{i}", trio.current_time())
         learner.peers.contributed("sybil0", 1, trio.current_time())
-        out.append(learner.demand_groups())
+        out.append(learner._ask())
         await trio.sleep(16)  # the window passes: nobody delivered lately
-        out.append(learner.demand_groups())
+        out.append(learner._ask())
         return out
 
-    # groups_per_step=8 with 1.5x slack: 12 for a lone peer, 3 each for four; a sybil's one
-    # group makes four and an eighth peers' worth (12 / 4.125 -> 3).
-    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [12, 3, 3, 12]
+    # async, groups_per_step=8, κ=1, nothing buffered: this version's update and two in
+    # reserve, 24 for a lone peer, 6 each for four; a sybil's one group makes four and an eighth
+    # peers' worth (24 / 4.125 -> 6).
+    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [24, 6, 6, 24]
+
+
+def test_demand_counts_what_the_learner_holds(learner: Learner) -> None:
+    """What is buffered and admissible is not asked for again; the ask stays >= 1 (wire floor)
+    and is the same in every status answer until the next publication."""
+    for p in list(learner.peers.joined):
+        learner.peers.leave(p)
+    cfg = learner.cfg.rl
+    for n in range(cfg.groups_per_step + 3):
+        assert learner.buffer.offer(make_group(version=learner.version, n=n), learner.version) is None
+    assert trio.run(lambda: _ask_now(learner)) == 2 * cfg.groups_per_step - 3
+    for n in range(20):
+        learner.buffer.offer(make_group(version=learner.version, n=100 + n), learner.version)
+    assert trio.run(lambda: _ask_now(learner)) == 1
+    learner._demand = 5
+    assert learner.demand_groups() == 5
+
+
+async def _ask_now(learner: Learner) -> int:
+    return learner._ask()
 
 
 def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -182,5 +203,6 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
     assert sorted(v for v, base in learner.weights.sources if base == FULL) == [0, 2]
     assert status.version == 2
     assert status.weights_sha256 == learner.weights.sources[(2, FULL)].store.manifest.weights_sha256
-    assert status.demand_groups == 24  # 8 groups per update, 2 updates per version, 1.5x slack
+    # 8 groups per update, 2 updates per version and two in reserve, less the 8 still buffered.
+    assert status.demand_groups == 24
     assert learner.spec().current_version == 2

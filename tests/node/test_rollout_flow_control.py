@@ -76,3 +76,21 @@ def test_an_older_announcement_does_not_change_the_target() -> None:
     peer = peer_on_version(7, demand=6)
     peer.follower.offer(Target(5, 10, b"\2" * 32, 99, 0))
     assert peer.follower.newest is not None and peer.follower.newest.version == 7 and peer.follower.demand == 6
+
+
+def test_async_does_not_sample_on_weights_the_learner_can_no_longer_admit() -> None:
+    """A rollout is judged by its oldest token against the learner's version, which is at least
+    the newest announced: weights older than that minus S only make stale rollouts."""
+    peer = peer_on_version(3, demand=6)
+    peer.spec.staleness = 2
+    assert not peer.weights_too_old()
+    peer.follower.offer(Target(5, 10, b"\1" * 32, 6, 0))
+    assert not peer.weights_too_old()  # 3 >= 5 - 2: still admissible
+    peer.follower.offer(Target(6, 10, b"\2" * 32, 6, 0))
+    assert peer.weights_too_old()  # 3 < 6 - 2
+    peer.engine.version = 6
+    assert not peer.weights_too_old()
+    pull = peer_on_version(3, demand=6, mode="pull")
+    pull.spec.staleness = 0
+    pull.follower.offer(Target(9, 10, b"\3" * 32, 6, 0))
+    assert not pull.weights_too_old()  # pull refreshes before every batch anyway

@@ -193,23 +193,24 @@ def test_no_decision_before_the_tick_while_the_target_holds() -> None:
     assert sched.decide(29.9, joined, **MODEL) is None
     at_tick = sched.decide(30.0, joined, **MODEL)
     # At the tick the newcomer alone covers the target for 0.1/h instead of 1.9/h: the active
-    # set becomes the cheapest prefix.
+    # set becomes the cheapest set.
     assert at_tick is not None and at_tick.active == {"n"} and at_tick.changed
-    assert at_tick.cost_per_hour == pytest.approx(0.1) and "switched to the cheapest prefix" in at_tick.reason
+    assert at_tick.cost_per_hour == pytest.approx(0.1) and "the cheapest set" in at_tick.reason
     assert sched.decide(59.9, joined, **MODEL) is None  # the tick restarts at each decision
 
 
 def test_a_cheaper_set_replaces_the_active_one_only_past_the_margin() -> None:
     sched = Scheduler(tick_s=30.0)
     sched.decide(0.0, pool(**BASE), **MODEL)  # {a, b, c}: 1.9/h
-    # d becomes cheap: the prefix {d, a} (10 + 5 >= 11) costs 0.5 + 1.0 = 1.5/h, 21 % less:
-    # within the 25 % margin, kept.
-    slightly = sched.decide(30.0, pool(**{**BASE, "d": (10.0, 1.0)}), **MODEL)
+    # d becomes cheap: the cheapest set {c, d} (1 + 10 >= 11) costs 0.3 + 1.2 = 1.5/h, 21 %
+    # less: within the 25 % margin, kept.
+    slightly = sched.decide(30.0, pool(**{**BASE, "d": (10.0, 1.2)}), **MODEL)
     assert slightly is not None and slightly.active == {"a", "b", "c"} and not slightly.changed
-    # At 0.4/h the prefix {d, a} costs 0.9/h, 53 % less: switched.
+    # At 0.4/h {c, d} costs 0.7/h, 63 % less: switched. (The ρ prefix, {d, a}, costs 0.9/h:
+    # the exact search finds the set the prefix misses.)
     cheaper = sched.decide(60.0, pool(**{**BASE, "d": (10.0, 0.4)}), **MODEL)
-    assert cheaper is not None and cheaper.active == {"a", "d"} and cheaper.changed
-    assert cheaper.cost_per_hour == pytest.approx(0.9)
+    assert cheaper is not None and cheaper.active == {"c", "d"} and cheaper.changed
+    assert cheaper.cost_per_hour == pytest.approx(0.7) and "exact search" in cheaper.reason
 
 
 def test_an_active_worker_leaving_forces_an_immediate_decision() -> None:
@@ -462,3 +463,18 @@ def test_a_rejected_call_leaves_the_scheduler_as_it_was() -> None:
     with pytest.raises(ValueError):
         sched.decide(1.0, [*pool(**BASE), Worker("a", 1.0, 1.0)], **MODEL)
     assert sched.decide(2.0, pool(**BASE), **MODEL) is None  # still on the tick from t = 0
+
+
+def test_the_pool_is_asked_for_what_the_learner_will_train_less_what_it_holds() -> None:
+    """Rule 7: async asks for κ updates plus two in reserve, minus the admissible buffer (never
+    below 0); pull for one update whatever is buffered (nothing survives a version there)."""
+    from protocol.capacity import RESERVE_UPDATES, groups_to_ask
+
+    assert RESERVE_UPDATES == 2
+    assert groups_to_ask(mode="async", groups_per_step=8, kappa=1, buffered=0) == 24
+    assert groups_to_ask(mode="async", groups_per_step=8, kappa=4, buffered=8) == 40
+    assert groups_to_ask(mode="async", groups_per_step=8, kappa=1, buffered=40) == 0
+    assert groups_to_ask(mode="pull", groups_per_step=8, kappa=1, buffered=5) == 8
+    for bad in ({"groups_per_step": 0}, {"kappa": 0}, {"buffered": -1}):
+        with pytest.raises(ValueError):
+            groups_to_ask(**{"mode": "async", "groups_per_step": 8, "kappa": 1, "buffered": 0, **bad})

@@ -22,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from echo_node import plan as plan_module
 from echo_node.cli import main
 from echo_node.plan import (
     MBIT,
@@ -31,6 +30,7 @@ from echo_node.plan import (
     plan_from_inputs,
     plan_from_status,
 )
+from protocol import capacity as capacity_module
 from protocol.capacity import Worker, cheapest_prefix
 
 ISSUE_POOL = [Worker("w1", 2.0, 0.40), Worker("w2", 10.0, 2.50), Worker("w3", 2.5, 0.75)]
@@ -120,7 +120,7 @@ def test_the_exact_search_matches_every_subset_on_random_pools() -> None:
 
 
 def test_the_greedy_costs_at_most_the_optimum_plus_its_dearest_worker(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(plan_module, "EXACT_MAX_WORKERS", 0)  # the greedy answer for every pool
+    monkeypatch.setattr(capacity_module, "EXACT_MAX_WORKERS", 0)  # the greedy answer for every pool
     # capacity.cheapest_prefix's own counterexample: the ρ prefix pays 1000 where 2 suffice.
     pool = [Worker("free", 9, 0), Worker("big", 1000, 1000), Worker("small", 1, 2)]
     assert cost(cheapest_prefix(pool, 10)) == 1000
@@ -151,7 +151,7 @@ def test_a_large_pool_is_planned_in_seconds() -> None:
 
 def test_a_hard_small_pool_falls_back_to_the_bounded_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
     """Equal ρ everywhere is the search's worst case: past its node budget the greedy stands."""
-    monkeypatch.setattr(plan_module, "EXACT_MAX_NODES", 1000)
+    monkeypatch.setattr(capacity_module, "EXACT_MAX_NODES", 1000)
     pool = [Worker(f"w{i}", 1 + i * 0.01, 1 + i * 0.01) for i in range(24)]
     choice = cheapest_set(pool, 10.005)
     assert choice.method == "greedy"

@@ -65,6 +65,22 @@ def test_a_batch_is_the_freshest_admissible_data() -> None:
     assert ids(buf.take(3, current_version=7)) == [4, 0]
 
 
+def test_a_group_at_its_last_admissible_version_goes_before_fresher_ones() -> None:
+    """Skipped for fresher groups now, it would be dropped as stale after this update."""
+    buf = ReplayBuffer(mode="async", staleness=2, capacity_groups=16)
+    for seq, v in enumerate((8, 10, 9, 10)):
+        buf.offer(make_group(version=v, n=seq), current_version=10)
+    # v8 expires with this update (10 - S); the rest by freshness.
+    first = buf.take(2, current_version=10)
+    assert ids(first) == [0, 3]
+    # v9 is not at its last chance yet: the freshest go first.
+    second = buf.take(1, current_version=10)
+    assert ids(second) == [1]
+    buf.mark_trained(first + second)
+    assert buf.ledger.dropped == {}
+    buf.check()
+
+
 def test_rejects_and_exit_are_counted() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
     buf.reject(DropReason.MALFORMED)  # undecodable message: one rollout
