@@ -21,11 +21,14 @@ from echo_node.metrics import read_metrics
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import cast_state, canonical_state
 from echo_node.ml.tiny_hf import DEMO_WARMUP_STEPS, build_tiny_model
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, reward_gain
 
 pytestmark = pytest.mark.integration
 
-SECONDS = 60
+# Judged over a number of versions, not a time window (a loaded machine may give a window few
+# versions); DEADLINE_S only bounds a stuck run.
+VERSIONS = 24
+DEADLINE_S = 900
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +41,9 @@ def test_tiny_qwen2_trains_in_a_swarm_with_bf16_on_the_wire(cluster: Cluster, ti
     run = "real-bf16"
     model_args = ("--model", str(tiny_model), "--dtype", "bfloat16")
     cluster.start_bootstrap()
-    learner, _ = cluster.start_learner(run, *model_args, "--seconds", str(SECONDS), "--mode", "async")
+    learner, _ = cluster.start_learner(
+        run, *model_args, "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S), "--mode", "async"
+    )
     peers = [cluster.start_peer(f"peer{i}", run, "--model", str(tiny_model)) for i in range(2)]
     # A peer with another model (same architecture and tokenizer, another size) is refused.
     other = build_tiny_model(tmp_path / "other", family="qwen2", vocab_size=384)
@@ -47,13 +52,15 @@ def test_tiny_qwen2_trains_in_a_swarm_with_bf16_on_the_wire(cluster: Cluster, ti
     log = (cluster.swarm.run_dir / "logs" / "wrong.log").read_text()
     assert "is not the run's model" in log, log[-2000:]
 
-    assert learner.proc.wait(timeout=SECONDS + 240) == 0
+    assert learner.proc.wait(timeout=DEADLINE_S + 120) == 0
     for p in peers:
         cluster.swarm.stop(p)
     summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())
     assert (summary["model"], summary["dtype"]) == ("Qwen2ForCausalLM", "bfloat16")
-    assert summary["versions"] >= 20
-    assert summary["reward_last"] > summary["reward_first"], (summary["reward_first"], summary["reward_last"])
+    assert summary["versions"] == VERSIONS, f"{summary['versions']} versions within {DEADLINE_S} s"
+    train = [r for r in read_metrics(cluster.run_dir(run) / "metrics.jsonl") if r.get("event") == "train"]
+    gain = reward_gain(train)
+    assert gain > 0, (gain, summary["reward_first"], summary["reward_last"])
 
     # Every install is a bf16 blob: half the bytes of the model's fp32 parameters (+ headers).
     fp32 = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)

@@ -23,12 +23,20 @@ from echo_node.net.p2p import P2PNode, provider_key
 from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse
 from tests.factories import bad_rollout_messages
-from tests.integration.conftest import Cluster
+from tests.integration.conftest import Cluster, reward_gain
 
 pytestmark = pytest.mark.integration
 
-# Training seconds per run; the embedded task gains ~0.15 in 40 s on this 2-core machine.
-SECONDS = 50
+# Learning is judged over a number of versions, never within a fixed time: on a loaded machine
+# peers may take a minute to join, and a time window then holds too few versions to learn in.
+# The reward of one update is noisy (its standard deviation about the trend is ~0.09 on the
+# embedded task, where the trend gains ~0.003 per version), so the gain is the mean reward of
+# the run's last quarter of updates minus its first quarter's: over 60 versions, blocks of 15,
+# the trend gives ~0.13 against a noise of ~0.03 (standard deviation of the difference).
+VERSIONS = 60
+MIN_GAIN = 0.04
+# Only a bound for a run that is stuck: the learner's own --seconds, and the tests' wait.
+DEADLINE_S = 900
 
 
 def summary(cluster: Cluster, run_id: str) -> dict[str, object]:
@@ -39,7 +47,7 @@ def train_records(cluster: Cluster, run_id: str) -> list[dict[str, object]]:
     return [r for r in read_metrics(cluster.run_dir(run_id) / "metrics.jsonl") if r.get("event") == "train"]
 
 
-def wait_for_versions(cluster: Cluster, run_id: str, n: int, timeout: float = 120) -> None:
+def wait_for_versions(cluster: Cluster, run_id: str, n: int, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         records = train_records(cluster, run_id)
@@ -83,7 +91,7 @@ def assert_ledger(s: dict[str, object]) -> None:
 def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     run_id = "it-async"
     bootstrap = cluster.start_bootstrap()
-    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4", "--seconds", str(SECONDS))
+    learner, _ = cluster.start_learner(run_id, "--mode", "async", "--staleness", "4", "--seconds", str(DEADLINE_S))
     peers = [cluster.start_peer(f"peer{i}", run_id) for i in range(2)]
     wait_for_versions(cluster, run_id, 5)
 
@@ -92,12 +100,15 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     gc.collect()  # collect the host's leaked sockets here, under this test's warning filter
     peers[1].proc.send_signal(signal.SIGKILL)
     versions_at_kill = int(train_records(cluster, run_id)[-1]["version"])
+    # The learner goes on training on the surviving peer's rollouts after the kill.
+    wait_for_versions(cluster, run_id, max(VERSIONS, versions_at_kill + 20), timeout=DEADLINE_S)
+    learner.proc.send_signal(signal.SIGINT)  # a clean stop: summary and checkpoint, exit 130
 
-    assert learner.proc.wait(SECONDS + 60) == 0
+    assert learner.proc.wait(120) == 130
     s = summary(cluster, run_id)
     assert_ledger(s)
-    assert s["reward_last"] >= s["reward_first"] + 0.1, s
-    # The learner went on training on the surviving peer's rollouts after the kill.
+    gain = reward_gain(train_records(cluster, run_id))
+    assert gain >= MIN_GAIN, (gain, s)
     assert int(s["versions"]) >= versions_at_kill + 20
     penalties = s["penalties"]
     assert isinstance(penalties, dict) and penalties.get(attacker.peer_id, 0) >= 3
@@ -121,15 +132,18 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
 def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> None:
     run_id = "it-pull"
     cluster.start_bootstrap()
-    learner, ready = cluster.start_learner(run_id, "--mode", "pull", "--seconds", str(SECONDS))
+    learner, ready = cluster.start_learner(
+        run_id, "--mode", "pull", "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S)
+    )
     for i in range(3):
         cluster.start_peer(f"peer{i}", f"{run_id}@{ready['peer_id']}")  # pinned: no impostor can take them
-    assert learner.proc.wait(SECONDS + 90) == 0
+    assert learner.proc.wait(DEADLINE_S + 120) == 0
     s = summary(cluster, run_id)
     assert_ledger(s)
-    assert s["reward_last"] >= s["reward_first"] + 0.1, s
     records = train_records(cluster, run_id)
-    assert len(records) >= 20
+    assert len(records) == VERSIONS, f"{len(records)} versions within {DEADLINE_S} s"
+    gain = reward_gain(records)
+    assert gain >= MIN_GAIN, (gain, s)
     # Echo's sequential pull: every trained rollout came from the learner's current version,
     # so all three peers went live on every version they sampled from.
     assert all(r["staleness_max"] == 0 for r in records)
