@@ -86,11 +86,11 @@ from protocol.capacity import choose_kappa, mu_min
 
 IDLE_FACTORS = (0.5, 0.8, 1.0, 1.2, 2.0)
 # The learner's side of every run: R rollouts per update, T_train s each, staleness S, B per batch.
-LEARNER = dict(rollouts_per_update=256, t_train=30.0, staleness=4, batch=8)
+LEARNER: dict[str, Any] = dict(rollouts_per_update=256, t_train=30.0, staleness=4, batch=8)
 DEFAULT_OUT = Path("benchmarks/results/capacity.json")
 
 
-def _round(x: float, digits: int = 4) -> float | None:
+def _round(x: float | None, digits: int = 4) -> float | None:
     return None if x is None or not math.isfinite(x) else round(x, digits)
 
 
@@ -108,7 +108,7 @@ def _broadcasts(result: SwarmResult) -> dict[str, Any]:
         "ratio_max": _round(max(ratios)) if ratios else None,
         "versions_measured": len(done),
         "members_median": statistics.median(b.members for b in done) if done else None,
-        "t_all_s": [_round(b.t_all, 2) for b in done],  # type: ignore[arg-type]
+        "t_all_s": [_round(b.t_all, 2) for b in done],
         "bound_s": [_round(b.bound_s, 2) for b in done],
         "link_overflows": sum(b.overflows for b in result.broadcasts),
         "duplicate_share": _round(sum(b.duplicates for b in result.broadcasts) / max(1, sum(b.deliveries for b in result.broadcasts))),
@@ -221,7 +221,7 @@ def sim_idle(args: argparse.Namespace) -> dict[str, Any]:
     pilot = run_swarm(SwarmConfig(**common, kappa=2, versions=8), pool)
     kappa = choose_kappa(LEARNER["staleness"], LEARNER["t_train"], pilot.t_bcast_median).kappa
     floor = mu_min(kappa, LEARNER["rollouts_per_update"], LEARNER["t_train"], pilot.t_bcast_median)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for f in IDLE_FACTORS:
         r = run_swarm(SwarmConfig(**common, kappa=kappa, versions=args.idle_versions), _scaled(pool, f * floor))
         measured_floor = mu_min(kappa, LEARNER["rollouts_per_update"], LEARNER["t_train"], r.t_bcast_median)
@@ -449,7 +449,7 @@ def section_simcheck(args: argparse.Namespace) -> dict[str, Any]:
             efficiency = measure_goodput(topo, src=1, dst=0, nbytes=1 << 20, timeout=30)["efficiency"]
             live = run_p2p(topo, s, tag="capacity-simcheck", timeout=120)
         mbit = 1e6 / 8 * efficiency
-        links = [(s.peer_rates(i).down_mbit * mbit, s.peer_rates(i).up_mbit * mbit) for i in range(1, peers + 1)]  # type: ignore[operator]
+        links = [(s.peer_rates(i).down_mbit * mbit, s.peer_rates(i).up_mbit * mbit) for i in range(1, peers + 1)]
         simulated = simulate_broadcast(s.size_bytes, b0 * mbit, links, piece_size=PIECE)
         rows.append({**s.describe(), "efficiency": _round(efficiency, 3), "live_s": _round(live["seconds"], 3),
                      "sim_s": _round(simulated, 3), "live_over_sim": _round(live["seconds"] / simulated, 3),

@@ -75,7 +75,8 @@ def vllm_tokens_per_s(model_dir: Path) -> dict[str, Any]:
     gens = engine.generate(prompts, max_new_tokens=32, temperature=1.0, top_p=1.0, seed=0)
     seconds = time.perf_counter() - t0
     greedy = [g.completion_ids for g in engine.generate(prompts[:8], max_new_tokens=8, temperature=0.0, top_p=1.0, seed=0)]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).cuda()
+    # transformers wraps Module.cuda/.to in functools.wraps: mypy sees the unbound functions.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, local_files_only=True).cuda()  # type: ignore[call-arg]
     reference = TorchEngine(model, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id)
     torch_greedy = [g.completion_ids for g in reference.generate(prompts[:8], max_new_tokens=8, temperature=0.0)]
     return {
@@ -109,7 +110,7 @@ def learner_step(model_dir: Path, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     params: dict[str, list[torch.Tensor]] = {}
     for device, autocast in (("cpu", None), ("cuda", torch.bfloat16)):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).to(device)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, local_files_only=True).to(device)  # type: ignore[arg-type]
         opt = PolicyOptimizer(model, lr=1e-4, autocast_dtype=autocast)
         opt.step(groups)  # warm-up: kernels, allocator
         if device == "cuda":

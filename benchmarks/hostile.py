@@ -1182,9 +1182,9 @@ ATTACKS: dict[str, Callable[[Target, dict[str, Any]], Awaitable[None]]] = {
 
 async def attack_window(name: str, target: Target, learner_pid: int, seconds: float) -> dict[str, Any]:
     stats: dict[str, Any] = {}
-    rss = {"start": vmrss_mb(learner_pid), "max": 0.0}
+    rss: dict[str, float | None] = {"start": vmrss_mb(learner_pid), "max": 0.0}
     rss["max"] = rss["start"] or 0.0
-    fds = {"start": open_fds(learner_pid), "max": 0}
+    fds: dict[str, int | None] = {"start": open_fds(learner_pid), "max": 0}
     fds["max"] = fds["start"] or 0
     t0 = time.time()
 
@@ -1192,10 +1192,10 @@ async def attack_window(name: str, target: Target, learner_pid: int, seconds: fl
         while time.time() < until:
             v = vmrss_mb(learner_pid)
             if v is not None:
-                rss["max"] = max(rss["max"], v)
+                rss["max"] = max(rss["max"] or 0.0, v)
             n = open_fds(learner_pid)
             if n is not None:
-                fds["max"] = max(fds["max"], n)
+                fds["max"] = max(fds["max"] or 0, n)
             await trio.sleep(0.25)
 
     async def run_attack() -> None:

@@ -119,12 +119,12 @@ def publish(folder: Path, versions: int, core: int) -> None:
         targets = []
         for v in range(versions + 1):
             full = mapped(folder / f"{v}.full")
-            m = build_manifest(run_id=RUN_ID, version=v, payload=full, piece_size=piece_size_for(len(full)))
+            m = build_manifest(run_id=RUN_ID, version=v, payload=memoryview(full), piece_size=piece_size_for(len(full)))
             server.register(v, Source(learner, m, seal(m, learner), full, {peer.peer_id}))  # type: ignore[arg-type]
             targets.append([v, len(full), m.weights_sha256.hex()])
             if v:
                 delta = mapped(folder / f"{v}.delta")
-                d = build_manifest(run_id=RUN_ID, version=v, payload=delta, codec="xor-zstd", base_version=v - 1,
+                d = build_manifest(run_id=RUN_ID, version=v, payload=memoryview(delta), codec="xor-zstd", base_version=v - 1,
                                    weights_size=len(full), weights_sha256=m.weights_sha256, piece_size=piece_size_for(len(delta)))
                 server.register(v, Source(learner, d, seal(d, learner), delta, {peer.peer_id}), base=v - 1)  # type: ignore[arg-type]
         async with trio.open_nursery() as nursery:
@@ -197,7 +197,7 @@ def peer(mode: str, port: int, targets: list[list[Any]], core: int, run_dir: Pat
             kwargs: dict[str, Any] = {}
             if "versions_dir" in inspect.signature(WeightFollower).parameters:  # the new tree
                 kwargs["versions_dir"] = cfg.run_dir / "peers" / f"{data.identity.peer_id}.versions"
-            follower = WeightFollower(cfg, None, data, session, **kwargs)  # type: ignore[arg-type]
+            follower = WeightFollower(cfg, None, data, session, **kwargs)
             follower._nursery = nursery
             for v, size, sha in targets:
                 t0 = time.perf_counter()

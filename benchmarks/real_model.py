@@ -172,7 +172,7 @@ def delta_ratios(versions_dir: Path) -> list[dict[str, Any]]:
     from echo_node.weights.delta_encoder import encode_delta
 
     files = sorted(versions_dir.glob("*.weights"), key=lambda p: int(p.stem))
-    out = []
+    out: list[dict[str, Any]] = []
     for prev, cur in zip(files, files[1:], strict=False):
         a, b = cur.read_bytes(), prev.read_bytes()
         if len(a) != len(b):
@@ -372,7 +372,7 @@ def publication_child(model_dir: str, dtype_name: str, versions: int) -> dict[st
         write_state(state, layout, blob)
         del state
         t1 = time.perf_counter()
-        build_manifest(run_id="bench", version=v, payload=blob, piece_size=piece_size_for(layout.size), workers=worker_count())
+        build_manifest(run_id="bench", version=v, payload=memoryview(blob), piece_size=piece_size_for(layout.size), workers=worker_count())
         t2 = time.perf_counter()
         snap, manifest, size = snap + t1 - t0, manifest + t2 - t1, layout.size
         store.release(v)
@@ -424,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child-attacks", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child_publication:
-        print(json.dumps(publication_child(*args.child_publication, versions=3)))
+        model_dir, dtype_name = args.child_publication
+        print(json.dumps(publication_child(model_dir, dtype_name, versions=3)))
         return 0
     if args.child_attacks:
         print(json.dumps(attacks_child()))

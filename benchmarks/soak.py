@@ -1009,13 +1009,13 @@ def analyse(soak: Soak, exit_codes: dict[str, Any], minutes: float, partial: boo
         notes.append(f"the last learner incarnation lived {lived}s (< {SHORT_INCARNATION_S:g}s): its growth spans little time")
     if summary is None:
         notes.append("no summary.json: the learner did not stop cleanly")
-    for inc in incs[1:]:
-        v = inc.get("versions") or {}
+    for record in incs[1:]:
+        v = record.get("versions") or {}
         if v.get("before_kill") is not None and v.get("first_after") is not None and v["first_after"] <= v["before_kill"]:
-            notes.append(f"{inc['name']}: first update after the restart is version {v['first_after']}, "
+            notes.append(f"{record['name']}: first update after the restart is version {v['first_after']}, "
                          f"the last before the kill was {v['before_kill']} (versions trained again under the same numbers)")
-        if inc.get("start_record") is not None and not inc["start_record"].get("resumed"):
-            notes.append(f"{inc['name']}: its start record says it did not resume (resumed={inc['start_record'].get('resumed')!r})")
+        if record.get("start_record") is not None and not record["start_record"].get("resumed"):
+            notes.append(f"{record['name']}: its start record says it did not resume (resumed={record['start_record'].get('resumed')!r})")
 
     versions = int(summary["versions"]) if summary is not None and "versions" in summary else (int(train[-1]["version"]) if train else None)
     report: dict[str, Any] = {

@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from echo_node.stopping import Stopped, raise_stopped, run_until_signal, signal_name, signals_deferred
 
@@ -578,7 +578,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         safetensors_bytes,
     )
 
-    kappa: int | str | None = args.kappa
+    kappa: int | Literal["auto"] | None = args.kappa
     if args.learner is not None:
         from echo_node.status import scrape
 

@@ -230,6 +230,7 @@ def _candidate(row: list[str], index: dict[str, int], fail: Callable[[int, str],
             if name in _OPTIONAL:
                 return None
             raise fail(index[name], "missing")
+        assert col is not None  # text comes only from a column
         try:
             value = float(text)
         except ValueError:
@@ -344,6 +345,7 @@ def _evaluate(
     k, warning = _kappa(kappa, staleness, t_train, t_bcast)
     floor = mu_min(k, rollouts_per_update, t_train, t_bcast, pipelined=pipelined)
     target = GAMMA * floor
+    method: Literal["exact", "greedy", "all", "fixed"]
     if fixed is None:
         choice = cheapest_set(workers, target)
         chosen, method = choice.workers, choice.method

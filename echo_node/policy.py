@@ -121,7 +121,7 @@ def learner_policy(cfg: RunConfig) -> Policy:
         result = warmup(tiny, char_tokenizer, task, config=defaults.WARMUP, cache_dir=cfg.warmup.cache_dir)
         how = "loaded from cache" if result.cache_hit else f"trained in {result.seconds:.1f}s"
         log.info("supervised warm-up %s (%s)", how, result.cache_path)
-    tiny.to(device)
+    tiny.to(device)  # type: ignore[arg-type]  # transformers wraps Module.to in functools.wraps: mypy sees the unbound function
     spec = {"kind": "embedded", **arch, "dtype": dtype_name(dtype)}
     return Policy(tiny, char_tokenizer, task, spec, char_tokenizer.to_dict(), dtype, device)
 
@@ -158,7 +158,7 @@ def peer_policy(model_spec: dict[str, Any], tokenizer_spec: dict[str, Any], task
     kind = model_spec.get("kind")
     if kind == "embedded":
         arch = {k: v for k, v in model_spec.items() if k not in ("kind", "dtype")}
-        model = build_model(arch).to(device=device, dtype=dtype)
+        model = build_model(arch).to(device=device, dtype=dtype)  # type: ignore[call-arg]  # (as in load_pretrained)
         return Policy(model, load_tokenizer(tokenizer_spec), task, model_spec, tokenizer_spec, dtype, device)
     if kind == "hf":
         path = cfg.model.path

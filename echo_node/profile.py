@@ -14,7 +14,7 @@ time; worker threads only add to their own stage's entries after their work).
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import wraps
@@ -26,8 +26,9 @@ R = TypeVar("R")
 
 class Profile:
     def __init__(self) -> None:
-        self.wall: Counter[str] = Counter()
-        self.cpu: Counter[str] = Counter()
+        # Seconds per stage (a Counter holds ints).
+        self.wall: defaultdict[str, float] = defaultdict(float)
+        self.cpu: defaultdict[str, float] = defaultdict(float)
         self.calls: Counter[str] = Counter()
         self._started = time.monotonic()
         self._cpu0 = time.process_time()

@@ -240,7 +240,7 @@ class RunState:
         def write_state(path: Path) -> None:
             path.write_text(json.dumps(state, sort_keys=True))
 
-        writers = {"model.safetensors": write_model, "optimizer.pt": write_optimizer, "state.json": write_state}
+        writers: dict[str, Callable[[Path], None]] = {"model.safetensors": write_model, "optimizer.pt": write_optimizer, "state.json": write_state}
         return PreparedCheckpoint(version, writers, weights)
 
     def write(self, prepared: PreparedCheckpoint) -> None:

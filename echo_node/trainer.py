@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import trio
@@ -41,6 +41,9 @@ from echo_node.profile import Profile
 from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ class Trainer:
         tensors of its own: the next step cannot change what a checkpoint writer reads later."""
         if self.sharded is not None:  # gathered onto rank 0: already a copy
             return {"format": SHARDED_FORMAT, "optimizer": self.sharded.optimizer_state(), "steps": self.sharded.steps}
+        assert isinstance(self.optimizer, PolicyOptimizer)  # not sharded: the single-process one
         return {"format": SINGLE_FORMAT, "optimizer": owned_copy(self.optimizer.opt.state_dict()), "steps": self.optimizer.steps}
 
     def load_optimizer_state(self, saved: dict[str, Any]) -> None:
@@ -176,7 +180,7 @@ class Trainer:
 SINGLE_FORMAT, SHARDED_FORMAT = "torch", "fsdp-full"
 
 
-def sharded_learner(cfg: RunConfig, policy: Policy, dist: DistInfo, model: torch.nn.Module) -> ShardedLearner:
+def sharded_learner(cfg: RunConfig, policy: Policy, dist: DistInfo, model: PreTrainedModel) -> ShardedLearner:
     """The run's update sharded over a torchrun job; every rank builds it the same way (rank 0
     in `Trainer`, the others in `echo-node learn` before they follow)."""
     compute = autocast_dtype(policy.rollout_dtype, dist.device)

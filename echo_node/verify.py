@@ -224,7 +224,7 @@ class Verifier:
             copy_model(model, self.check_dtype).eval() if cfg.logprobs else None
         )
         self._loaded = -1
-        self._vocab = int(model.config.vocab_size)
+        self._vocab = int(model.config.vocab_size)  # type: ignore[union-attr, arg-type]  # an HF model (torch types nn.Module attributes as Tensor | Module)
         self._blobs: OrderedDict[int, bytes] = OrderedDict()
         self._blobs_lock = threading.Lock()
         # Peer -> batches still checked in full.

@@ -185,7 +185,7 @@ class LengthPrefixedReader:
         end = _PREFIX_BYTES + int.from_bytes(self._buf[:_PREFIX_BYTES], "big")
         return max(0, end - len(self._buf))
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         """Append received bytes; raises at once if the next message declares an oversize length."""
         self._raise_if_failed()
         if self._eof:

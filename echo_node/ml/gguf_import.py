@@ -136,7 +136,7 @@ def _load(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     from echo_node.ml.model import ATTN_IMPLEMENTATION
 
     hf_logging.disable_progress_bar()  # one line per import, not a dequantisation bar
-    where = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name, "local_files_only": True}
+    where: dict[str, Any] = {"pretrained_model_name_or_path": str(path.parent), "gguf_file": path.name, "local_files_only": True}
     try:
         model = AutoModelForCausalLM.from_pretrained(**where, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     except Exception as exc:  # transformers' errors for a bad file are of many types

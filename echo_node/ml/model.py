@@ -98,7 +98,7 @@ def load_pretrained(
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
     if gguf_file is not None:
         drop_quantisation_marks(model)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # transformers wraps Module.to in functools.wraps: mypy sees the unbound function
     model.eval()
     tok_kwargs: dict[str, Any] = {"local_files_only": True}
     if gguf_file is not None:
@@ -210,7 +210,7 @@ def owned_copy(obj: T) -> T:
     if isinstance(obj, dict):
         return {k: owned_copy(v) for k, v in obj.items()}  # type: ignore[return-value]
     if isinstance(obj, (list, tuple)):
-        return type(obj)(owned_copy(v) for v in obj)  # type: ignore[return-value]
+        return type(obj)(owned_copy(v) for v in obj)
     return obj
 
 

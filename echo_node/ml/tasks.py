@@ -53,9 +53,10 @@ class Task(Protocol):
     # Prompts are wrapped in the tokenizer's chat template (a user turn + the generation prompt).
     chat: bool
     max_new_tokens: int
-    reward: RewardFn
     # Every reward `reward` returns lies in [low, high]; the learner refuses rollouts outside it.
     reward_range: tuple[float, float]
+
+    def reward(self, prompts: list[str], completions: list[str], /) -> list[float]: ...
 
     def sample_prompts(self, n: int, rng: random.Random) -> list[str]: ...
 

@@ -31,7 +31,7 @@ import dataclasses
 import random
 import time
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -188,7 +188,7 @@ def tiny_config(
     warm-up stays on a loss plateau past 400 steps (sampled reward < 0.1); 8 over 4 leaves it
     after ~150 steps, like the embedded Llama without GQA.
     """
-    common = {
+    common: dict[str, Any] = {
         "vocab_size": vocab_size,
         "hidden_size": 128,
         "intermediate_size": 384,
@@ -223,12 +223,11 @@ def build_tiny_model(
     bos_id, eos_id, pad_id = tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id
     config = tiny_config(family, vocab_size, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     config._attn_implementation = ATTN_IMPLEMENTATION
-    model_class = Qwen2ForCausalLM if family == "qwen2" else LlamaForCausalLM
     # fork_rng: HF initializes from the global RNG; seeding it in place would silently reseed
     # whatever the caller was doing.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model: PreTrainedModel = model_class(config)
+        model: PreTrainedModel = Qwen2ForCausalLM(config) if isinstance(config, Qwen2Config) else LlamaForCausalLM(config)
     model.float()
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
     if warmup_steps > 0:

@@ -632,7 +632,7 @@ class P2PNode:
         self._pubsub.subscribed_topics_send[topic] = _Delivery(send, overflow, admit)  # type: ignore[assignment]
         self._subscriptions[topic] = receive
 
-    async def _push_msg(self, forwarder: ID, msg: rpc_pb2.Message) -> None:
+    async def _push_msg(self, msg_forwarder: ID, msg: rpc_pb2.Message) -> None:
         """py-libp2p's `push_msg`, counting what it drops before our validator for the topics we
         validate: blacklisted senders, messages already seen (normal gossip redundancy), the
         score gate (a graylisted, e.g. banned, peer) and, inferred afterwards, signatures that
@@ -642,7 +642,7 @@ class P2PNode:
         if topics:
             ps = self._pubsub
             try:
-                blacklisted = ps.is_peer_blacklisted(forwarder) or ps.is_peer_blacklisted(ID(msg.from_id))
+                blacklisted = ps.is_peer_blacklisted(msg_forwarder) or ps.is_peer_blacklisted(ID(msg.from_id))
             except Exception:
                 blacklisted = False
             scorer = getattr(self._gossipsub, "scorer", None)
@@ -650,10 +650,10 @@ class P2PNode:
                 reason = "blacklisted"
             elif ps._is_msg_seen(msg):
                 reason = "duplicate"
-            elif scorer is not None and not scorer.allow_publish(forwarder, list(msg.topicIDs)):
+            elif scorer is not None and not scorer.allow_publish(msg_forwarder, list(msg.topicIDs)):
                 reason = "score_gate"
         try:
-            await self._library_push_msg(forwarder, msg)
+            await self._library_push_msg(msg_forwarder, msg)
             validated = id(msg) in self._reached_validator
         finally:
             self._reached_validator.discard(id(msg))

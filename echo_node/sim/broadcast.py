@@ -376,7 +376,7 @@ class SimReceiver:
                 if self.source_cut:
                     continue
                 self.asked_source.add(action.index)
-            elif holder.id in self.cut:  # type: ignore[union-attr]
+            elif holder.id in self.cut:
                 continue
             bc.loop.at(now + self.node.lat + holder.node.lat, holder.on_get, self, action.index)
 

@@ -44,10 +44,11 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import socket
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Container, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Container, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -240,7 +241,7 @@ class Link:
             if (is_piece or tag is not None) and self.on_sent is not None:
                 self.on_sent(tag)
 
-    async def frames(self) -> AsyncIterator[Frame]:
+    async def frames(self) -> AsyncGenerator[Frame, None]:
         """Decoded frames until the link ends (closed, idle, or cut mid-frame); a frame that does
         not decode raises RemoteProtocolError."""
         # Buffered: one read brings many small frames (requests, haves) or most of a piece; a
@@ -277,7 +278,7 @@ class PieceStore:
     new bytearray. Either way the size is the signed manifest's, never a remote's say."""
 
     def __init__(
-        self, manifest: WeightManifest, payload: bytes | memoryview | None = None, *, into: bytearray | memoryview | None = None
+        self, manifest: WeightManifest, payload: bytes | memoryview | None = None, *, into: bytearray | memoryview | mmap.mmap | None = None
     ) -> None:
         self.manifest = manifest
         n = manifest.num_pieces
@@ -566,7 +567,7 @@ class Receiver:
 
     def __init__(
         self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0,
-        into: bytearray | memoryview | None = None,
+        into: bytearray | memoryview | mmap.mmap | None = None,
     ) -> None:
         self.server = server
         self.identity = server.identity
@@ -813,7 +814,7 @@ async def receive_version(
     learner_id: str,
     connect: Connector = tcp_connect,
     on_start: Callable[[Receiver], None] | None = None,
-    into: bytearray | memoryview | None = None,
+    into: bytearray | memoryview | mmap.mmap | None = None,
 ) -> tuple[memoryview, Receiver]:
     """After `open_version`: register a receiver for the manifest and download the payload
     (`on_start` is handed the receiver first, e.g. to watch its progress; `into`: a buffer of

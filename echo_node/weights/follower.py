@@ -42,7 +42,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -362,8 +361,12 @@ class WeightFollower:
             self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         out = self.decoded.create(target.version, target.size)
+        base_blob = self._blob  # not None: checked above
         try:
-            blob = await trio.to_thread.run_sync(partial(decode_delta, delta, self._blob, max_size=target.size, out=memoryview(out)))
+            def decode() -> memoryview:  # (a partial hides which overload of decode_delta applies)
+                return decode_delta(delta, base_blob, max_size=target.size, out=memoryview(out))
+
+            blob = await trio.to_thread.run_sync(decode)
             if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
                 raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
         except BaseException:

@@ -183,11 +183,11 @@ class WeightPublisher:
         blob, previous = self.store.get(version), self.store.get(base)
         if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
             return None
-        if await trio.to_thread.run_sync(estimate_delta_ratio, blob, previous) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
+        if await trio.to_thread.run_sync(estimate_delta_ratio, memoryview(blob), memoryview(previous)) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
             self._no_delta.add((version, base))
             return None
         self.deltas_encoded += 1
-        delta = await trio.to_thread.run_sync(encode_delta, blob, previous)
+        delta = await trio.to_thread.run_sync(encode_delta, memoryview(blob), memoryview(previous))
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
             self._no_delta.add((version, base))
             return None
