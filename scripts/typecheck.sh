@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The type check: mypy --strict on protocol/ (the sans-I/O wire code), then (unless the argument
-# is `protocol`) mypy's default checks on echo_node/, bootstrap/ and benchmarks/.
+# The type check CI runs: mypy --strict on protocol/ (the sans-I/O wire code), then (unless the
+# argument is `protocol`) mypy's default checks on echo_node/, bootstrap/ and benchmarks/.
 # Settings live in pyproject.toml [tool.mypy].
 #
 # trio ships its own type information, but libp2p depends on trio-typing, whose older `trio-stubs`
