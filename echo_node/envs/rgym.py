@@ -41,8 +41,8 @@ class ReasoningGymTask:
         if task not in RG_TASKS:
             raise ValueError(f"reasoning-gym task {task!r} is not exposed; choose one of {', '.join(RG_TASKS)}")
         try:
-            import reasoning_gym  # type: ignore[import-untyped]
-            from reasoning_gym.utils import SYSTEM_PROMPTS  # type: ignore[import-untyped]
+            import reasoning_gym
+            from reasoning_gym.utils import SYSTEM_PROMPTS
         except ImportError:
             raise ValueError("reasoning-gym tasks need the extra: pip install 'echo-node[rgym]'") from None
         self.name = f"rg:{task}"
@@ -71,7 +71,7 @@ class ReasoningGymTask:
     def reward(self, prompts: list[str], completions: list[str]) -> list[float]:
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
-        from reasoning_gym.utils import extract_answer  # type: ignore[import-untyped]
+        from reasoning_gym.utils import extract_answer
 
         out: list[float] = []
         with _LOCK:  # scorers keep module-level caches not written for threads
