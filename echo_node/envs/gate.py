@@ -10,9 +10,9 @@ publisher lies, as for rollout batches):
 3. Versions: no token newer than the learner's current version (future_version: a forged
    per-turn version); the group began on one version, the tag of every episode's first token
    (bad_episode otherwise), which the staleness rule judges (stale: no blame).
-4. The re-run (echo_node/envs/verify.py) with the seed of the group's slot: the first 8 bytes
-   of the slot digest of (run, publisher, version, seq, index) (protocol/assignment.py), so a
-   peer cannot choose its seeds. A forgery is bad_episode; the environment failing on the
+4. The re-run (echo_node/envs/verify.py, every episode of the batch at once) with the seed of
+   the group's slot: the first 8 bytes of the slot digest of (run, publisher, version, seq,
+   index) (protocol/assignment.py), so a peer cannot choose its seeds. A forgery is bad_episode; the environment failing on the
    learner is env_failed, blamed on nobody.
 
 `blame` says whether the publisher earned a strike (the intake's ban ladder): a forgery does,
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from echo_node.envs import EnvSpec
 from echo_node.envs.format import EpisodeFormat
 from echo_node.envs.train import train_group
-from echo_node.envs.verify import verify_group
+from echo_node.envs.verify import verify_groups
 from echo_node.ml.grpo import TrainGroup
 from protocol.assignment import group_version, prompt_draw
 from protocol.drops import DropReason
@@ -93,9 +93,9 @@ class EpisodeGate:
             if why is not None:
                 return Admission(drop=why, detail=f"began on version {start}", batch=batch)
         out: list[TrainGroup] = []
-        for i, (g, start) in enumerate(zip(batch.groups, starts)):
-            seed = prompt_draw(self.run_id, origin, start, batch.seq, i)
-            verdict = verify_group(self.spec, self.fmt, g, seed)
+        seeds = [prompt_draw(self.run_id, origin, start, batch.seq, i) for i, start in enumerate(starts)]
+        verdicts = verify_groups(self.spec, self.fmt, list(zip(batch.groups, seeds)))
+        for i, (g, verdict) in enumerate(zip(batch.groups, verdicts)):
             if verdict.bad is not None:
                 return Admission(drop=DropReason.BAD_EPISODE, detail=f"group {i}: {verdict.bad}", batch=batch)
             if verdict.env_failed is not None:

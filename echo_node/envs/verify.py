@@ -20,6 +20,7 @@ peer's fault: the group is dropped with that reason and nobody is blamed.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -50,13 +51,35 @@ class Verdict:
 
 
 def verify_group(spec: EnvSpec, fmt: EpisodeFormat, group: EpisodeGroup, seed: int) -> Verdict:
-    """Re-run every episode of `group` (module docstring)."""
-    for k, episode in enumerate(group.episodes):
-        verdict = _verify_episode(spec, fmt, group, episode, seed)
-        if not verdict.ok:
-            where = f"episode {k}: "
-            return Verdict(bad=where + verdict.bad if verdict.bad else None, env_failed=verdict.env_failed)
-    return Verdict()
+    """Re-run every episode of `group` (module docstring), all at once: an environment's latency
+    (a remote tool, a sandbox) is then paid once per turn, not once per turn and episode."""
+    return verify_groups(spec, fmt, [(group, seed)])[0]
+
+
+def verify_groups(spec: EnvSpec, fmt: EpisodeFormat, groups: list[tuple[EpisodeGroup, int]]) -> list[Verdict]:
+    """`verify_group` of each (group, seed), every episode of every group re-run concurrently,
+    each in its own thread (each of its environment calls bounded as the runner bounds them)."""
+    jobs = [(g, e, seed) for g, seed in groups for e in g.episodes]
+    # An episode's re-run makes at most 1 + max_turns bounded calls; its thread is given that long.
+    limit = spec.step_timeout_s * (spec.budgets.max_turns + 2)
+    outcomes = call_bounded([functools.partial(_verify_episode, spec, fmt, g, e, seed) for g, e, seed in jobs], limit)
+    verdicts: list[Verdict] = []
+    i = 0
+    for g, _ in groups:
+        verdict = Verdict()
+        for k in range(len(g.episodes)):
+            out = outcomes[i]
+            i += 1
+            if not verdict.ok:
+                continue
+            if out.error is not None or out.value is None:
+                verdict = Verdict(env_failed=reason_of(out.error or "env_error"))
+            elif out.value.bad is not None:
+                verdict = Verdict(bad=f"episode {k}: {out.value.bad}")
+            elif out.value.env_failed is not None:
+                verdict = out.value
+        verdicts.append(verdict)
+    return verdicts
 
 
 def _verify_episode(spec: EnvSpec, fmt: EpisodeFormat, group: EpisodeGroup, episode: Episode, seed: int) -> Verdict:
