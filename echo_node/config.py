@@ -290,6 +290,28 @@ class CheckpointConfig:
     export: bool = True
 
 
+ReportTo = Literal["none", "tensorboard", "wandb"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ReportConfig:
+    """What the learner tells its operator while it runs (echo_node/report.py)."""
+
+    # A progress line at INFO every this many seconds (0: none): version, updates/s, rewards,
+    # rollouts accepted and dropped in the window, idle, staleness, peers, bytes out.
+    progress_s: float = 10.0
+    # Held-out evaluation (echo_node/evaluation.py): greedy accuracy on `eval_prompts` fixed
+    # prompts of the task every `eval_every` versions, in a worker thread (0: none).
+    eval_every: int = 20
+    eval_prompts: int = 64
+    # Experiment tracking, TRL's `report_to`: the train, eval and progress scalars also go to
+    # TensorBoard event files or a W&B run (runs/<id>/tracking/), as in metrics.jsonl.
+    report_to: ReportTo = "none"
+    # W&B's mode: "offline" writes the run locally (`wandb sync` uploads it later), so nothing
+    # needs the network; "online" needs a login.
+    wandb_mode: Literal["offline", "online"] = "offline"
+
+
 @dataclass(kw_only=True, slots=True)
 class WeightsConfig:
     # Data links each peer keeps (k), chosen by the learner (protocol/weights/overlay.py); a
@@ -328,6 +350,7 @@ class RunConfig:
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     verify: VerifyConfig = field(default_factory=VerifyConfig)
     weights: WeightsConfig = field(default_factory=WeightsConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
     def __post_init__(self) -> None:
         validate(self)
@@ -418,6 +441,9 @@ def validate(cfg: RunConfig) -> None:
             f"0 <= settle_s <= 86400 and 0 <= rotate_share <= 1 (got {w.degree}, {w.source_degree}, {w.source_rotate}, "
             f"{w.settle_s}, {w.rotate_share})"
         )
+    r = cfg.report
+    if r.progress_s < 0 or r.eval_every < 0 or r.eval_prompts < 0:
+        raise ValueError("report needs progress_s >= 0, eval_every >= 0 and eval_prompts >= 0 (0 turns either off)")
     validate_net(cfg.net)
 
 

@@ -34,6 +34,7 @@ import trio
 
 from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, VerifyConfig, to_dict
+from echo_node.evaluation import HeldOutEval, evaluator
 from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.journal import StorageFailed
 from echo_node.metrics import first_last_update_rewards, json_safe, read_metrics
@@ -44,6 +45,7 @@ from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_setting
 from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
 from echo_node.policy import Policy
 from echo_node.profile import Profile
+from echo_node.progress import Progress, Totals
 from echo_node.prom import run_exporter
 from echo_node.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
 from echo_node.replay import ReplayBuffer
@@ -202,6 +204,12 @@ class Learner:
         # against it since the version came out).
         self._demand = 1
         self._first_version = 0
+        # The operator's view while the run goes (echo_node/progress.py, echo_node/evaluation.py).
+        rep = cfg.report
+        self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts, every=rep.eval_every,
+                                                       max_new_tokens=cfg.sampling.max_new_tokens)
+        self.progress: Progress | None = None
+        self._wait_started: float | None = None  # monotonic start of the wait for rollouts in progress
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -240,6 +248,8 @@ class Learner:
                 nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
                 nursery.start_soon(self._provide_loop)
                 nursery.start_soon(self._capacity_loop)
+                if self.cfg.report.progress_s > 0:
+                    nursery.start_soon(self._progress_loop)
                 if self.cfg.net.metrics_port is not None:
                     net = self.cfg.net
                     await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
@@ -582,8 +592,9 @@ class Learner:
     async def _train_loop(self) -> None:
         with trio.move_on_at(self._deadline()):
             while self.cfg.max_versions is None or self.version < self.cfg.max_versions:
-                t0 = time.monotonic()
+                t0 = self._wait_started = time.monotonic()
                 await self._wait_for_batch()
+                self._wait_started = None
                 wait_s = time.monotonic() - t0
                 self.trainer.idle_s += wait_s
                 await self.update(wait_s=wait_s)
@@ -724,11 +735,49 @@ class Learner:
         self.capacity.announced(version, trio.current_time(), announce.demand_groups * self.cfg.rl.group_size)
         with self.profile.stage("announce"):
             await self.node.publish(self.versions_topic, seal(announce, self.identity))
+        if self.held_out is not None and self._nursery is not None and self.held_out.due(version):
+            self.held_out.start()
+            self._nursery.start_soon(self._evaluate, version, blob)
+
+    async def _evaluate(self, version: int, blob: Any) -> None:
+        """The held-out evaluation of a published version, in a worker thread (the blob stays
+        valid while referenced, whatever the store drops meanwhile)."""
+        assert self.held_out is not None
+        try:
+            result = await trio.to_thread.run_sync(self.held_out.evaluate, version, blob)
+        except Exception as exc:  # the operator's view only: training goes on
+            log.warning("held-out evaluation of version %d failed: %s", version, exc)
+            return
+        finally:
+            self.held_out.done()
+        self._write(result.record())
+
+    def _totals(self) -> Totals:
+        ledger, now = self.buffer.ledger, time.monotonic()
+        waiting = now - self._wait_started if self._wait_started is not None else 0.0
+        return Totals(t=now, version=self.version, accepted=ledger.trained, dropped=dict(ledger.dropped),
+                      idle_s=self.trainer.idle_s + waiting, bytes_up=self.weights.bytes_up())
+
+    async def _progress_loop(self) -> None:
+        """The progress line every `report.progress_s` (echo_node/progress.py), also a record."""
+        self.progress = Progress(self._totals())
+        while True:
+            await trio.sleep(self.cfg.report.progress_s)
+            cap = self.capacity.snapshot()
+            last = self.held_out.last if self.held_out is not None else None
+            line, record = self.progress.tick(
+                self._totals(), eval_version=None if last is None else last.version,
+                eval_accuracy=None if last is None else round(last.accuracy, 4),
+                active=cap.get("active_peers"), standby=cap.get("standby_peers"))
+            log.info("%s", line)
+            self._write(record)
 
     def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         ledger = self.buffer.ledger
         ages = staleness(groups, self.version - 1)
         self._last_staleness = float(ages["staleness_mean"])
+        if self.progress is not None:
+            self.progress.trained(stats.get("reward_mean"), self._last_staleness)
         self.report.write(
             {
                 "event": "train",
@@ -798,6 +847,8 @@ class Learner:
                             "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},
             "reward_first": first,
             "reward_last": last,
+            # The newest held-out evaluation (echo_node/evaluation.py), or None.
+            "eval_last": None if self.held_out is None or self.held_out.last is None else self.held_out.last.record(),
             "rollout_peers": len(self.peers.joined),
             "learner_idle_ratio": self.trainer.idle_ratio,
             "penalties": dict(self.peers.penalties),

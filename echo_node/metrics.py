@@ -202,29 +202,42 @@ def _moving_mean(ys: Sequence[float]) -> tuple[list[float], int]:
 
 
 def plot_rewards(records: Sequence[dict[str, Any]], path: Path, *, title: str) -> None:
+    """Mean sampled reward per update (and its moving mean) and the held-out greedy accuracy
+    (`eval` records), against policy version; "no data yet" when the records hold neither."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r for r in records if r.get("event") == "train"]
+    xs, ys = _series(_train_steps(records), "version", "reward_mean")
+    ex, ey = _series([r for r in records if r.get("event") == "eval"], "version", "eval_accuracy")
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    if steps:
-        xs = [r["version"] for r in steps]
-        ys = [r["reward_mean"] for r in steps]
-        ax.plot(xs, ys, color=_LIGHT, linewidth=1, label="per update")
-        smooth, window = _moving_mean(ys)
-        ax.plot(xs, smooth, color=_DARK, linewidth=2, label=f"moving mean ({window})")
-    ax.set_xlabel("policy version")
-    ax.set_ylabel("mean sampled reward of trained rollouts")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if steps:
-        ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        if xs:
+            ax.plot(xs, ys, color=_LIGHT, linewidth=1, label="per update")
+            smooth, window = _moving_mean(ys)
+            ax.plot(xs, smooth, color=_DARK, linewidth=2, label=f"moving mean ({window})")
+        if ex:
+            ax.plot(ex, ey, color=_ACCENT, linewidth=1.5, marker="o", markersize=3, label="held-out greedy accuracy")
+        if xs or ex:
+            ax.set_xlabel("policy version")
+            ax.set_ylabel("reward of trained rollouts / accuracy")
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(loc="lower right", fontsize="small")
+        else:
+            _no_data(ax)
+        ax.set_title(title)
+        fig.tight_layout()
+        fig.savefig(path)
+    finally:
+        plt.close(fig)
+
+
+def _no_data(ax: Axes) -> None:
+    """An empty figure says so instead of drawing axes with nothing on them."""
+    ax.set_axis_off()
+    ax.text(0.5, 0.5, "no data yet", transform=ax.transAxes, ha="center", va="center", color="gray", fontsize="large")
 
 
 def _series(steps: Sequence[dict[str, Any]], x: str, y: str) -> tuple[list[float], list[float]]:
