@@ -135,6 +135,12 @@ def _at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _report_to(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--report-to", default=None, choices=["none", "tensorboard", "wandb"],
+                   help="also write the train, eval and progress scalars to TensorBoard event files or a W&B run "
+                        "(offline unless report.wandb_mode = \"online\"), under runs/<run-id>/tracking/ (default none)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="echo-node", description="Decentralized RL post-training: learner, rollout peers and bootstrap over libp2p.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
@@ -156,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start the run over even if --runs-dir holds it (default: resume it; the old state is moved aside)")
     p.add_argument("--allow-peers", type=Path, default=None, metavar="FILE",
                    help="a private swarm: only these peer ids may join (one per line, # comments)")
+    _report_to(p)
 
     p = sub.add_parser("join", help="contribute rollouts to a run as a volunteer peer")
     _common(p, role="peer")
@@ -179,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", default=None, metavar="ENV",
                    help="a multi-turn environment (built-in 'calc' or module:Class) for the embedded model: one rollout "
                         "peer and the learner as two processes, episodes verified by re-running the environment")
+    _report_to(p)
 
     p = sub.add_parser("status", help="read a learner's or peer's metrics endpoint (--metrics-port) and print them")
     p.add_argument("--learner", required=True, type=_host_port, metavar="HOST:PORT", help="its metrics endpoint, e.g. 127.0.0.1:9400")
@@ -269,6 +277,10 @@ def check_inputs(args: argparse.Namespace) -> None:
             from echo_node.net.discovery import check_first_learner_allowed
 
             check_first_learner_allowed(cfg.net.bootstrap)
+        if role == "learn":
+            from echo_node.tracking import check_available
+
+            check_available(cfg.report.report_to)
         args.run_config = cfg
     elif role == "bootstrap":
         from echo_node.config import NetConfig, validate_net
@@ -278,6 +290,10 @@ def check_inputs(args: argparse.Namespace) -> None:
         args.net_config = net
     elif role == "demo":
         _check_model_dir(args.model, "--model")
+        if args.report_to is not None:
+            from echo_node.tracking import check_available
+
+            check_available(args.report_to)
     elif role == "plan":
         _check_file(args.candidates, "--candidates")
         if args.model is not None and not args.model.is_dir():
@@ -383,6 +399,7 @@ def _config(args: argparse.Namespace) -> Any:
         rl__publish_every=getattr(args, "publish_every", None) if getattr(args, "publish_every", None) != "auto" else None,
         rl__publish_auto=True if getattr(args, "publish_every", None) == "auto" else None,
         rollout__price_per_hour=getattr(args, "price_per_hour", None),
+        report__report_to=getattr(args, "report_to", None),
     )
 
 

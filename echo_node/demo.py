@@ -126,10 +126,11 @@ def run_demo(args: argparse.Namespace) -> int:
                 common += ["--model", str(args.model)]
             if args.dtype is not None:
                 common += ["--dtype", args.dtype]
+            tracking = ["--report-to", args.report_to] if args.report_to is not None else []
             learner = swarm.spawn(
                 "learner",
                 ["learn", *common, "--key-file", str(keys / "learner.key"), "--mode", args.mode,
-                 "--staleness", str(args.staleness), "--seconds", str(args.seconds)],
+                 "--staleness", str(args.staleness), "--seconds", str(args.seconds), *tracking],
             )
             progress.note("learner warming up (cached after the first run)")
             ready = json.loads(_wait_line(learner, _is_ready, READY_TIMEOUT_S, "ready"))

@@ -51,6 +51,7 @@ from echo_node.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunSt
 from echo_node.replay import ReplayBuffer
 from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
+from echo_node.tracking import open_tracker
 from echo_node.trainer import Trainer, staleness
 from echo_node.verify import Verifier
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
@@ -268,7 +269,9 @@ class Learner:
             floor = self.state.last_published() + 1
             self._archive(run_dir)
         self.epoch = self.state.store.next_epoch()
-        self.report.open()
+        rep = self.cfg.report
+        self.report.open(open_tracker(rep.report_to, run_dir / "tracking", run_id=self.cfg.run_id, config=to_dict(self.cfg),
+                                      wandb_mode=rep.wandb_mode))
         try:
             self.resumed = None if self.fresh else self.state.resume()
         except ResumeRefused as exc:

@@ -3,7 +3,8 @@
 `metrics.jsonl` grows as the run goes: one JSON record per event (`train` per update,
 `reachability`, `first_accept`, `train_error`, ... and `summary` last), each with `wall` (the
 wall clock, so a benchmark can line learner and peer records up). At the end `summary.json`
-holds the ledger and the run's totals, next to reward and run plots.
+holds the ledger and the run's totals, next to reward and run plots. With `--report-to`, the
+train, eval and progress records' scalars also go to TensorBoard or W&B (echo_node/tracking.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_node.metrics import MetricsWriter, plot_rewards, plot_run, read_metrics
+from echo_node.tracking import Tracker, Tracking
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +27,15 @@ class RunReport:
         self.title = title
         self._writer: MetricsWriter | None = None
         self.unwritten = 0
+        self.tracking = Tracking(None)
 
     @property
     def path(self) -> Path:
         return self.run_dir / "metrics.jsonl"
 
-    def open(self) -> None:
+    def open(self, tracker: Tracker | None = None) -> None:
         self._writer = MetricsWriter(self.path)
+        self.tracking = Tracking(tracker)
 
     def write(self, record: dict[str, Any]) -> None:
         """Append one record (dropped if the report is not open: nothing to write it to yet).
@@ -39,14 +43,17 @@ class RunReport:
         the operator's view, not the run's state, and must never stop training."""
         if self._writer is None:
             return
+        record = {**record, "wall": record.get("wall", round(time.time(), 4))}
+        self.tracking.record(record)
         try:
-            self._writer.write({**record, "wall": record.get("wall", round(time.time(), 4))})
+            self._writer.write(record)
         except OSError as exc:
             self.unwritten += 1
             if self.unwritten == 1 or self.unwritten % 1000 == 0:
                 log.error("could not write %s (%s): %d records lost so far", self.path, exc, self.unwritten)
 
     def close(self) -> None:
+        self.tracking.close()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
