@@ -67,6 +67,8 @@ from protocol.messages import (
     JoinRequest,
     JoinResponse,
     RolloutGroup,
+    RunEnded,
+    RunEndReason,
     RunSpec,
     SamplingParams,
     StatusRequest,
@@ -97,6 +99,11 @@ MAX_DIALED = 8192
 STATUS_PER_PEER = (50.0, 100.0)  # rate, burst
 STATUS_STRANGERS = (20.0, 40.0)
 
+
+# The end of a run is announced within END_ANNOUNCE_S (a stop never waits longer for it), and
+# the host stays up END_DRAIN_S after the publish so that the message leaves its queues.
+END_ANNOUNCE_S = 3.0
+END_DRAIN_S = 1.0
 
 # A journal write that fails (a full disk, descriptors gone for a moment) is retried after each
 # of these delays before the learner gives up and stops: ~15 s for an operator's alert to fire.
@@ -223,42 +230,76 @@ class Learner:
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
-                await nursery.start(self.node.run)
-                await nursery.start(self.data.run)
-                nursery.start_soon(self._flush_loop)
-                if self.intake.ban_log is not None:
-                    nursery.start_soon(self.intake.ban_log.run, self.peers.live_bans)
-                # The version this start goes on from, before anyone can join or ask.
-                await self._publish_version(blob)
-                if self.cfg.net.bootstrap:
-                    await connect_bootstrap(
-                        self.node,
-                        self.cfg.net.bootstrap,
-                        deadline_s=self.cfg.net.join_deadline_s,
-                        backoff=Backoff(self.cfg.net.backoff_initial_s, self.cfg.net.backoff_max_s),
-                    )
-                self.node.set_stream_handler(rpc.JOIN, self._serve_join)
-                self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
-                await self.node.subscribe(self.rollouts_topic, self.profile.timed("intake_validate", self.intake.validate),
-                                          on_overflow=self.intake.overflowed,
-                                          admit=self.intake.queue_admits)
-                await self.node.provide(provider_key(self.cfg.run_id))
-                self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
-                           "epoch": self.epoch})
-                nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
-                nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
-                nursery.start_soon(self._provide_loop)
-                nursery.start_soon(self._capacity_loop)
-                if self.cfg.report.progress_s > 0:
-                    nursery.start_soon(self._progress_loop)
-                if self.cfg.net.metrics_port is not None:
-                    net = self.cfg.net
-                    await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
-                await self._train_loop()
+                # The host outlives a stop's cancellation until the end of the run is announced.
+                node_scope = trio.CancelScope(shield=True)
+                await nursery.start(self._node_until, node_scope)
+                reason = "stopped"
+                try:
+                    await self._serve_and_train(nursery, blob)
+                    reason = "finished"
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._announce_end(reason)
+                    node_scope.cancel()
                 nursery.cancel_scope.cancel()
         finally:
             summary = self._finish()
         return summary
+
+    async def _node_until(self, scope: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        with scope:
+            await self.node.run(task_status=task_status)
+
+    async def _announce_end(self, reason: RunEndReason) -> None:
+        """Tell the peers the run ended (RunEnded on the versions topic): "finished" when its
+        budget is spent, "stopped" otherwise (a signal, an error: a restart resumes it). Gossip
+        is best effort; a peer that misses it finds the learner gone and looks for it as after
+        any outage. Bounded: a stop waits at most END_ANNOUNCE_S for it."""
+        ended = RunEnded(run_id=self.cfg.run_id, epoch=self.epoch, version=self.weights.published, reason=reason)
+        with trio.move_on_after(END_ANNOUNCE_S):
+            try:
+                await self.node.publish(self.versions_topic, seal(ended, self.identity))
+                await trio.sleep(END_DRAIN_S)  # py-libp2p sends from queues: let them drain before the host closes
+            except Exception as exc:  # the host is already going: the peers will find it gone
+                log.warning("could not announce the end of the run: %s", exc)
+                return
+        log.info("told the peers the run %s (version %d, epoch %d)", reason, ended.version, self.epoch)
+        self._write({"event": "run_ended", "reason": reason, "version": ended.version, "epoch": self.epoch})
+
+    async def _serve_and_train(self, nursery: trio.Nursery, blob: Any) -> None:
+        """Serve the run and train from `blob` (the version this start goes on from) until the
+        budget is spent (returns) or the learner is cancelled; the host runs already."""
+        await nursery.start(self.data.run)
+        nursery.start_soon(self._flush_loop)
+        if self.intake.ban_log is not None:
+            nursery.start_soon(self.intake.ban_log.run, self.peers.live_bans)
+        # The version this start goes on from, before anyone can join or ask.
+        await self._publish_version(blob)
+        if self.cfg.net.bootstrap:
+            await connect_bootstrap(
+                self.node,
+                self.cfg.net.bootstrap,
+                deadline_s=self.cfg.net.join_deadline_s,
+                backoff=Backoff(self.cfg.net.backoff_initial_s, self.cfg.net.backoff_max_s),
+            )
+        self.node.set_stream_handler(rpc.JOIN, self._serve_join)
+        self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
+        await self.node.subscribe(self.rollouts_topic, self.profile.timed("intake_validate", self.intake.validate),
+                                  on_overflow=self.intake.overflowed,
+                                  admit=self.intake.queue_admits)
+        await self.node.provide(provider_key(self.cfg.run_id))
+        self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
+                   "epoch": self.epoch})
+        nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
+        nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
+        nursery.start_soon(self._provide_loop)
+        nursery.start_soon(self._capacity_loop)
+        if self.cfg.report.progress_s > 0:
+            nursery.start_soon(self._progress_loop)
+        if self.cfg.net.metrics_port is not None:
+            net = self.cfg.net
+            await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
+        await self._train_loop()
 
     def _start(self) -> bytes:
         """A new epoch, the run resumed from its folder (or started over), the start journaled:

@@ -578,6 +578,33 @@ class RolloutPeer:
                 "active" if s["active"] else "standby (the learner has enough peers; following weights)",
             )
 
+    async def _until_run_ends(self, scope: trio.CancelScope, metrics: MetricsWriter) -> None:
+        """The learner said its run ended (RunEnded): "finished", leave with a summary line (the
+        process exits 0); "stopped", wait for a restart (the follower stands this peer by and
+        looks for the learner for net.learner_outage_s)."""
+        follower = self.follower
+        assert follower is not None
+        t0 = time.monotonic()
+        while True:
+            await follower.run_ended.wait()
+            end = follower.ended
+            assert end is not None
+            if end.reason == "stopped":
+                log.info("the learner stopped run %s at version %d: generating nothing, waiting up to %gs for it to come back",
+                         end.run_id, end.version, self.cfg.net.learner_outage_s)
+                metrics.write({"event": "run_stopped", "version": end.version, "epoch": end.epoch, "wall": time.time()})
+                continue
+            s = self.snapshot()
+            log.info(
+                "run %s finished at version %d: this peer published %d rollouts in %.0fs (version %d installed, "
+                "%.1f MB down, %.1f MB up); leaving", end.run_id, end.version, s["rollouts_published"],
+                time.monotonic() - t0, s["installed_version"], s["bytes_down"] / 1e6, s["bytes_up"] / 1e6,
+            )
+            metrics.write({"event": "run_finished", "version": end.version, "epoch": end.epoch, "wall": time.time(),
+                           "rollouts_published": s["rollouts_published"]})
+            scope.cancel()
+            return
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.node.run)
@@ -598,6 +625,7 @@ class RolloutPeer:
                 await nursery.start(self.follower.run)  # the initial weights, before the first token
                 task_status.started()
                 nursery.start_soon(self._status_line)
+                nursery.start_soon(self._until_run_ends, nursery.cancel_scope, metrics)
                 if self.cfg.net.metrics_port is not None:
                     net = self.cfg.net
                     await nursery.start(run_exporter, "peer", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)

@@ -88,6 +88,7 @@ __all__ = [
     "RepairResponse",
     "RolloutBatch",
     "RolloutGroup",
+    "RunEnded",
     "RunSpec",
     "Sample",
     "SamplingParams",
@@ -420,6 +421,36 @@ class VersionAnnounce(WireMessage):
         _set(self, "demand_groups", _int("VersionAnnounce.demand_groups", self.demand_groups, 1, MAX_DEMAND_GROUPS))
 
 
+RunEndReason: TypeAlias = Literal["finished", "stopped"]
+RUN_END_REASONS: Final = ("finished", "stopped")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunEnded(WireMessage):
+    """Gossiped (sealed) by the learner on the versions topic as it stops: "finished" (the run
+    spent its time or version budget: peers leave) or "stopped" (its operator stopped it; a
+    restart resumes the run as a newer epoch: peers stop generating and wait for it)."""
+
+    KIND: ClassVar[str | None] = "run_ended"
+
+    run_id: str
+    # The learner incarnation that ended (RunSpec.epoch): an older epoch's is ignored.
+    epoch: int
+    # The newest version it published.
+    version: int
+    reason: RunEndReason
+
+    def __post_init__(self) -> None:
+        w = "RunEnded"
+        _set(self, "run_id", _run_id(f"{w}.run_id", self.run_id))
+        _set(self, "epoch", _int(f"{w}.epoch", self.epoch, 0, MAX_VERSION))
+        _set(self, "version", _int(f"{w}.version", self.version, 0, MAX_VERSION))
+        reason = _str(f"{w}.reason", self.reason, 16)
+        if reason not in RUN_END_REASONS:
+            _fail(f"{w}.reason", f"{_short(reason)} is not one of {', '.join(RUN_END_REASONS)}")
+        _set(self, "reason", reason)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RepairRequest(WireMessage):
     """Ask for rollouts gossip lost: `seqs` of publisher `peer_id` (not the requester)."""
@@ -489,6 +520,7 @@ Message: TypeAlias = (
     | StatusRequest
     | StatusResponse
     | VersionAnnounce
+    | RunEnded
     | RepairRequest
     | RepairResponse
     | ErrorResponse
@@ -501,7 +533,7 @@ MESSAGE_TYPES: Final[Mapping[str, type[WireMessage]]] = {
     cls.KIND: cls
     for cls in (
         RunSpec, RolloutBatch, JoinRequest, JoinResponse, StatusRequest, StatusResponse,
-        VersionAnnounce, RepairRequest, RepairResponse, ErrorResponse,
+        VersionAnnounce, RunEnded, RepairRequest, RepairResponse, ErrorResponse,
         WeightManifest, EpisodeBatch,
     )
     if cls.KIND is not None

@@ -56,7 +56,7 @@ from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Receiver,
 from echo_node.weights.store import VersionStore
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.messages import RunSpec, StatusRequest, StatusResponse, VersionAnnounce
+from protocol.messages import RunEnded, RunSpec, StatusRequest, StatusResponse, VersionAnnounce
 from protocol.weights.delta import decode_delta
 from protocol.weights.manifest import payload_digest
 
@@ -195,6 +195,10 @@ class WeightFollower:
         self._last_contact = 0.0
         # Whether the learner hands this peer out as a relay (it could dial our data port back).
         self.reachable: bool | None = None
+        # The learner's word that its run ended (RunEnded on the versions topic), and an event
+        # set (and replaced) each time one is taken (rollout_peer.py acts on it).
+        self.ended: RunEnded | None = None
+        self.run_ended = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The initial weights (before the first token is sampled), then follow the learner."""
@@ -225,9 +229,10 @@ class WeightFollower:
             )
             status = await rpc.call(self.node, self.session.learner.peer_id, rpc.STATUS, heartbeat, StatusResponse)
         self._last_contact = trio.current_time()
-        if status.active != self.active:
-            self.active = status.active
-            log.info("the learner %s this peer", "activated" if status.active else "put on standby")
+        active = self.activated_by(status)
+        if active != self.active:
+            self.active = active
+            log.info("the learner %s this peer", "activated" if active else "put on standby")
             self.active_changed.set()
             self.active_changed = trio.Event()
         target = Target(status.version, status.weights_size, status.weights_sha256, status.demand_groups, status.epoch)
@@ -489,12 +494,34 @@ class WeightFollower:
             )
 
     def _validate_announce(self, forwarder: str, origin: str, data: bytes) -> bool:
+        """The versions topic carries the learner's VersionAnnounce and RunEnded, signed by the
+        learner this peer joined, for its run; anything else is refused (and not forwarded)."""
         try:
-            msg, _ = open_envelope(data, expected_kind=VersionAnnounce, expected_sender=self.session.learner.peer_id)
+            msg, _ = open_envelope(data, expected_sender=self.session.learner.peer_id)
         except RemoteProtocolError as exc:
-            log.warning("ignored a version announcement from %s: %s", origin, exc)
+            log.warning("ignored a message on the versions topic from %s: %s", origin, exc)
             return False
-        return msg.run_id == self.cfg.run_id
+        return isinstance(msg, (VersionAnnounce, RunEnded)) and msg.run_id == self.cfg.run_id
+
+    def activated_by(self, status: StatusResponse) -> bool:
+        """Whether a status answer has this peer generate: the learner says active, and not in
+        an epoch that announced its end (only a newer one, a restart, activates it again)."""
+        return status.active and (self.ended is None or status.epoch > self.ended.epoch)
+
+    def end(self, msg: RunEnded) -> bool:
+        """Take note of the learner's end of run; False if it is an older epoch's (replayed or
+        late). "stopped": generate nothing (no learner would receive it) until a newer epoch's
+        status answer activates this peer again."""
+        if msg.epoch < self.epoch:
+            return False
+        self.ended = msg
+        if msg.reason == "stopped" and self.active:
+            self.active = False
+            self.active_changed.set()
+            self.active_changed = trio.Event()
+        self.run_ended.set()
+        self.run_ended = trio.Event()
+        return True
 
     def offer(self, target: Target) -> bool:
         """Take note of a version the learner told of (announcement or status answer); False if
@@ -531,8 +558,11 @@ class WeightFollower:
 
     async def _follow_announcements(self) -> None:
         async for item in self.node.messages(versions_topic(self.cfg.run_id)):
-            msg, _ = open_envelope(item.data, expected_kind=VersionAnnounce)
-            self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups, msg.epoch))
+            msg, _ = open_envelope(item.data)
+            if isinstance(msg, RunEnded):
+                self.end(msg)
+            elif isinstance(msg, VersionAnnounce):
+                self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups, msg.epoch))
 
     async def _poll_status(self) -> None:
         while True:
