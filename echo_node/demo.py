@@ -192,8 +192,18 @@ def strict_line(result: dict[str, Any], summary: Mapping[str, Any]) -> dict[str,
     return line
 
 
+# The live table's widest line, whatever the run: a default terminal is 80 columns, and a cell
+# too narrow for its text is cut (rich puts an ellipsis where the figures were).
+TABLE_WIDTH = 80
+
+
 class _Progress:
-    """Live view of the learner's metrics with rich; plain lines when not on a terminal."""
+    """Live view of the learner's metrics with rich; plain lines when not on a terminal.
+
+    Rules: the table is two columns (what, value) at most TABLE_WIDTH wide, so no figure is cut
+    whatever the drop reasons or pool; its reward is the last update's (what summary.json's
+    `reward_last` is at the end), with the mean of the last 10 beside it; its caption says
+    what the demo is doing now."""
 
     def __init__(self, args: argparse.Namespace, run_dir: Path, *, enabled: bool) -> None:
         self.args = args
@@ -203,6 +213,7 @@ class _Progress:
         self._last_note = ""
         self._err: TextIO = sys.stderr
         self.capacity: dict[str, Any] | None = None
+        self.held_out: dict[str, Any] | None = None
 
     def note(self, text: str) -> None:
         self._last_note = text
@@ -220,48 +231,63 @@ class _Progress:
             everything = read_metrics(self.metrics)
             records = [r for r in everything if r.get("event") == "train"]
             self.capacity = next((r for r in reversed(everything) if r.get("event") == "capacity"), None)
+            self.held_out = next((r for r in reversed(everything) if r.get("event") == "eval"), None)
             if self._live is not None:
                 self._live.update(self._render(records, swarm))
             elif records and time.monotonic() - last_print > 10:
                 last_print = time.monotonic()
                 print(f"demo: {self._line(records, swarm)}", file=self._err, flush=True)
             time.sleep(0.25)
+        self.note("learner stopped: writing the summary and stopping the peers")
+        if self._live is not None:
+            self._live.update(self._render([r for r in read_metrics(self.metrics) if r.get("event") == "train"], swarm))
 
-    def _line(self, records: list[dict[str, Any]], swarm: Swarm) -> str:
+    def _rows(self, records: list[dict[str, Any]], swarm: Swarm) -> list[tuple[str, str]]:
+        """(what, value) of the newest update, for the table and the plain line."""
+        alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
+        if not records:
+            return [("elapsed", f"- of {self.args.seconds:g}s"), ("version", "0"), ("peers running", str(alive))]
         r = records[-1]
         recent = [x["reward_mean"] for x in records[-10:]]
-        dropped = sum(r["dropped"].values())
-        alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
-        return (
-            f"t={r['t']:.0f}s/{self.args.seconds:g}s version={r['version']} reward={sum(recent) / len(recent):.3f} "
-            f"accepted={r['trained']} dropped={dropped} peers={alive} {self._pool()}"
-        )
+        dropped = r.get("dropped") or {}
+        drops = ", ".join(f"{k} {v:,}" for k, v in sorted(dropped.items()))
+        h = self.held_out
+        return [
+            ("elapsed", f"{r['t']:.0f} of {self.args.seconds:g}s"),
+            ("version", str(r["version"])),
+            ("reward", f"{r['reward_mean']:.3f} last update, {sum(recent) / len(recent):.3f} mean of last {len(recent)}"),
+            ("held-out accuracy", "-" if h is None else f"{h['eval_accuracy']:.3f} at version {h['version']}"),
+            ("rollouts accepted", f"{r['trained']:,}"),
+            ("rollouts dropped", f"{sum(dropped.values()):,}" + (f" ({drops})" if drops else "")),
+            ("learner idle", f"{r['idle_ratio']:.0%}"),
+            ("peers running", str(alive)),
+            ("pool", self._pool()),
+        ]
+
+    def _line(self, records: list[dict[str, Any]], swarm: Swarm) -> str:
+        return " · ".join(f"{what} {value}" for what, value in self._rows(records, swarm))
 
     def _pool(self) -> str:
         """Active vs standby peers and the cost rate, from the last capacity decision."""
         c = self.capacity
         if c is None:
-            return "active=all"
-        return f"active={len(c['active'])} standby={len(c['standby'])} cost={c['cost_per_hour']:g}/h"
+            return "all active (no capacity decision yet)"
+        return f"{len(c['active'])} active, {len(c['standby'])} standby, {c['cost_per_hour']:g}/h"
+
+    def _caption(self, records: list[dict[str, Any]]) -> str:
+        if self._last_note.startswith("learner stopped") or not records:
+            return self._last_note
+        return f"training, {records[-1]['t']:.0f} of {self.args.seconds:g}s; Ctrl-C stops every process"
 
     def _render(self, records: list[dict[str, Any]], swarm: Swarm) -> Any:
         from rich.table import Table
 
-        table = Table(title=f"echo-node demo — {self.args.mode} mode, S={self.args.staleness}", show_header=True)
-        for col in ("elapsed", "version", "reward (last 10)", "accepted", "dropped", "peers", "idle", "pool"):
-            table.add_column(col, justify="right")
-        if records:
-            r = records[-1]
-            recent = [x["reward_mean"] for x in records[-10:]]
-            alive = sum(1 for c in swarm.children if c.name.startswith("peer") and c.proc.poll() is None)
-            dropped = ", ".join(f"{k}:{v}" for k, v in sorted(r["dropped"].items())) or "0"
-            table.add_row(
-                f"{r['t']:.0f}/{self.args.seconds:g}s", str(r["version"]), f"{sum(recent) / len(recent):.3f}",
-                str(r["trained"]), dropped, str(alive), f"{r['idle_ratio']:.0%}", self._pool(),
-            )
-        else:
-            table.add_row("-", "0", "-", "0", "0", "-", "-", "-")
-        table.caption = self._last_note
+        table = Table(title=f"echo-node demo: {self.args.mode} mode, S={self.args.staleness}", width=TABLE_WIDTH,
+                      show_header=False, caption=self._caption(records))
+        table.add_column("what", style="bold", no_wrap=True)
+        table.add_column("value", overflow="fold")  # a long value wraps; nothing is cut
+        for what, value in self._rows(records, swarm):
+            table.add_row(what, value)
         return table
 
     def close(self) -> None:

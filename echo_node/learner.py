@@ -356,7 +356,7 @@ class Learner:
     def _archive(self, run_dir: Path) -> None:
         """--fresh: move the previous run's state aside (kept, not deleted). The epoch stays, and
         so do the bans: they are about peers, not about what was trained."""
-        names = ("checkpoints", "journal", "summary.json", "metrics.jsonl")
+        names = ("checkpoints", "journal", "summary.json", "metrics.jsonl", *sorted(p.name for p in run_dir.glob("*.png")))
         present = [n for n in names if (run_dir / n).exists()]
         if not present:
             return

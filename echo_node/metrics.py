@@ -250,20 +250,38 @@ def _series(steps: Sequence[dict[str, Any]], x: str, y: str) -> tuple[list[float
 # Per-update series carry "." markers: a line through a single point draws nothing.
 
 
+def _clock(steps: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], float | None]) -> tuple[list[Any], list[float]]:
+    """(wall-clock datetimes, values) of the records with both a `wall` time and a value: time
+    is drawn as the clock people read (local time), which also keeps a resumed run's starts in
+    order (`t` starts over at every start of the learner)."""
+    from datetime import datetime
+
+    pairs = [(w, v) for w, v in ((_num(r, "wall"), value(r)) for r in steps) if w is not None and v is not None]
+    return [datetime.fromtimestamp(w) for w, _ in pairs], [v for _, v in pairs]
+
+
+def _clock_axis(ax: Axes) -> None:
+    import matplotlib.dates as mdates
+
+    locator = mdates.AutoDateLocator(maxticks=8)
+    ax.xaxis.set_major_locator(locator)
+    ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
+    ax.set_xlabel("wall clock (local time)")
+
+
 def _draw_idle(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
-    pairs = [(t, x) for t, x in ((_num(r, "t"), _update_idle(r)) for r in steps) if t is not None and x is not None]
-    ts, cum = _series(steps, "t", "idle_ratio")
-    if pairs:
-        label = "per update: wait / (wait + train)"
-        ax.plot([t for t, _ in pairs], [x for _, x in pairs], color=_LIGHT, linewidth=1, marker=".", label=label)
+    xs, per_update = _clock(steps, _update_idle)
+    ts, cum = _clock(steps, lambda r: _num(r, "idle_ratio"))
+    if xs:
+        ax.plot(xs, per_update, color=_LIGHT, linewidth=1, marker=".", label="per update: wait / (wait + train)")
     if ts:
         ax.plot(ts, cum, color=_DARK, linewidth=2, label="cumulative idle_ratio")
-    if pairs or ts:
+    if xs or ts:
         ax.legend(loc="best", fontsize="small")
-    ax.set_xlabel("seconds since learner start")
+        _clock_axis(ax)
     ax.set_ylabel("learner idle share")
     ax.set_ylim(-0.02, 1.02)
-    return bool(pairs or ts)
+    return bool(xs or ts)
 
 
 def _draw_staleness(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
@@ -323,15 +341,15 @@ def _draw_is_weights(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
 
 
 def _draw_drops(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
-    rows = [(t, r["dropped"]) for r in steps if (t := _num(r, "t")) is not None and isinstance(r.get("dropped"), dict)]
-    reasons = sorted({k for _, d in rows for k in d})
+    rows = [r for r in steps if isinstance(r.get("dropped"), dict)]
+    reasons = sorted({k for r in rows for k in r["dropped"]})
     for reason in reasons:
         # The dict is cumulative and a reason first appears with its first drop: absent means 0.
-        counts = [_num(d, reason) or 0.0 for _, d in rows]
-        ax.plot([t for t, _ in rows], counts, linewidth=1.5, marker=".", label=reason)
+        xs, counts = _clock(rows, lambda r, reason=reason: _num(r["dropped"], reason) or 0.0)
+        ax.plot(xs, counts, linewidth=1.5, marker=".", label=reason)
     if reasons:
         ax.legend(loc="upper left", fontsize="small")
-    ax.set_xlabel("seconds since learner start")
+        _clock_axis(ax)
     ax.set_ylabel("rollouts dropped (cumulative)")
     return bool(reasons)
 
@@ -344,9 +362,14 @@ def _draw_verification(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
     checks = sorted({c for _, d in rows for c in d.get("failed", {})})
     for check in checks:  # cumulative failed batches per check; absent means 0
         ax.plot(xs, [_num(d.get("failed", {}), check) or 0.0 for _, d in rows], linewidth=1.5, marker=".", label=f"failed: {check}")
-    ax.plot(xs, [_num(d, "banned") or 0.0 for _, d in rows], linewidth=1.5, linestyle="--", color="black", label="peers banned")
+    bans = [_num(d, "banned") or 0.0 for _, d in rows]
     ax.set_xlabel("policy version")
-    ax.set_ylabel("batches failed / peers banned (cumulative)")
+    if checks or any(bans):
+        ax.plot(xs, bans, linewidth=1.5, linestyle="--", color="black", label="peers banned")
+        ax.set_ylabel("batches failed / peers banned (cumulative)")
+    else:  # an axis of zeros would be scaled to noise (-0.04 ... 0.04): say it instead
+        ax.set_yticks([])
+        ax.text(0.02, 0.5, "no batch failed a check,\nno peer banned", transform=ax.transAxes, va="center", color="gray")
     right = ax.twinx()
     right.plot(xs, [_num(d, "spot_rate") or 0.0 for _, d in rows], color="tab:gray", linewidth=1, label="spot-check rate")
     right.plot(xs, [_num(d, "share") or 0.0 for _, d in rows], color="tab:purple", linewidth=1, label="verify time / train time")
@@ -372,15 +395,16 @@ def plot_run(records: Sequence[dict[str, Any]], run_dir: Path, *, title: str) ->
 
     Files, always all six so a researcher finds the same set after every run:
     - `idle.png`: learner idle share per update (wait_s / (wait_s + train_s)) and the cumulative
-      `idle_ratio`, against seconds since start;
+      `idle_ratio`, against the wall clock;
     - `staleness.png`: trained tokens per staleness k, summed over the run;
     - `tokens.png`: tokens trained per update, against policy version;
     - `is_weights.png`: importance-weight mean/min/max before the cap (log axis) and the
       truncated share (right axis), against policy version;
-    - `drops.png`: cumulative dropped rollouts, one line per reason, against seconds since start;
+    - `drops.png`: cumulative dropped rollouts, one line per reason, against the wall clock;
     - `verification.png`: batches failed per check and peers banned (cumulative), the spot-check
       rate achieved and verification time over training time (right axis), against version.
-    A figure whose keys are absent from the records (an older metrics.jsonl) says "no data".
+    A figure with nothing to draw (no update yet, or an older metrics.jsonl without its keys)
+    says "no data yet" instead of drawing empty axes.
     """
     import matplotlib
 
@@ -391,17 +415,30 @@ def plot_run(records: Sequence[dict[str, Any]], run_dir: Path, *, title: str) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     for name, what, draw in _RUN_FIGURES:
-        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        fig = run_figure(draw, steps, title=f"{title}: {what}")
         try:
-            if not draw(ax, steps):
-                ax.text(0.5, 0.5, "no data in these records", transform=ax.transAxes, ha="center", va="center", color="gray")
-            ax.set_title(f"{title}: {what}")
-            ax.grid(alpha=0.3)
-            ax.set_axisbelow(True)  # the grid behind the staleness bars, not across them
-            fig.tight_layout()
             path = run_dir / name
             fig.savefig(path)
             written.append(path)
         finally:
             plt.close(fig)
     return written
+
+
+def run_figure(draw: Callable[[Axes, Sequence[dict[str, Any]]], bool], steps: Sequence[dict[str, Any]], *, title: str) -> Any:
+    """One of plot_run's figures, open (the caller saves and closes it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if draw(ax, steps):
+        ax.grid(alpha=0.3)
+        ax.set_axisbelow(True)  # the grid behind the staleness bars, not across them
+    else:
+        ax.clear()
+        _no_data(ax)
+    ax.set_title(title)
+    fig.tight_layout()
+    return fig
