@@ -785,10 +785,11 @@ class Learner:
 
     async def _evaluate(self, version: int, blob: Any) -> None:
         """The held-out evaluation of a published version, in a worker thread (the blob stays
-        valid while referenced, whatever the store drops meanwhile)."""
+        valid while referenced, whatever the store drops meanwhile). A stop does not wait for
+        it: the thread works on the evaluation's own model and is abandoned."""
         assert self.held_out is not None
         try:
-            result = await trio.to_thread.run_sync(self.held_out.evaluate, version, blob)
+            result = await trio.to_thread.run_sync(self.held_out.evaluate, version, blob, abandon_on_cancel=True)
         except Exception as exc:  # the operator's view only: training goes on
             log.warning("held-out evaluation of version %d failed: %s", version, exc)
             return
