@@ -260,9 +260,15 @@ def _clock(steps: Sequence[dict[str, Any]], value: Callable[[dict[str, Any]], fl
     return [datetime.fromtimestamp(w) for w, _ in pairs], [v for _, v in pairs]
 
 
-def _clock_axis(ax: Axes) -> None:
+def _clock_axis(ax: Axes, times: Sequence[Any]) -> None:
+    """A clock on the x axis; a span under a few seconds (one update, a test) is widened to
+    them, where the date locator has ticks to offer."""
+    from datetime import timedelta
+
     import matplotlib.dates as mdates
 
+    if times and max(times) - min(times) < timedelta(seconds=4):
+        ax.set_xlim(min(times) - timedelta(seconds=2), max(times) + timedelta(seconds=2))
     locator = mdates.AutoDateLocator(maxticks=8)
     ax.xaxis.set_major_locator(locator)
     ax.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
@@ -278,7 +284,7 @@ def _draw_idle(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
         ax.plot(ts, cum, color=_DARK, linewidth=2, label="cumulative idle_ratio")
     if xs or ts:
         ax.legend(loc="best", fontsize="small")
-        _clock_axis(ax)
+        _clock_axis(ax, [*xs, *ts])
     ax.set_ylabel("learner idle share")
     ax.set_ylim(-0.02, 1.02)
     return bool(xs or ts)
@@ -343,13 +349,14 @@ def _draw_is_weights(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
 def _draw_drops(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
     rows = [r for r in steps if isinstance(r.get("dropped"), dict)]
     reasons = sorted({k for r in rows for k in r["dropped"]})
+    xs: list[Any] = []
     for reason in reasons:
         # The dict is cumulative and a reason first appears with its first drop: absent means 0.
         xs, counts = _clock(rows, lambda r, reason=reason: _num(r["dropped"], reason) or 0.0)
         ax.plot(xs, counts, linewidth=1.5, marker=".", label=reason)
     if reasons:
         ax.legend(loc="upper left", fontsize="small")
-        _clock_axis(ax)
+        _clock_axis(ax, xs)
     ax.set_ylabel("rollouts dropped (cumulative)")
     return bool(reasons)
 

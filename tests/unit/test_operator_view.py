@@ -117,3 +117,12 @@ def test_time_is_drawn_on_the_wall_clock() -> None:
             assert list(xs) == [datetime.fromtimestamp(r["wall"]) for r in records]
         finally:
             plt.close(fig)
+
+
+def test_a_clock_axis_over_one_instant_still_has_ticks(tmp_path: Path) -> None:
+    """One update, or several within a second (a test), is drawn without a locator warning
+    (pytest turns warnings into errors)."""
+    one = train_records(1)
+    same_second = [dict(r, wall=WALL0) for r in train_records(3)]
+    for records in (one, same_second):
+        plot_run(records, tmp_path, title="t")
