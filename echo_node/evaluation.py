@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import generate_groups
 from echo_node.policy import Policy
@@ -105,7 +107,8 @@ class HeldOutEval:
         device (one more model's memory there). Its values are overwritten by every version
         loaded, so a copy taken while training changes the original is fine."""
         if self._engine is None:
-            model = copy.deepcopy(self.policy.model).to(dtype=self.policy.rollout_dtype)
+            model = copy.deepcopy(self.policy.model)
+            torch.nn.Module.to(model, dtype=self.policy.rollout_dtype)  # in place
             model.requires_grad_(False)
             for p in model.parameters():
                 p.grad = None  # the copy never trains

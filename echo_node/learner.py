@@ -233,7 +233,7 @@ class Learner:
                 # The host outlives a stop's cancellation until the end of the run is announced.
                 node_scope = trio.CancelScope(shield=True)
                 await nursery.start(self._node_until, node_scope)
-                reason = "stopped"
+                reason: RunEndReason = "stopped"
                 try:
                     await self._serve_and_train(nursery, blob)
                     reason = "finished"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from functools import partial
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -346,13 +347,17 @@ def _draw_is_weights(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
     return bool(drawn or xs)
 
 
+def _dropped(reason: str, record: dict[str, Any]) -> float:
+    return _num(record["dropped"], reason) or 0.0
+
+
 def _draw_drops(ax: Axes, steps: Sequence[dict[str, Any]]) -> bool:
     rows = [r for r in steps if isinstance(r.get("dropped"), dict)]
     reasons = sorted({k for r in rows for k in r["dropped"]})
     xs: list[Any] = []
     for reason in reasons:
         # The dict is cumulative and a reason first appears with its first drop: absent means 0.
-        xs, counts = _clock(rows, lambda r, reason=reason: _num(r["dropped"], reason) or 0.0)
+        xs, counts = _clock(rows, partial(_dropped, reason))
         ax.plot(xs, counts, linewidth=1.5, marker=".", label=reason)
     if reasons:
         ax.legend(loc="upper left", fontsize="small")

@@ -22,7 +22,7 @@ import importlib.util
 import logging
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class TensorBoardTracker:
 class WandbTracker:
     """A W&B run named after the run id (grouped by it across restarts), under `directory`."""
 
-    def __init__(self, directory: Path, *, run_id: str, config: dict[str, Any], mode: str) -> None:
+    def __init__(self, directory: Path, *, run_id: str, config: dict[str, Any], mode: Literal["offline", "online"]) -> None:
         import wandb
 
         directory.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,9 @@ def check_available(report_to: str) -> None:
         raise ValueError(f"--report-to {report_to} needs the {', '.join(missing)} package: {INSTALL_HINT}")
 
 
-def open_tracker(report_to: str, directory: Path, *, run_id: str, config: dict[str, Any], wandb_mode: str) -> Tracker | None:
+def open_tracker(
+    report_to: str, directory: Path, *, run_id: str, config: dict[str, Any], wandb_mode: Literal["offline", "online"],
+) -> Tracker | None:
     """The tracker `report_to` names, writing under `directory` (None for "none")."""
     if report_to == "none":
         return None
