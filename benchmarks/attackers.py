@@ -20,6 +20,13 @@ Classes (the verification issue's a-f):
   publishes only the seqs whose assigned prompt it likes (first operand below 20) and leaves
   the others out, so it answers prompts of its choosing without forging one; it cannot repair
   the gaps.
+- `stale_1`, `stale_5` (the adaptive attacker's): samples every batch on the weights it had 1
+  (5) versions before the newest it loaded, with the newest's prompts and assigned seed, and
+  claims the newest: version tags and log-probs recomputed under the newest weights (so the
+  log-prob check passes). Before it saw enough versions it uses the oldest it kept.
+- `tempered`: samples at temperature 0.6 instead of the run's, claiming the log-probs the run's
+  temperature gives its tokens (correct values, a sharper sampler).
+- `greedy`: greedy picks, claiming the run's-temperature log-probs.
 - `freeze` (benchmarks/hostile.py's `capacity_freeze`): honest, then silent on SIGUSR1 (or after
   `--after N` batches): it generates nothing more while its weight follower keeps sending
   heartbeats, a peer that looks present and free but delivers nothing.
@@ -38,6 +45,7 @@ import random
 import signal
 import sys
 import time
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -45,7 +53,7 @@ import trio
 
 from echo_node.cli import _config, _identity, _setup_logging, build_parser
 from echo_node.ml.grpo import sequence_logprobs
-from echo_node.ml.rollout import ScoredGroup
+from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
 from echo_node.policy import Policy, set_threads
@@ -227,6 +235,81 @@ class SlotPicker(Attacker):
         return prompts
 
 
+def claimed_logprobs(groups: list[ScoredGroup], policy: Policy, *, temperature: float) -> None:
+    """Replace each completion's log-probs with what `policy.model` (the weights it claims)
+    gives its tokens at the run's `temperature`: the values a spot check recomputes."""
+    pad = policy.tokenizer.pad_id
+    for g in groups:
+        ids = [gen.completion_ids for gen in g.generations]
+        with torch.no_grad():
+            lp, _ = sequence_logprobs(policy.model, [g.prompt_ids] * len(ids), ids, pad, temperature=temperature)
+        for i, gen in enumerate(g.generations):
+            gen.logprobs = [min(0.0, x) for x in lp[i, : len(gen.completion_ids)].tolist()]
+
+
+class Resampler(Attacker):
+    """Samples its assigned prompts with its assigned seed but its own way (`sample`), then
+    claims the current version and the log-probs it gives at the run's temperature."""
+
+    def sample(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        raise NotImplementedError
+
+    def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        if not self.lying:
+            return super()._generate(prompts, seed)
+        groups = self.sample(prompts, seed)
+        claimed_logprobs(groups, self.session.policy, temperature=self.spec.sampling.temperature)
+        return groups
+
+    def generate_at(self, prompts: list[str], seed: int, temperature: float) -> list[ScoredGroup]:
+        policy, s = self.session.policy, self.spec.sampling
+        return generate_groups(self.engine, policy.tokenizer, policy.task, prompts, group_size=self.spec.group_size,
+                               temperature=temperature, top_p=s.top_p, seed=seed, max_new_tokens=s.max_new_tokens)
+
+
+class Tempered(Resampler):
+    def sample(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        return self.generate_at(prompts, seed, 0.6)
+
+
+class Greedy(Resampler):
+    def sample(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        return self.generate_at(prompts, seed, 0.0)
+
+
+class Stale(Resampler):
+    """Generates on the weights `behind` versions older than the engine's (the newest it
+    loaded) and claims the newest: its tags say so (the engine's version is untouched)."""
+
+    behind = 1
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.kept: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+
+    def sample(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        model = self.session.policy.model
+        if self.engine.version not in self.kept:
+            self.kept[self.engine.version] = {k: t.detach().clone() for k, t in model.state_dict().items()}
+            while len(self.kept) > self.behind + 1:
+                self.kept.popitem(last=False)
+        old = next(iter(self.kept.values()))
+        newest = self.kept[self.engine.version]
+        model.load_state_dict(old)
+        try:
+            return self.generate_at(prompts, seed, self.spec.sampling.temperature)
+        finally:
+            model.load_state_dict(newest)
+
+
+class Stale1(Stale):
+    behind = 1
+
+
+class Stale5(Stale):
+    behind = 5
+
+
 class Poison(Attacker):
     def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         groups = super()._generate(prompts, seed)
@@ -268,6 +351,10 @@ ATTACKS: dict[str, type[Attacker]] = {
     "poison": Poison,
     "freeze": Freeze,
     "slot_picker": SlotPicker,
+    "stale_1": Stale1,
+    "stale_5": Stale5,
+    "tempered": Tempered,
+    "greedy": Greedy,
 }
 
 

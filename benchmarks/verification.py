@@ -27,6 +27,14 @@ catches it past SKIP_ALLOWANCE + 5 % of what it delivered: the target is that it
 until then its batches are honest answers to prompts it chose, about SKIP_ALLOWANCE / 4 of them
 for a picker that likes one slot in five (`trained_share` is reported, not judged).
 
+`stale_1`, `stale_5`, `tempered`, `greedy` (adaptive, not in the default classes) pass checks 4
+and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the
+claimed weights, a temperature-0.6 sampler, greedy picks. They run the torch engine on a CPU,
+so check 6 (echo_node/verify.py) replays their noise and proves them once their tokens showed
+they draw the assigned noise. For every adaptive class `trained_share_of_all` is judged: its
+trained groups over all groups trained in the run, <= 0.05 for stale_1 and <= 0.01 for the
+others (the issue's targets); `lying_batches_to_ban` is reported.
+
 `other_model_late` and `poison_late` are those attackers honest for their first AFTER = 5
 batches: past probation only the spot rate finds them, each lying batch with chance
 `verify.spot_rate` (0.1), so the wait is geometric with mean 10 lying batches
@@ -67,7 +75,10 @@ from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
 # The adaptive attacker's classes (not in the default run: `--classes slot_picker --off no`).
-ADAPTIVE = ["slot_picker"]
+ADAPTIVE = ["slot_picker", "stale_1", "stale_5", "tempered", "greedy"]
+# Targets on the share of all trained groups that came from an adaptive attacker.
+ADAPTIVE_SHARE = {"stale_1": 0.05}
+ADAPTIVE_SHARE_DEFAULT = 0.01
 # Attackers honest for their first AFTER batches (past probation: only the spot rate finds them).
 LATE = {"other_model_late": "other_model", "poison_late": "poison"}
 AFTER = 5
@@ -152,6 +163,7 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
             "banned": [p for p in summary.get("banned", []) if p in honest],
         },
         "verification": summary.get("verification"),
+        "trained_groups_all": sum(trained.values()),
         "rollouts_dropped": summary.get("rollouts_dropped"),
         "rewards": [(r["version"], r["reward_mean"]) for r in records if r.get("event") == "train"],
         **evaluate(run_dir),
@@ -166,6 +178,7 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
             attacker_groups_published=groups,
             attacker_groups_trained=trained.get(bad, 0),
             trained_share=round(trained.get(bad, 0) / max(1, groups), 4),
+            trained_share_of_all=round(trained.get(bad, 0) / max(1, sum(trained.values())), 4),
             caught={k: mine[0][k] for k in ("reason", "evidence", "batches", "version")} if mine else None,
             # Of the batches the learner opened up to the ban, how many lied (the honest ones first).
             lying_batches_to_ban=mine[0]["batches"] - (AFTER if attack in LATE else 0) if mine else None,
@@ -227,7 +240,7 @@ def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
         if r["attack"] in EXACT:
             ok.update(trained_share=r["trained_share"] <= 0.01, within_2_batches=bool(caught) and caught["batches"] <= 2)
         elif r["attack"] in ADAPTIVE:
-            pass  # caught, after the allowance's worth of skips: its trained share is reported, not judged
+            ok.update(share_of_all=r["trained_share_of_all"] <= ADAPTIVE_SHARE.get(r["attack"], ADAPTIVE_SHARE_DEFAULT))
         elif r["attack"] in LATE:
             # Each lying batch is checked with chance spot_rate: the wait is geometric (mean 1 / rate).
             ok.update(accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
@@ -312,7 +325,7 @@ def main() -> None:
                 run_root = root / f"{attack}-{'on' if verify else 'off'}"
                 r = run_one(run_root, keys, attack, verify=verify, versions=args.versions, seconds=args.seconds)
                 results.append(r)
-                brief = {k: r.get(k) for k in ("versions", "trained_share", "greedy_accuracy", "injected_prob")}
+                brief = {k: r.get(k) for k in ("versions", "trained_share", "trained_share_of_all", "greedy_accuracy", "injected_prob")}
                 print(f"# {attack} verify={'on' if verify else 'off'}: {brief} caught={(r.get('caught') or {}).get('batches')}",
                       flush=True)
                 shutil.rmtree(run_root / "runs", ignore_errors=True)

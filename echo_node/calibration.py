@@ -85,6 +85,11 @@ class Judgement:
     calibrated: bool
     refuse: Tolerance
     warn: Tolerance | None = None
+    # The largest per-token rounding gap allowed without the floor (factor x the measured
+    # maximum): what a replay of the pair's sampling may differ by (echo_node/verify.py, check
+    # 6), where the floor's reasons (other kernels, a forger's lever) do not apply. None: the
+    # pair was never measured.
+    rounding: float | None = None
 
 
 def tolerance(envelope: Envelope, *, factor: float, z: float, slack: float = 1.0) -> Tolerance:
@@ -103,7 +108,7 @@ def judgement(engine: str, device: str, dtype: str, *, factor: float, z: float) 
     pair = "/".join(key)
     envelope = CALIBRATED.get(key)
     if envelope is not None:
-        return Judgement(pair, True, tolerance(envelope, factor=factor, z=z))
+        return Judgement(pair, True, tolerance(envelope, factor=factor, z=z), rounding=factor * envelope.max)
     widest = max(CALIBRATED.values(), key=lambda e: e.max)
     same_dtype = [e for k, e in CALIBRATED.items() if k[2] == dtype]
     narrow = max(same_dtype, key=lambda e: e.max) if same_dtype else widest

@@ -97,6 +97,9 @@ DECODED_PER_WIRE_BYTE = 70
 # first; bans kept at most, the one ending first forgotten first.
 MAX_STRANGERS = 4096
 MAX_BANS = 65536
+# Batches of young publishers waiting beside the intake for the checker, at most (each holds a
+# decoded batch: bounded like the subscription queue's).
+BESIDE_WAITING = 4
 # Skipped seqs a publisher may have before it is caught: a fixed allowance (what a restart loses
 # in flight, repairs that time out) plus a share of the seqs it delivered.
 SKIP_ALLOWANCE = 256
@@ -316,9 +319,11 @@ class RolloutIntake:
         # Spot checks run one at a time, in a worker thread (they own one model copy).
         self._spot_lock = trio.Lock()
         # `consume`'s nursery: checks of publishers past probation run there, beside the intake,
-        # one at a time (`_checking_beside`).
+        # one at a time; a young publisher's may wait there for the checker (`admit`). Checks
+        # started there, in all and per publisher.
         self._beside: trio.Nursery | None = None
-        self._checking_beside = False
+        self._beside_checks = 0
+        self._beside_by: Counter[str] = Counter()
         self.node: Gossip | None = None
         self.tracker = SequenceTracker()
         # Set by the learner: its write-ahead journal (new seqs are journaled, so a restart
@@ -533,7 +538,10 @@ class RolloutIntake:
         `consume`'s nursery, so other peers' batches go on reaching the buffer meanwhile (the
         learner waited behind each check before); the batch is ingested when its check passed.
         One such check at a time: a batch chosen while one runs is not checked (`checker_busy`,
-        like a check the budget cannot afford)."""
+        like a check the budget cannot afford), unless its publisher is young (no trust earned:
+        `check_rate` 1): then it waits beside for the checker (one batch per publisher besides
+        the one being checked, BESIDE_WAITING in all), so a newcomer past probation cannot slip
+        batches past the checks by sending them while the checker is busy with others."""
         if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
@@ -542,12 +550,15 @@ class RolloutIntake:
         plan = self.verify.plan(batch) if self.verify is not None else None
         if plan is not None and not plan.probation and self._beside is not None:
             assert self.verify is not None
-            if self._checking_beside:
-                self.verify.stats.checker_busy += 1
-            else:
-                self._checking_beside = True
+            young = self.verify.check_rate(origin) >= 1.0
+            if not self._beside_checks or (
+                young and self._beside_by[origin] < 2 and self._beside_checks <= BESIDE_WAITING
+            ):
+                self._beside_checks += 1
+                self._beside_by[origin] += 1
                 self._beside.start_soon(self._check_beside, batch, origin, plan)
                 return
+            self.verify.stats.checker_busy += 1
             plan = None
         if plan is None or await self._passes(batch, origin, plan):
             self.ingest(batch, origin)
@@ -556,7 +567,10 @@ class RolloutIntake:
         try:
             passed = await self._passes(batch, origin, plan)
         finally:
-            self._checking_beside = False
+            self._beside_checks -= 1
+            self._beside_by[origin] -= 1
+            if not self._beside_by[origin]:
+                del self._beside_by[origin]
         if passed:
             self.ingest(batch, origin)
 

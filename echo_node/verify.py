@@ -30,7 +30,33 @@ as large as `verify.budget` affords, per version its tokens claim, with that ver
    failed when S reaches log(1 / `false_alarm`). Restarting at 0 is starting a new martingale
    at 1, so by Ville's inequality an honest publisher fails within n checks with chance at most
    n * `false_alarm` (1e-9 per check by default), and a biased one cannot bank its honest
-   batches against a later bias.
+   batches against a later bias. (c) An old version claimed as the newest: over a publisher's
+   checked tokens of version v, prod q_u(token) / q_v(token) with u the newest version kept
+   below v (one more forward, under u's weights) has mean at most 1 under honest sampling from
+   q_v, and grows on tokens sampled from u or older: a third e-CUSUM, the same threshold. It is
+   skipped for a publisher check 6 already proved to draw the assigned noise (the replay
+   judges it token by token).
+6. `replay` (a proof of version and sampler, where the publisher's engine can be replayed):
+   the torch engine on a CPU draws each token as argmax_y q(y) / E_y, E_y ~ Exp(1) from a CPU
+   generator seeded with the batch's assigned seed (`batch_seed`: torch.multinomial's
+   exponential race), one [rows, V] draw per decoding step. The checker draws the same noise
+   and, for every checked token, asks whether the token wins the race under the claimed
+   version's q: deficit = max_y (log q(y) - log E_y) - (log q(x) - log E_x), 0 for an honest
+   token up to rounding (at most twice the largest per-token gap measured for its pair, times
+   `lp_max_factor`, without check 4's floor: a token's score can be off by its own rounding and
+   the winner's, and no near-tie makes it more). Whether the publisher
+   draws our noise at all is itself tested: a token that wins our race although drawn with
+   other noise does so with chance c = sum_y q(y)^2, so prod (1[won] / c + 1) / 2 over its
+   checked tokens is a test martingale for "other noise" (an honest peer on another build,
+   vLLM, a GPU); once it passes 1 / `false_alarm` the publisher provably draws our noise,
+   and from then on any token losing the race by more than the rounding limit proves that it
+   sampled from another distribution than the claimed version's at the run's temperature:
+   an old version claimed as new, a lowered temperature, greedy picks. Replayable engines:
+   `REPLAYABLE` ((torch, cpu), as the heartbeat claims); every other engine (vLLM, torch on
+   CUDA, whose generators draw other noise) is judged by the statistics of check 5 only, and
+   so is a publisher that never draws our noise (a forger using other seeds buys that).
+   Drawing the noise costs rows x V x steps exponentials, charged to the budget like the
+   forward: a replay the credit cannot afford is skipped (`replay_over_budget`).
 
 Audits of training (free): where the weights a step trains are exactly the published ones (the
 rollout dtype is float32, one process, no autocast), the step's own forward gives the learner's
@@ -87,7 +113,7 @@ from echo_node.ml.model import copy_model, load_state_tensors, state_tensors
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
 from protocol._wire import pack
-from protocol.assignment import group_version, prompt_draw
+from protocol.assignment import batch_seed, group_version, prompt_draw
 from protocol.drops import DropReason
 from protocol.messages import RolloutBatch, RolloutGroup, Sample
 
@@ -99,6 +125,8 @@ V = TypeVar("V")
 # an honest claim from the learner's own score.
 REWARD_TOLERANCE = 1e-6
 CHECKS = ("completion", "prompt", "reward", "logprobs", "sampling")
+# (engine, device type) pairs whose sampling noise the checker draws again (check 6).
+REPLAYABLE = frozenset({("torch", "cpu")})
 # Peers whose probation state is kept (least recently seen forgotten first: it starts over).
 MAX_TRACKED_PEERS = 65536
 # Group fingerprints kept for copy detection.
@@ -158,7 +186,15 @@ class VerifyStats:
     # per-token gap, and the largest mean gap of a version's checked tokens).
     lp_gap_max: float = 0.0
     lp_gap_mean_max: float = 0.0
-    log_e_max: dict[str, float] = field(default_factory=lambda: {"improbable": 0.0, "greedy": 0.0})
+    log_e_max: dict[str, float] = field(default_factory=lambda: {"improbable": 0.0, "greedy": 0.0, "older": 0.0})
+    # Check 6: batches whose sampling noise was drawn again, the tokens judged by it, those
+    # skipped for their cost, the largest race deficit that passed, and the largest log evidence
+    # of a publisher drawing other noise than ours.
+    replays: int = 0
+    replayed_tokens: int = 0
+    replay_over_budget: int = 0
+    replay_deficit_max: float = 0.0
+    replay_noise_log_e_max: float = 0.0
     # CPU seconds (of the checking thread): on a learner's busy core, what verification takes
     # from training, whatever else the core runs meanwhile.
     claims_s: float = 0.0
@@ -182,6 +218,11 @@ class VerifyStats:
             "passed_lp_gap_max": self.lp_gap_max,
             "passed_lp_gap_mean_max": self.lp_gap_mean_max,
             "passed_log_e_max": {k: round(v, 2) for k, v in self.log_e_max.items()},
+            "replays": self.replays,
+            "replayed_tokens": self.replayed_tokens,
+            "replay_over_budget": self.replay_over_budget,
+            "passed_replay_deficit_max": round(self.replay_deficit_max, 6),
+            "replay_shared_noise_log_e_max": round(self.replay_noise_log_e_max, 2),
             "seconds": round(self.claims_s + self.spot_s, 3),
         }
 
@@ -237,8 +278,13 @@ class Verifier:
         self._cost_per_row: float | None = None
         # Publisher -> excursions beyond its dtype's envelope (warned at powers of two).
         self._warned: OrderedDict[str, int] = OrderedDict()
-        # Publisher -> accumulated log e-values of the two sampling tests (the e-CUSUM above).
-        self._evidence: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # Publisher -> accumulated log e-values of the three sampling tests (the e-CUSUM above).
+        self._evidence: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        # Publisher -> log of check 6's martingale for "it draws other noise than ours", and the
+        # largest race deficit of its checked tokens so far (judged once the noise is proven ours).
+        self._shared_noise: OrderedDict[str, tuple[float, _Gap | None]] = OrderedDict()
+        # CPU seconds per exponential drawn (check 6's cost), measured.
+        self._cost_per_draw: float | None = None
 
     # -- every batch -------------------------------------------------------------------------
 
@@ -387,12 +433,19 @@ class Verifier:
         """Checks 4-5 on groups `indices` of `batch`, on `rows` of their rows drawn at random
         (None: all of them) (worker thread)."""
         t0 = time.thread_time()
-        candidates = [(g, s) for g in (batch.groups[i] for i in indices) for s in g.samples]
-        if rows is not None and rows < len(candidates):
-            picked = sorted(self._rng.sample(range(len(candidates)), max(1, rows)))
-            candidates = [candidates[i] for i in picked]
+        # Each sample's row in the engine call that sampled the batch: group k's are the rows
+        # after the samples of groups 0..k-1 (echo_node/ml/rollout.py).
+        starts = [0]
+        for g in batch.groups:
+            starts.append(starts[-1] + len(g.samples))
+        indexed = [(starts[i] + j, batch.groups[i], s) for i in indices for j, s in enumerate(batch.groups[i].samples)]
+        if rows is not None and rows < len(indexed):
+            picked = sorted(self._rng.sample(range(len(indexed)), max(1, rows)))
+            indexed = [indexed[i] for i in picked]
+        candidates = [(g, s) for _, g, s in indexed]
         try:
-            failure = self._spot(batch.peer_id, candidates)
+            noise = self._replay_noise(batch, [r for r, _, _ in indexed], [s for _, _, s in indexed])
+            failure = self._spot(batch.peer_id, candidates, noise)
         finally:
             spent = time.thread_time() - t0
             self.stats.spot_s += spent
@@ -440,38 +493,140 @@ class Verifier:
         refuse = judge.refuse
         token = refuse.token if cfg.lp_tolerance_max is None else cfg.lp_tolerance_max
         mean = Tolerance(token, refuse.mean, refuse.sd, refuse.z) if cfg.lp_tolerance_mean is None else Tolerance(token, cfg.lp_tolerance_mean)
-        return Judgement(f"{judge.pair} (configured)", True, mean)
+        return Judgement(f"{judge.pair} (configured)", True, mean, rounding=token)
 
-    def _spot(self, peer_id: str, candidates: list[tuple[RolloutGroup, Sample]]) -> Failure | None:
+    def _replay_noise(self, batch: RolloutBatch, rows: list[int], samples: list[Sample]) -> _Noise | None:
+        """Check 6's noise for `rows` of `batch`'s engine call (module docstring), or None when
+        the publisher's engine is not replayable, the batch's groups began on different versions,
+        or the draws cost more than the credit left and the check's own forward."""
+        claim = self._engine_of(batch.peer_id)
+        if claim is None or (claim[0], claim[1].split(":", 1)[0]) not in REPLAYABLE or self.temperature <= 0 or not rows:
+            return None
+        version = group_version([s.token_versions[0] for g in batch.groups for s in g.samples if s.token_versions])
+        if version is None:
+            return None
+        steps = max(len(s.completion_ids) for g in batch.groups for s in g.samples)
+        draws = batch.num_samples * self._vocab * steps
+        if self._cost_per_draw is not None:
+            forward = len(rows) * (self._cost_per_row or 0.0)
+            if draws * self._cost_per_draw > max(self.credit_s(), forward):
+                self.stats.replay_over_budget += 1
+                return None
+        t0 = time.thread_time()
+        gen = torch.Generator().manual_seed(batch_seed(self.run_id, batch.peer_id, version, batch.seq))
+        keep = torch.tensor(rows)
+        drawn = torch.empty(batch.num_samples, self._vocab)
+        # -log E per kept row and step, in float16: its absolute error (< 0.02 for E > 1e-14)
+        # is far below the rounding limit a deficit is judged by.
+        neg_log = torch.empty(len(rows), steps, self._vocab, dtype=torch.float16)
+        for t in range(steps):
+            drawn.exponential_(1, generator=gen)  # what torch.multinomial draws for [rows, V]
+            neg_log[:, t] = drawn.index_select(0, keep).log_().neg_()
+        spent = (time.thread_time() - t0) / draws
+        self._cost_per_draw = spent if self._cost_per_draw is None else (1 - COST_EWMA) * self._cost_per_draw + COST_EWMA * spent
+        self.stats.replays += 1
+        return _Noise(neg_log, {id(s): i for i, s in enumerate(samples)})
+
+    def _spot(self, peer_id: str, candidates: list[tuple[RolloutGroup, Sample]], noise: _Noise | None = None) -> Failure | None:
         # Log e-values of the two sampling tests, over every checked token of the batch.
         surprise = greed = 0.0
         tokens = 0
         judge = self.judgement(peer_id)
+        shared = 0.0  # check 6's log evidence from this batch; its largest deficit
+        deficit: _Gap | None = None
+        # Check 5(c)'s log e-value: how much likelier the tokens are under the version before
+        # the one they claim (when the replay does not already judge them).
+        older = 0.0
+        proven = self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
         for version in sorted({v for _, s in candidates for v in s.token_versions}):
             rows = [(g, s) for g, s in candidates if version in s.token_versions]
             if not self._load(version):
                 self.stats.unverifiable_tokens += sum(s.token_versions.count(version) for _, s in rows)
                 continue
-            result = self._rows_checked(rows, version, judge, peer_id)
+            result = self._rows_checked(rows, version, judge, peer_id, noise)
             if isinstance(result, Failure):
                 return result
-            n, low, high = result
+            n, low, high, race, logq_sum = result
             tokens, surprise, greed = tokens + n, surprise + low, greed + high
+            before = self._previous(version)
+            if n and not proven and before is not None and self._load(before):
+                older += self._logq_sum(rows, version) - logq_sum
+            if race is not None:
+                shared += race.log_e
+                if race.worst is not None and (deficit is None or race.worst.value > deficit.value):
+                    deficit = race.worst
         self.stats.tokens_spot_checked += tokens
-        before = self._evidence.get(peer_id, (0.0, 0.0))
-        low, high = max(0.0, before[0] + surprise), max(0.0, before[1] + greed)
-        _keep_recent(self._evidence, peer_id, (low, high))
+        if noise is not None:
+            self.stats.replayed_tokens += tokens
+            failure = self._judge_race(peer_id, shared, deficit, judge)
+            if failure is not None:
+                return failure
+        before = self._evidence.get(peer_id, (0.0, 0.0, 0.0))
+        low, high, stale = max(0.0, before[0] + surprise), max(0.0, before[1] + greed), max(0.0, before[2] + older)
+        _keep_recent(self._evidence, peer_id, (low, high, stale))
         threshold = -math.log(self.cfg.false_alarm)
-        for log_e, batch_e, how in ((low, surprise, "less"), (high, greed, "more")):
+        for log_e, batch_e, how in ((low, surprise, "less likely than"), (high, greed, "more likely than"),
+                                    (stale, older, "likelier under the version before the one they claim than")):
             if log_e >= threshold:
                 return Failure(
                     DropReason.BAD_SAMPLING,
-                    f"its checked tokens are {how} likely than sampling at temperature {self.temperature:g} gives: "
+                    f"its checked tokens are {how} sampling at temperature {self.temperature:g} gives: "
                     f"e-value e^{log_e:.1f} over its checks since the evidence last restarted, e^{batch_e:.1f} from "
                     f"this batch's {tokens} tokens (an honest sampler's chance <= e^-{log_e:.1f} per check)",
                 )
-        for log_e, name in ((low, "improbable"), (high, "greedy")):
+        for log_e, name in ((low, "improbable"), (high, "greedy"), (stale, "older")):
             self.stats.log_e_max[name] = max(self.stats.log_e_max[name], log_e)
+        return None
+
+    def _previous(self, version: int) -> int | None:
+        """The newest version kept below `version` (check 5(c)'s alternative), or None."""
+        with self._blobs_lock:
+            older = [v for v in self._blobs if v < version]
+        return max(older, default=None)
+
+    def _logq_sum(self, rows: list[tuple[RolloutGroup, Sample]], version: int) -> float:
+        """Sum of log q, under the weights loaded now, of the tokens of `rows` tagged `version`
+        (the sampling distribution: tempered, cut to the nucleus), in bounded forwards."""
+        assert self._model is not None
+        width = max(len(s.completion_ids) for _, s in rows)
+        per = max(1, min(SPOT_CHUNK_ROWS, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab)))
+        total = 0.0
+        for start in range(0, len(rows), per):
+            samples = [s for _, s in rows[start : start + per]]
+            with torch.inference_mode():
+                logp, targets, mask = completion_log_softmax(
+                    self._model, [list(g.prompt_ids) for g, _ in rows[start : start + per]],
+                    [list(s.completion_ids) for s in samples], self.tokenizer.pad_id, temperature=self.temperature,
+                )
+            t_max = targets.shape[1]
+            on = mask & torch.tensor([[v == version for v in s.token_versions] + [False] * (t_max - len(s.token_versions)) for s in samples])
+            logq = torch.log_softmax(top_p_filter(logp, self.top_p), dim=-1) if self.top_p < 1 else logp
+            total += float(logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1).clamp(min=-1e30)[on].sum())
+        return total
+
+    def _judge_race(self, peer_id: str, shared: float, deficit: _Gap | None, judge: Judgement) -> Failure | None:
+        """Check 6's verdict on a batch: its evidence that the publisher draws our noise joins
+        the publisher's; once that is beyond 1 / `false_alarm`, a token of any of its checked
+        batches (this one or an earlier) that lost the race by more than twice the per-token
+        log-prob limit proves another sampling distribution."""
+        before, earlier = self._shared_noise.get(peer_id, (0.0, None))
+        log_e = before + shared
+        if earlier is not None and (deficit is None or earlier.value > deficit.value):
+            deficit = earlier
+        _keep_recent(self._shared_noise, peer_id, (log_e, deficit))
+        limit = 2 * (judge.rounding if judge.rounding is not None else judge.refuse.token)
+        threshold = -math.log(self.cfg.false_alarm)
+        if deficit is not None and deficit.value > limit and log_e >= threshold:
+            return Failure(
+                DropReason.BAD_SAMPLING,
+                f"group {deficit.group_id} on version {deficit.claimed:.0f}: token {deficit.token} is not what that version "
+                f"samples with the batch's assigned seed at temperature {self.temperature:g}: it loses the sampling race by "
+                f"{deficit.value:.3g} nats (rounding explains {limit:.3g}); the publisher provably draws the assigned noise "
+                f"(its tokens win the race beyond chance: e^{log_e:.1f}), so it sampled from another version or sampler",
+            )
+        self.stats.replay_noise_log_e_max = max(self.stats.replay_noise_log_e_max, log_e)
+        if deficit is not None and log_e >= threshold:
+            self.stats.replay_deficit_max = max(self.stats.replay_deficit_max, deficit.value)
         return None
 
     def _load(self, version: int) -> bool:
@@ -489,25 +644,28 @@ class Verifier:
         return True
 
     def _rows_checked(
-        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, peer_id: str
-    ) -> Failure | tuple[int, float, float]:
+        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, peer_id: str, noise: _Noise | None = None
+    ) -> Failure | tuple[int, float, float, _Race | None, float]:
         """Checks 4 and 5(a) on the tokens of `rows` tagged `version` (weights loaded), in
         forwards of at most `SPOT_CHUNK_ELEMENTS` log-probabilities each; else (tokens, log
         e-values of both 5(b) tests over them). The mean log-prob gap is judged over all rows."""
         width = max(len(s.completion_ids) for _, s in rows)
         per = max(1, min(SPOT_CHUNK_ROWS, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab)))
-        tokens, low, high, gap_sum = 0, 0.0, 0.0, 0.0
+        tokens, low, high, gap_sum, logq_sum = 0, 0.0, 0.0, 0.0, 0.0
         worst: _Gap | None = None
+        race: _Race | None = None
         for start in range(0, len(rows), per):
-            part = self._rows_at(rows[start : start + per], version, judge)
+            part = self._rows_at(rows[start : start + per], version, judge, noise)
             if isinstance(part, Failure):
                 return part
-            n, lo, hi, gaps, gap = part
-            tokens, low, high, gap_sum = tokens + n, low + lo, high + hi, gap_sum + gaps
+            n, lo, hi, gaps, gap, chunk_race, chunk_logq = part
+            tokens, low, high, gap_sum, logq_sum = tokens + n, low + lo, high + hi, gap_sum + gaps, logq_sum + chunk_logq
             if gap is not None and (worst is None or gap.value > worst.value):
                 worst = gap
+            if chunk_race is not None:
+                race = chunk_race if race is None else race.joined(chunk_race)
         if worst is None or not tokens:
-            return tokens, low, high
+            return tokens, low, high, race, logq_sum
         mean = gap_sum / tokens
         if mean > judge.refuse.mean_limit(tokens):
             return self._bad_logprobs(version, mean, tokens, worst, judge.refuse, judge.pair)
@@ -516,7 +674,7 @@ class Verifier:
             self._excursion(peer_id, version, mean, tokens, worst, judge)
         self.stats.lp_gap_max = max(self.stats.lp_gap_max, worst.value)
         self.stats.lp_gap_mean_max = max(self.stats.lp_gap_mean_max, mean)
-        return tokens, low, high
+        return tokens, low, high, race, logq_sum
 
     def _excursion(self, peer_id: str, version: int, mean: float, tokens: int, worst: _Gap, judge: Judgement) -> None:
         """A peer on a pair never measured left the envelope honest peers of its dtype keep:
@@ -545,10 +703,11 @@ class Verifier:
         )
 
     def _rows_at(
-        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement
-    ) -> Failure | tuple[int, float, float, float, _Gap | None]:
+        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, noise: _Noise | None = None
+    ) -> Failure | tuple[int, float, float, float, _Gap | None, _Race | None, float]:
         """Checks 4 (per token) and 5(a) on the tokens of `rows` tagged `version`, in one
-        forward; else (tokens, both log e-values, the sum of their log-prob gaps, the largest)."""
+        forward; else (tokens, both log e-values, the sum of their log-prob gaps, the largest,
+        check 6's race over them when `noise` holds these rows, and the sum of their log q)."""
         assert self._model is not None
         samples = [s for _, s in rows]
         with torch.inference_mode():
@@ -581,8 +740,11 @@ class Verifier:
                 f"group {rows[r][0].group_id} on version {version}: token {t} of a sample has probability "
                 f"{math.exp(float(sampled[r, t])):.2e} at temperature {self.temperature:g}, below {math.exp(floor):.1e}",
             )
+        race = None
+        if noise is not None:
+            race = _race(logq, targets, on, noise.rows([s for _, s in rows], t_max), version, [g.group_id for g, _ in rows])
         return (int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0),
-                float(gap.sum()), worst)
+                float(gap.sum()), worst, race, float(sampled.clamp(min=-1e30)[on].sum()))
 
 
 def _keep_recent(table: OrderedDict[str, V], peer_id: str, value: V) -> None:
@@ -603,6 +765,56 @@ class _Gap:
     token: int
     claimed: float
     recomputed: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Noise:
+    """Check 6's replayed noise: -log E [rows, steps, V] (float16) of the checked rows, and
+    each checked sample's row in it (by identity)."""
+
+    neg_log: Tensor
+    row_of: dict[int, int]
+
+    def rows(self, samples: list[Sample], width: int) -> Tensor | None:
+        """[len(samples), width, V] float32 for `samples`, None if one was not replayed."""
+        if any(id(s) not in self.row_of for s in samples):
+            return None
+        index = torch.tensor([self.row_of[id(s)] for s in samples])
+        return self.neg_log.index_select(0, index)[:, :width].float()
+
+
+@dataclass(frozen=True, slots=True)
+class _Race:
+    """Check 6 over some tokens: the log evidence that their publisher draws our noise, and
+    the largest race deficit among them (its `claimed` field holds the version)."""
+
+    log_e: float
+    worst: _Gap | None
+
+    def joined(self, other: _Race) -> _Race:
+        worst = self.worst
+        if other.worst is not None and (worst is None or other.worst.value > worst.value):
+            worst = other.worst
+        return _Race(self.log_e + other.log_e, worst)
+
+
+def _race(logq: Tensor, targets: Tensor, on: Tensor, neg_log_e: Tensor | None, version: int, group_ids: list[str]) -> _Race | None:
+    """Check 6 on the tokens `on` (module docstring): each token's deficit in the race
+    argmax_y log q(y) - log E_y, and log prod (1[it won] / c + 1) / 2 with c = sum_y q(y)^2,
+    the chance a token drawn with other noise wins ours."""
+    if neg_log_e is None or not bool(on.any()):
+        return None
+    score = logq + neg_log_e
+    best = score.max(dim=-1)
+    mine = score.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    deficit = (best.values - mine).masked_fill(~on, -1.0)
+    won = best.indices == targets
+    collide = torch.logsumexp(2.0 * logq.masked_fill(logq == -math.inf, -1e30), dim=-1).exp()
+    log_e = float(torch.log(0.5 * won.float() / collide + 0.5)[on].sum())
+    t_max = targets.shape[1]
+    r, t = divmod(int(deficit.argmax()), t_max)
+    worst = _Gap(float(deficit[r, t]), group_ids[r], t, float(version), float(mine[r, t]))
+    return _Race(log_e, worst)
 
 
 def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgpack
@@ -39,6 +40,48 @@ async def learner_tasks(learner: Learner) -> AsyncIterator[None]:
         raise
     finally:
         learner._nursery = outer
+
+
+# A second honest publisher for learner tests (ALICE is the first).
+BOB = Identity.from_seed(b"\x0c" * 32)
+# Learners `new_learner` made, for a fixture to close the metrics files of (a test that crashes
+# one on purpose never closes it itself).
+CREATED: list[Learner] = []
+
+
+def new_learner(runs_dir: Path, *, groups_per_step: int = 2, checkpoint_every: int = 3, **cfg: Any) -> Learner:
+    """A learner of run "run-1" on the embedded toy policy (verification off, S = 4), whose
+    libp2p host is not started: its announcements go nowhere."""
+    from echo_node.config import CheckpointConfig, RLConfig, RunConfig, VerifyConfig
+    from echo_node.learner import Learner
+    from echo_node.ml.model import build_model, tiny_llama_config
+    from echo_node.policy import Policy
+
+    cfg.setdefault("checkpoint", CheckpointConfig(every_versions=checkpoint_every, min_interval_s=0))
+    config = RunConfig(
+        run_id="run-1", runs_dir=runs_dir, verify=VerifyConfig(enabled=False),
+        rl=RLConfig(groups_per_step=groups_per_step, staleness=4), **cfg,
+    )
+    tok = CharTokenizer()
+    arch = tiny_llama_config(tok.vocab_size)
+    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
+    learner = Learner(config, Identity.from_seed(b"\x01" * 32), policy)
+
+    async def announce(topic: str, data: bytes) -> None:  # the host is not started
+        pass
+
+    learner.node.publish = announce  # type: ignore[method-assign]
+    CREATED.append(learner)
+    return learner
+
+
+async def start_learner(learner: Learner, peers: tuple[Identity, ...] = (ALICE, BOB)) -> None:
+    """What `Learner.run` does before it serves: resume (or start), publish the version; then
+    `peers` join."""
+    blob = learner._start()
+    await learner._publish_version(blob)
+    for peer in peers:
+        learner.peers.join(peer.peer_id, trio.current_time())
 
 
 async def closed_port() -> int:

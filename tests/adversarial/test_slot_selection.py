@@ -15,7 +15,8 @@ from echo_node.intake import REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
 from echo_node.learner import Learner
 from protocol import Identity, seal
 from protocol.limits import SEQ_WINDOW
-from tests.factories import ALICE, MALLORY, make_batch
+from tests.factories import ALICE, MALLORY, learner_tasks, make_batch, new_learner
+from tests.factories import start_learner as start
 
 
 class Silent:
@@ -119,9 +120,6 @@ def test_a_known_publisher_jumping_over_owed_seqs_is_caught_at_once(learner: Lea
 def test_a_restart_of_the_learner_counts_the_same_skips(tmp_path: Any) -> None:
     """An excused gap is journaled: a learner that resumes replays it as excused, so an honest
     peer's restart is not counted against it after the learner's own restart."""
-    from tests.factories import learner_tasks
-    from tests.node.test_resume import new_learner, start
-
     first = new_learner(tmp_path / "run")
 
     async def before() -> None:

@@ -159,15 +159,18 @@ def test_the_same_bytes_queued_twice_are_released_twice_so_a_replay_cannot_leak_
 def test_a_check_past_probation_runs_beside_the_intake(tmp_path: Path) -> None:
     """While a batch of a peer past probation is being checked, other peers' batches go on
     reaching the buffer (the learner no longer waits behind each check); one chosen while the
-    checker is busy goes unchecked and is counted (`checker_busy`); the checked batch is taken
-    once its check passed. The check itself is held here (its verdict is other tests' subject)."""
+    checker is busy goes unchecked and is counted (`checker_busy`) when its publisher earned
+    trust; the checked batch is taken once its check passed. The check itself is held here (its
+    verdict is other tests' subject)."""
     learner = checking_learner(tmp_path)
     intake, verifier = learner.intake, learner.verifier
     assert verifier is not None
     held, other = ATTACKERS[0], ATTACKERS[1]
     for who in (held, other):
         learner.peers.join(who.peer_id, 0.0)
-        verifier._probation[who.peer_id] = 0  # past probation; no trust yet: every batch is chosen
+        verifier._probation[who.peer_id] = 0  # past probation
+    verifier._trusted_tokens[other.peer_id] = 1 << 30  # trusted: checked at spot_rate
+    verifier._rng = SimpleNamespace(random=lambda: 0.0)  # type: ignore[assignment]  # every batch is chosen
     release, checking = threading.Event(), threading.Event()
 
     def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
@@ -202,3 +205,52 @@ def test_a_check_past_probation_runs_beside_the_intake(tmp_path: Path) -> None:
 
     trio.run(main)
     assert learner.buffer.ledger.received == 2 * 2 * 8
+
+
+def test_a_young_peers_batch_waits_for_a_busy_checker(tmp_path: Path) -> None:
+    """A publisher with no trust earned cannot slip a batch past the checks by sending it while
+    the checker is busy: its batch waits beside the intake for the checker, and enters the
+    buffer only once its own check passed (`checker_busy` stays 0)."""
+    learner = checking_learner(tmp_path)
+    intake, verifier = learner.intake, learner.verifier
+    assert verifier is not None
+    held, young = ATTACKERS[0], ATTACKERS[1]
+    for who in (held, young):
+        learner.peers.join(who.peer_id, 0.0)
+        verifier._probation[who.peer_id] = 0  # past probation, no trust yet
+    release, checking = threading.Event(), threading.Event()
+    checked: list[str] = []
+
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+        if batch.peer_id == held.peer_id:
+            checking.set()
+            assert release.wait(30)
+        checked.append(batch.peer_id)
+        return None
+
+    verifier.spot = spot  # type: ignore[method-assign]
+
+    def origins() -> set[str]:
+        return {learner.buffer.origin(g) for g in learner.buffer._groups}
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[Any](16)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(intake.consume, receive)
+            for who in (held, young):
+                data = seal(make_batch(identity=who, seq=1, groups=2), who)
+                assert intake.validate(who.peer_id, who.peer_id, data)
+                await send.send(SimpleNamespace(data=data, sender=who.peer_id))
+            with trio.fail_after(10):
+                while not checking.is_set():
+                    await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            assert not origins() and verifier.stats.checker_busy == 0
+            release.set()
+            with trio.fail_after(10):
+                while origins() != {held.peer_id, young.peer_id}:
+                    await trio.sleep(0.01)
+            await send.aclose()
+
+    trio.run(main)
+    assert checked == [held.peer_id, young.peer_id]

@@ -24,23 +24,17 @@ import trio.testing
 from safetensors.torch import load_file as st_load_file
 
 from echo_node.checkpoint import CheckpointStore
-from echo_node.config import CheckpointConfig, RLConfig, RunConfig, VerifyConfig
+from echo_node.config import CheckpointConfig
 from echo_node.journal import SEGMENT_GLOB, frame, read_segment
 from echo_node.learner import Learner
-from echo_node.ml.model import build_model, tiny_llama_config
-from echo_node.ml.tasks import get_task
-from echo_node.ml.tokenizer import CharTokenizer
-from echo_node.policy import Policy
-from protocol import Identity, RolloutBatch, seal
-from tests.factories import ALICE, learner_tasks, make_batch
+from protocol import RolloutBatch, seal
+from tests.factories import ALICE, BOB, CREATED, learner_tasks, make_batch
+from tests.factories import new_learner as make_learner
+from tests.factories import start_learner as start
 
 GROUPS_PER_STEP = 2
 EVERY = 3  # checkpoint every 3 versions
 UPDATES = 7
-BOB = Identity.from_seed(b"\x0c" * 32)
-
-
-CREATED: list[Learner] = []
 
 
 @pytest.fixture(autouse=True)
@@ -56,30 +50,7 @@ class Crash(BaseException):
 
 
 def new_learner(runs_dir: Path, **cfg: Any) -> Learner:
-    cfg.setdefault("checkpoint", CheckpointConfig(every_versions=EVERY, min_interval_s=0))
-    config = RunConfig(
-        run_id="run-1", runs_dir=runs_dir, verify=VerifyConfig(enabled=False),
-        rl=RLConfig(groups_per_step=GROUPS_PER_STEP, staleness=4), **cfg,
-    )
-    tok = CharTokenizer()
-    arch = tiny_llama_config(tok.vocab_size)
-    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
-    learner = Learner(config, Identity.from_seed(b"\x01" * 32), policy)
-
-    async def announce(topic: str, data: bytes) -> None:  # the host is not started
-        pass
-
-    learner.node.publish = announce  # type: ignore[method-assign]
-    CREATED.append(learner)
-    return learner
-
-
-async def start(learner: Learner) -> None:
-    """What `Learner.run` does before it serves: resume (or start), publish the version."""
-    blob = learner._start()
-    await learner._publish_version(blob)
-    for peer in (ALICE, BOB):
-        learner.peers.join(peer.peer_id, trio.current_time())
+    return make_learner(runs_dir, groups_per_step=GROUPS_PER_STEP, checkpoint_every=EVERY, **cfg)
 
 
 def batches_for(update: int, version: int) -> list[RolloutBatch]:
