@@ -607,8 +607,8 @@ class Verifier:
     def _judge_race(self, peer_id: str, shared: float, deficit: _Gap | None, judge: Judgement) -> Failure | None:
         """Check 6's verdict on a batch: its evidence that the publisher draws our noise joins
         the publisher's; once that is beyond 1 / `false_alarm`, a token of any of its checked
-        batches (this one or an earlier) that lost the race by more than twice the per-token
-        log-prob limit proves another sampling distribution."""
+        batches (this one or an earlier) that lost the race by more than twice the pair's rounding
+        (`Judgement.rounding`) proves another sampling distribution."""
         before, earlier = self._shared_noise.get(peer_id, (0.0, None))
         log_e = before + shared
         if earlier is not None and (deficit is None or earlier.value > deficit.value):
