@@ -257,6 +257,9 @@ class Verifier:
         self.top_p = top_p
         self.keep_versions = keep_versions
         self.stats = VerifyStats()
+        # Check 5(a)'s rate, per checked token (the martingales' `cfg.false_alarm` is per peer
+        # per run); the same number unless a test measures the two apart.
+        self.token_false_alarm = cfg.false_alarm
         # The spot checker's own copy of the model: the trainer's changes under it while it runs.
         self.check_dtype = check_dtype or rollout_dtype
         self._dtype_name = str(rollout_dtype).removeprefix("torch.")
@@ -731,7 +734,7 @@ class Verifier:
         # The distribution the engine samples from: tempered, then cut to the nucleus.
         logq = torch.log_softmax(top_p_filter(logp, self.top_p), dim=-1) if self.top_p < 1 else logp
         sampled = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-        floor = math.log(self.cfg.false_alarm / self._vocab)
+        floor = math.log(self.token_false_alarm / self._vocab)
         improbable = on & (sampled < floor)
         if improbable.any():
             r, t = (int(x) for x in improbable.nonzero()[0])
