@@ -564,8 +564,8 @@ class Verifier:
             failure = self._judge_race(peer_id, shared, deficit, judge)
             if failure is not None:
                 return failure
-        before = self._evidence.get(peer_id, (0.0, 0.0, 0.0))
-        low, high, stale = max(0.0, before[0] + surprise), max(0.0, before[1] + greed), max(0.0, before[2] + older)
+        kept = self._evidence.get(peer_id, (0.0, 0.0, 0.0))
+        low, high, stale = max(0.0, kept[0] + surprise), max(0.0, kept[1] + greed), max(0.0, kept[2] + older)
         _keep_recent(self._evidence, peer_id, (low, high, stale))
         threshold = -math.log(self.cfg.false_alarm)
         for log_e, batch_e, how in ((low, surprise, "less likely than"), (high, greed, "more likely than"),

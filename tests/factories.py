@@ -207,7 +207,7 @@ def make_batch(
 
 
 def _fields(frame: bytes) -> list[Any]:
-    return msgpack.unpackb(decode_frame(frame))  # type: ignore[no-any-return]
+    return msgpack.unpackb(decode_frame(frame))
 
 
 def _reframe(fields: list[Any]) -> bytes:

@@ -74,7 +74,7 @@ def verifier(real: tuple[torch.nn.Module, object, object], published: torch.nn.M
 
 def sample(real: tuple[torch.nn.Module, object, object], model: torch.nn.Module, seq: int, *, temperature: float = 1.0) -> RolloutBatch:
     _, tok, task = real
-    engine = TorchEngine(model, eos_id=tok.eos_id, pad_id=tok.pad_id)  # type: ignore[attr-defined]
+    engine = TorchEngine(model, eos_id=tok.eos_id, pad_id=tok.pad_id)  # type: ignore[arg-type, attr-defined]
     engine.version = 0
     prompts = [task.prompt_for(prompt_draw(RUN, ALICE.peer_id, 0, seq, i)) for i in range(GROUPS)]  # type: ignore[attr-defined]
     scored = generate_groups(engine, tok, task, prompts, group_size=GROUP_SIZE, temperature=temperature,  # type: ignore[arg-type]

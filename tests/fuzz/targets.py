@@ -937,9 +937,9 @@ def _addresses(data: bytes) -> None:
         obj = _unpack(data)
     except Exception:
         return
-    for check in (check_data_host, check_port):
+    for check_field in (check_data_host, check_port):
         try:
-            check(obj)
+            check_field(obj)
         except AddressError:
             pass
 
@@ -1263,7 +1263,7 @@ def _rpc_targets() -> list[Target]:
     def serve(data: bytes) -> None:
         bad: list[str] = []
         stream = FakeStream(data, remote_peer_id=ALICE.peer_id)
-        drive(rpc.serve_one(stream, handler, on_bad=lambda peer, exc: bad.append(peer)))  # type: ignore[arg-type]
+        drive(rpc.serve_one(stream, handler, on_bad=lambda peer, exc: bad.append(peer)))
         reader = LengthPrefixedReader(max_len=MAX_DECOMPRESSED_BYTES)
         reader.feed(bytes(stream.sent))
         answer = reader.next_message()
@@ -1454,6 +1454,10 @@ def _learner_repair_target() -> Target:
 # --- the registry --------------------------------------------------------------------------------
 
 
+def _swapping_among(seeds: Sequence[bytes]) -> Generator:
+    return lambda rng: _kind_swap(rng, seeds)
+
+
 def _kind_swap(rng: random.Random, seeds: Sequence[bytes]) -> bytes:
     """A message's body under another kind: every from_wire on every other message's fields."""
     obj = _unpacked(rng.choice(seeds))
@@ -1468,7 +1472,7 @@ def _all_targets() -> tuple[Target, ...]:
     out: list[Target] = [
         Target(
             f"messages.decode_message[{kind}]", _decode_message, seeds, msgpack_seeds=True,
-            generators=((0.15, lambda rng, seeds=seeds: _kind_swap(rng, seeds + every)),),
+            generators=((0.15, _swapping_among(seeds + every)),),
         )
         for kind, seeds in encoded.items()
     ]
