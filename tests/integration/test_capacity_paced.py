@@ -53,6 +53,10 @@ def _cli(*args: str) -> dict[str, Any]:
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
 
+def _trained_after(metrics: Any, version: int) -> list[dict[str, Any]]:
+    return [r for r in read_metrics(metrics) if r.get("event") == "train" and r["version"] > version]
+
+
 def test_status_and_plan_report_the_paced_rates(cluster: Cluster) -> None:
     run = "paced"
     learner_cfg, peer_cfg = cluster.root / "learner.toml", cluster.root / "peer.toml"
@@ -86,7 +90,11 @@ def test_status_and_plan_report_the_paced_rates(cluster: Cluster) -> None:
         decision = next((r for r in records if r.get("event") == "capacity" and len(r["workers"]) == 2), None)
         time.sleep(1)
     assert decision is not None, "no capacity decision over both peers within 300 s"
-    time.sleep(10)  # a few more cycles inside the window
+    # Updates past the decision to measure idle over: an update takes R / 12 ≈ 5.3 s of the
+    # peers' work, so wait for a count of them, not for a fixed time.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(_trained_after(metrics, decision["version"])) < 3:
+        time.sleep(1)
 
     status = _cli("status", "--learner", f"127.0.0.1:{port}", "--json")
     plan = _cli("plan", "--learner", f"127.0.0.1:{port}", "--json")
@@ -112,7 +120,7 @@ def test_status_and_plan_report_the_paced_rates(cluster: Cluster) -> None:
     # Predicted idle, 1 − μ·T_train/R, against the learner's measured idle over its updates since.
     predicted = status["echo_learner_idle_predicted_ratio"]
     assert predicted == pytest.approx(1 - status["echo_mu_active"] * t_train / R, rel=1e-6)
-    steps = [r for r in read_metrics(metrics) if r.get("event") == "train" and r["version"] > decision["version"]]
+    steps = _trained_after(metrics, decision["version"])
     assert len(steps) >= 3, "too few updates after the decision to measure idle"
     wait, train = sum(r["wait_s"] for r in steps[1:]), sum(r["train_s"] for r in steps[1:])
     assert abs(predicted - wait / (wait + train)) <= 0.1, (predicted, wait / (wait + train))
