@@ -30,9 +30,11 @@ EXPECTED = {
 # one slot in five, so it may publish about SKIP_ALLOWANCE / 4 honest batches of its choosing
 # first (each one group).
 ADAPTIVE = {"slot_picker": {"bad_prompt"}}
-# Ten processes start at once on two cores: joining can take a minute. The learner runs until
-# every attacker was caught (or this bound passed), then is stopped with SIGINT.
-CAUGHT_WITHIN_S = 240
+# Ten processes start at once on two cores: joining can take a minute, and the slot picker is
+# caught by a count of its skips, which it reaches at the pace the demand sets (slower on a loaded
+# machine). The learner runs until every attacker was caught (or this generous bound passed),
+# then is stopped with SIGINT.
+CAUGHT_WITHIN_S = 480
 # After the last catch, honest rollouts keep being trained this long (none may be flagged).
 AFTER_S = 10
 
@@ -61,7 +63,7 @@ def test_every_attacker_is_caught_and_no_honest_peer_is(cluster: Cluster) -> Non
         time.sleep(0.5)
     time.sleep(AFTER_S)
     learner.proc.send_signal(signal.SIGINT)
-    assert learner.proc.wait(60) == 130
+    assert learner.proc.wait(120) == 130  # a stop writes a checkpoint and announces the end (bounded)
     s = json.loads((cluster.run_dir(run_id) / "summary.json").read_text())
     caught = {r["peer"]: r for r in read_metrics(metrics) if r.get("event") == "caught"}
     for attack, reasons in EXPECTED.items():
