@@ -29,7 +29,10 @@ EXPECTED = {
 # Caught only once its skipped seqs pass the intake's allowance (echo_node/intake.py): it picks
 # one slot in five, so it may publish about SKIP_ALLOWANCE / 4 honest batches of its choosing
 # first (each one group).
-ADAPTIVE = {"slot_picker": {"bad_prompt"}}
+# This slot picker samples with the seed of the slot it started from and publishes under the
+# slot it picked: the sampler's replay (echo_node/verify.py, check 6) proves that noise is not the
+# picked slot's (bad_sampling) once it has checked enough of its tokens; whichever comes first.
+ADAPTIVE = {"slot_picker": {"bad_prompt", "bad_sampling"}}
 # Ten processes start at once on two cores: joining can take a minute, and the slot picker is
 # caught by a count of its skips, which it reaches at the pace the demand sets (slower on a loaded
 # machine). The learner runs until every attacker was caught (or this generous bound passed),

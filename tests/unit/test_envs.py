@@ -119,6 +119,7 @@ def test_plugins_that_break_the_rules_are_refused_at_load(name: str, options: di
 
 
 def test_a_plugin_that_hangs_is_refused_at_load_in_bounded_time() -> None:
+    env_plugins.RELEASE.clear()  # another test may have released the hung plug-in's threads
     try:
         with pytest.raises(EnvError, match="env_timeout"):
             load_env(_cfg("tests.unit.env_plugins:Hangs", step_timeout_s=0.05))
