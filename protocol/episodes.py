@@ -29,12 +29,13 @@ to enforce (`check_budgets`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Final
 
-from protocol.fields import WireMessage, _fail, _float, _int, _ints, _nested_seq, _peer_id, _run_id, _seq, _set, _str
+from protocol.fields import (
+    WireMessage, _fail, _float, _int, _ints, _logprobs, _nested_seq, _peer_id, _run_id, _seq, _set, _str, _token_versions,
+)
 from protocol.limits import (
     MAX_ABS_REWARD,
     MAX_BATCH_GROUPS,
@@ -83,18 +84,12 @@ class Turn(WireMessage):
         ids = _ints(f"{w}.token_ids", self.token_ids, MAX_TURN_TOKENS, 0, MAX_VOCAB - 1, min_len=1)
         n = 0 if self.from_env else len(ids)
         role = "an environment turn carries none" if self.from_env else f"one per token ({len(ids)})"
-        lps = _seq(f"{w}.logprobs", self.logprobs, MAX_TURN_TOKENS)
+        lps = _logprobs(f"{w}.logprobs", self.logprobs, MAX_TURN_TOKENS)
         if len(lps) != n:
             _fail(f"{w}.logprobs", f"{len(lps)} log-probs: {role}")
-        # x <= 0.0 is False for NaN and +inf, so one pass rejects both; -inf is checked next.
-        if not all(isinstance(x, float) and x <= 0.0 for x in lps) or (lps and min(lps) == -math.inf):
-            for i, x in enumerate(lps):
-                _float(f"{w}.logprobs[{i}]", x, -math.inf, 0.0)
-        vs = _ints(f"{w}.versions", self.versions, MAX_TURN_TOKENS, 0, MAX_VERSION)
+        vs = _token_versions(f"{w}.versions", self.versions, MAX_TURN_TOKENS, MAX_VERSION)
         if len(vs) != n:
             _fail(f"{w}.versions", f"{len(vs)} versions: {role}")
-        if any(a > b for a, b in zip(vs, vs[1:])):
-            _fail(f"{w}.versions", "must be non-decreasing (weights only move forward)")
         _set(self, "token_ids", ids)
         _set(self, "logprobs", lps)
         _set(self, "versions", vs)

@@ -137,6 +137,24 @@ def _ints(where: str, value: object, max_len: int, lo: int, hi: int, *, min_len:
     return items
 
 
+def _logprobs(where: str, value: object, max_len: int) -> tuple[float, ...]:
+    """Per-token log-probabilities: finite floats <= 0."""
+    lps = _seq(where, value, max_len)
+    # x <= 0.0 is False for NaN and +inf, so one pass rejects both; -inf is checked next.
+    if not all(isinstance(x, float) and x <= 0.0 for x in lps) or (lps and min(lps) == -math.inf):
+        for i, x in enumerate(lps):
+            _float(f"{where}[{i}]", x, -math.inf, 0.0)
+    return lps
+
+
+def _token_versions(where: str, value: object, max_len: int, max_version: int) -> tuple[int, ...]:
+    """The weight version of each token, non-decreasing: weights only move forward."""
+    vs = _ints(where, value, max_len, 0, max_version)
+    if any(a > b for a, b in zip(vs, vs[1:])):
+        _fail(where, "must be non-decreasing (weights only move forward)")
+    return vs
+
+
 def _data_host(where: str, value: object) -> str:
     try:
         return check_data_host(value, where=where)

@@ -23,7 +23,6 @@ normalized copies the caller must not mutate.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Final, Literal, TypeAlias, TypeVar, overload
@@ -42,11 +41,13 @@ from protocol.fields import (
     _float,
     _int,
     _ints,
+    _logprobs,
     _nested_seq,
     _peer_id,
     _run_id,
     _seq,
     _set,
+    _token_versions,
     _sha256,
     _short,
     _str,
@@ -199,18 +200,12 @@ class Sample(WireMessage):
         w = "Sample"
         ids = _ints(f"{w}.completion_ids", self.completion_ids, MAX_TOKENS_PER_SEQUENCE, 0, MAX_VOCAB - 1)
         n = len(ids)
-        lps = _seq(f"{w}.behaviour_logprobs", self.behaviour_logprobs, MAX_TOKENS_PER_SEQUENCE)
+        lps = _logprobs(f"{w}.behaviour_logprobs", self.behaviour_logprobs, MAX_TOKENS_PER_SEQUENCE)
         if len(lps) != n:
             _fail(f"{w}.behaviour_logprobs", f"length {len(lps)} != len(completion_ids) {n}")
-        # x <= 0.0 is False for NaN and +inf, so one pass rejects both; -inf is checked next.
-        if not all(isinstance(x, float) and x <= 0.0 for x in lps) or (lps and min(lps) == -math.inf):
-            for i, x in enumerate(lps):
-                _float(f"{w}.behaviour_logprobs[{i}]", x, -math.inf, 0.0)
-        vs = _ints(f"{w}.token_versions", self.token_versions, MAX_TOKENS_PER_SEQUENCE, 0, MAX_VERSION)
+        vs = _token_versions(f"{w}.token_versions", self.token_versions, MAX_TOKENS_PER_SEQUENCE, MAX_VERSION)
         if len(vs) != n:
             _fail(f"{w}.token_versions", f"length {len(vs)} != len(completion_ids) {n}")
-        if any(a > b for a, b in zip(vs, vs[1:])):
-            _fail(f"{w}.token_versions", "must be non-decreasing (weights only move forward)")
         _set(self, "completion_ids", ids)
         _set(self, "behaviour_logprobs", lps)
         _set(self, "token_versions", vs)
