@@ -129,7 +129,7 @@ class PeerBook:
     # Joined peers -> when they joined or last had rollouts accepted (trio time), least recent
     # first. Kept by reference by the weight sources, which serve only members.
     joined: OrderedDict[str, float] = field(default_factory=OrderedDict)
-    # Groups accepted per joined peer within the last ACTIVE_WINDOW_S: (time, groups), oldest first.
+    # Groups contributed per joined peer within the last ACTIVE_WINDOW_S (`contributed`): (time, groups), oldest first.
     recent: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     # `effective_peers`' last answer and when (trio time): it is asked on every status request,
     # and walking every peer's window each time would make status O(peers).
@@ -170,8 +170,9 @@ class PeerBook:
         self.batches.pop(peer_id, None)
 
     def contributed(self, peer_id: str, groups: int, now: float) -> None:
-        """A joined peer's groups were accepted: it is active (requests alone never make a
-        peer active, so a peer that only asks cannot shrink anyone's demand)."""
+        """A joined peer's checked groups arrived (accepted, or late in pull mode): it is active
+        (requests alone never make a peer active, so a peer that only asks cannot shrink
+        anyone's demand)."""
         if peer_id not in self.joined:
             return
         self.joined[peer_id] = now
@@ -182,7 +183,7 @@ class PeerBook:
         self._effective = None
 
     def effective_peers(self, now: float) -> float:
-        """How many full-rate peers the recent contributions amount to: groups accepted in the
+        """How many full-rate peers the recent contributions amount to: groups contributed in the
         window over the most any one peer delivered (>= 1). Equal peers count as their number;
         a peer (or a hundred Sybils) delivering a trickle counts as that trickle, not as a head,
         so it cannot cut the demand of the peers that do the work. Recomputed on a contribution or
@@ -623,7 +624,12 @@ class RolloutIntake:
             return
         if self.journal is not None:
             self.journal.append(["seen", origin, batch.seq])
-        taken = 0
+        # Groups that count as the peer's work in the demand split (`PeerBook.contributed`):
+        # those accepted, and in pull mode also those that passed every check but came after
+        # their version was trained. A pull peer that is always the last to finish would
+        # otherwise never count, the split would leave it out, and its work would always come
+        # too late: starved for good while it samples exactly as asked.
+        taken = worked = 0
         for group in batch.groups:
             first, strike = self.copies.first_sender(group, origin) if self.copies is not None else (origin, False)
             if first != origin:
@@ -633,7 +639,9 @@ class RolloutIntake:
                     self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups others sent first that honest sampling would "
                                           "hardly give twice")
                 continue
-            if self.buffer.offer(group, current, origin) is not None:
+            dropped = self.buffer.offer(group, current, origin)
+            if dropped is not None:
+                worked += dropped is DropReason.STALE and self.buffer.mode == "pull"
                 continue
             if not self.peers.accepted[origin]:
                 self.on_first_accept(origin)
@@ -641,8 +649,8 @@ class RolloutIntake:
             self.on_accept(origin, group.min_version, len(group.samples))
             taken += 1
             self.arrived.set()
-        if taken:
-            self.peers.contributed(origin, taken, trio.current_time())
+        if taken + worked:
+            self.peers.contributed(origin, taken + worked, trio.current_time())
 
     async def consume(self, messages: Any) -> None:
         async with trio.open_nursery() as nursery:

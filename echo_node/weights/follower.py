@@ -151,6 +151,9 @@ class WeightFollower:
         # The learner's epoch this peer follows, and the digests its versions were announced with.
         self.epoch = session.spec.epoch
         self._digests: OrderedDict[int, bytes] = OrderedDict()
+        # Announcements taken note of in the current epoch (status answers not counted): shows
+        # that the versions topic reaches this peer, in its `installed` records.
+        self.announced = 0
         # Joins the learner again (its address and data port may have changed); None: cannot.
         self._rejoin = rejoin
         self._reconnecting = trio.Lock()
@@ -282,7 +285,7 @@ class WeightFollower:
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
                                 "fetch_s": round(time.monotonic() - t0, 4), "delta": delta, "sha256": target.sha256.hex(),
-                                "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
+                                "epoch": target.epoch, "announced": self.announced, "relayed_bytes": self.bytes_relayed()})
 
     def _renumber(self, target: Target) -> None:
         """`target` names the weights this peer holds (verified by their digest): they go on
@@ -293,7 +296,7 @@ class WeightFollower:
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": 0,
                                 "fetch_s": 0.0, "delta": False, "renumbered": True, "sha256": target.sha256.hex(),
-                                "epoch": target.epoch, "relayed_bytes": self.bytes_relayed()})
+                                "epoch": target.epoch, "announced": self.announced, "relayed_bytes": self.bytes_relayed()})
 
     def _hand_over(self, blob: bytes | memoryview, version: int, blob_map: mmap.mmap | None = None) -> None:
         """Verified weights become the delta base and wait for the engine (`take_pending`)."""
@@ -532,6 +535,7 @@ class WeightFollower:
             log.info("the learner restarted (epoch %d -> %d, at version %d): following it", self.epoch, target.epoch, target.version)
             self.epoch = target.epoch
             self._digests.clear()
+            self.announced = 0
             if self._fetching is not None and self._fetching[0].epoch < target.epoch:
                 self._abandon(f"the learner restarted (epoch {target.epoch})")
             if self.newest is not None and target.version <= self.newest.version:
@@ -562,7 +566,8 @@ class WeightFollower:
             if isinstance(msg, RunEnded):
                 self.end(msg)
             elif isinstance(msg, VersionAnnounce):
-                self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups, msg.epoch))
+                if self.offer(Target(msg.version, msg.size, msg.sha256, msg.demand_groups, msg.epoch)):
+                    self.announced += 1
 
     async def _poll_status(self) -> None:
         while True:

@@ -62,13 +62,38 @@ class Cluster:
         return self.root / "runs" / run_id
 
 
+LOG_TAIL_LINES = 40
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    report = yield
+    if report.when == "call":
+        item.stash[_FAILED] = report.failed
+    return report
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
 @pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     c = Cluster(tmp_path)
     try:
         yield c
     finally:
         c.swarm.stop_all()
+        if request.node.stash.get(_FAILED, False):
+            _print_log_tails(c)
+
+
+def _print_log_tails(c: Cluster) -> None:
+    """A failed test shows the end of each process's log (a CI run keeps no files)."""
+    for child in c.swarm.children:
+        log = child.stdout_path.with_suffix(".log")
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        print(f"--- {child.name} (exit {child.proc.returncode}): last {LOG_TAIL_LINES} lines of {log.name}")
+        print("\n".join(lines[-LOG_TAIL_LINES:]))
 
 
 @pytest.fixture(scope="session")

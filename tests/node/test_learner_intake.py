@@ -123,6 +123,30 @@ def test_demand_is_split_among_the_peers_that_deliver(learner: Learner) -> None:
     assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [24, 6, 6, 24]
 
 
+def test_a_pull_peer_whose_checked_groups_come_late_still_counts_in_the_split(learner: Learner) -> None:
+    """In pull mode a peer that is always the last to finish gets its (checked) groups dropped
+    as stale: they still count as its work, or the split would leave it out and starve it."""
+
+    async def go() -> tuple[float, float]:
+        learner.buffer.mode = "pull"
+        learner.trainer.version = 3
+        now = trio.current_time()
+        learner.intake.ingest(make_batch(identity=ALICE, seq=0, groups=4, version=3), ALICE.peer_id)
+        learner.intake.ingest(make_batch(identity=MALLORY, seq=0, groups=4, version=2), MALLORY.peer_id)
+        pull = learner.peers.effective_peers(now)
+        # In async mode a peer whose groups are all too old is not a working head.
+        learner.buffer.mode, learner.buffer.staleness = "async", 0
+        learner.intake.ingest(make_batch(identity=MALLORY, seq=1, groups=4, version=2), MALLORY.peer_id)
+        await trio.sleep(20)  # the window passes, and so does the cached answer
+        learner.intake.ingest(make_batch(identity=ALICE, seq=1, groups=4, version=3), ALICE.peer_id)
+        learner.intake.ingest(make_batch(identity=MALLORY, seq=2, groups=4, version=2), MALLORY.peer_id)
+        return pull, learner.peers.effective_peers(trio.current_time())
+
+    pull, asynchronous = trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert learner.buffer.ledger.dropped["stale"] == 3 * 4 * 8
+    assert (pull, asynchronous) == (2.0, 1.0)
+
+
 def test_demand_counts_what_the_learner_holds(learner: Learner) -> None:
     """What is buffered and admissible is not asked for again; the ask stays >= 1 (wire floor)
     and is the same in every status answer until the next publication."""
