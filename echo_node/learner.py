@@ -581,12 +581,17 @@ class Learner:
         )
 
     def demand_groups(self) -> int:
+        """The ask of the current version: fixed at its publication, except while no peer has
+        delivered lately (a run's start): then it follows the peers that join, so the first
+        ones are not each asked for the whole pool's share."""
+        if not self.peers.delivering(trio.current_time()):
+            self._demand = self._ask()
         return self._demand
 
     def _ask(self) -> int:
         """Groups per peer for the version being published (protocol/capacity.py, rule 7): what
-        the learner trains until the next publication plus one update in reserve, less what it
-        holds, split among the peers that deliver; at least one (the wire's floor)."""
+        the learner trains until the next publication plus two updates' worth in reserve, less
+        what it holds, split among the peers that deliver; at least one (the wire's floor)."""
         rl = self.cfg.rl
         need = groups_to_ask(mode=rl.mode, groups_per_step=rl.groups_per_step, kappa=self.capacity.kappa,
                              buffered=self.buffer.count_admissible(self.version))

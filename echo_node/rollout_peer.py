@@ -296,6 +296,10 @@ class Generator:
         self.swaps_mid_generation = 0
         self.batches_abandoned = 0  # stopped mid-generation (a signal), never published
         self.waits_for_weights = 0  # batches not begun on weights the learner can no longer admit
+        # Batches stopped or left unpublished because the learner announced a version past the
+        # staleness bound of the weights they began on (`doomed`), and their groups.
+        self.batches_doomed = 0
+        self.groups_doomed = 0
         # Set when the batch being generated is to be abandoned (`generate_stoppably`).
         self._stop: threading.Event | None = None
 
@@ -329,6 +333,9 @@ class Generator:
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
+            if groups is None or self.doomed(version):
+                self.discard(version, len(prompts))
+                continue
             self.produced += len(groups)
             await self.publisher.publish(groups, seq=seq)
 
@@ -343,12 +350,29 @@ class Generator:
         return prompts[: groups_that_fit(worst)]
 
     def weights_too_old(self) -> bool:
-        """async: whether a batch begun now would be dropped as stale on arrival. A rollout is
+        """async: whether a batch begun now would be `doomed` from its start: the peer waits for
+        newer weights (being fetched) instead of wasting them."""
+        return self.doomed(self.engine.version)
+
+    def doomed(self, began: int) -> bool:
+        """async: whether a batch begun on version `began` is stale however it ends. A rollout is
         judged by its oldest token, and the learner's version is at least the newest it
-        announced, so weights older than that minus S make only stale rollouts however the
-        batch ends: the peer waits for newer weights (being fetched) instead of wasting them."""
+        announced, so weights older than that minus S make only stale rollouts. Read from the
+        generation thread between decoding steps too."""
         newest = self.follower.newest
-        return self.spec.sync_mode == "async" and newest is not None and self.engine.version < newest.version - self.spec.staleness
+        return self.spec.sync_mode == "async" and newest is not None and began < newest.version - self.spec.staleness
+
+    def discard(self, began: int, groups: int) -> None:
+        """A doomed batch is not sent (the learner would count it dropped as stale): counted
+        here, in the peer's metrics. Its seq is not used, so the learner sees no gap."""
+        self.batches_doomed += 1
+        self.groups_doomed += groups
+        newest = self.follower.newest
+        log.debug("discarded a batch of %d groups begun on version %d: the learner announced %s", groups, began,
+                  None if newest is None else newest.version)
+        if self.publisher.metrics is not None:
+            self.publisher.metrics.write({"event": "discarded", "reason": "stale", "groups": groups, "version": began,
+                                          "newest": None if newest is None else newest.version, "wall": time.time()})
 
     def track_version(self) -> None:
         """The learner's demand is per version: the count starts over when a newer version is
@@ -374,11 +398,12 @@ class Generator:
         if waited.cancelled_caught:
             self.produced = max(0, follower.demand - self.cfg.rollout.groups_per_batch)
 
-    async def generate_stoppably(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+    async def generate_stoppably(self, prompts: list[str], seed: int) -> list[ScoredGroup] | None:
         """`_generate` in a worker thread that a cancellation (SIGTERM, SIGINT) stops at the next
         decoding step instead of after the whole batch: with a real model on a busy CPU a batch
         takes tens of seconds, and a peer asked to stop must go in a few. An abandoned batch is
-        counted and never published (its tokens were not all sampled)."""
+        counted and never published (its tokens were not all sampled). None: the batch became
+        `doomed` and was stopped between two decoding steps."""
         stop = self._stop = threading.Event()
 
         async def stop_when_cancelled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -394,6 +419,8 @@ class Generator:
                 # Not abandoned on cancel: the thread holds the engine, and the process must not
                 # exit (or start another batch) while it still runs; it ends at the next step.
                 return await trio.to_thread.run_sync(self._generate, prompts, seed)
+            except DoomedBatch:
+                return None
             except GenerationCancelled:
                 self.batches_abandoned += 1
                 log.info("stopping: abandoned a batch of %d groups mid-generation (not published; %d so far)",
@@ -409,11 +436,14 @@ class Generator:
         policy = self.session.policy
         stop = self._stop
         take = self.follower.take_pending if self.spec.sync_mode == "async" else None
+        began = self.engine.version
 
         def between_steps() -> tuple[WeightState, int] | None:
             """The engine's hook before each decoding step: stop, or new weights (async)."""
             if stop is not None and stop.is_set():
                 raise GenerationCancelled
+            if self.doomed(began):
+                raise DoomedBatch
             return None if take is None else take()
 
         # vLLM generates in chunks when given a hook; a pull batch on a GPU is short enough to
@@ -431,6 +461,10 @@ class Generator:
             swap=swap,
             max_new_tokens=s.max_new_tokens,  # the learner refuses longer completions
         )
+
+
+class DoomedBatch(GenerationCancelled):
+    """Raised by the engine's hook: the batch is `Generator.doomed`, stop sampling it."""
 
 
 # Sequence numbers reserved on disk at a time (one small durable write per this many batches).

@@ -94,3 +94,36 @@ def test_async_does_not_sample_on_weights_the_learner_can_no_longer_admit() -> N
     pull.spec.staleness = 0
     pull.follower.offer(Target(9, 10, b"\3" * 32, 6, 0))
     assert not pull.weights_too_old()  # pull refreshes before every batch anyway
+
+
+def test_a_batch_doomed_mid_generation_is_stopped() -> None:
+    """async: once the learner announces a version past S of the weights a batch began on, the
+    batch is stale however it ends: the engine's hook stops it at the next decoding step."""
+    from echo_node.ml.engine import TorchEngine
+    from tests.factories import TASK, TOKENIZER
+    from tests.sampling import tiny_model
+
+    peer = peer_on_version(3, demand=6)
+    peer.spec.staleness = 2
+    peer.spec.group_size = 8
+    peer.spec.sampling = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=12)
+    peer.session.policy = SimpleNamespace(tokenizer=TOKENIZER, task=TASK)
+    peer.engine = TorchEngine(tiny_model(), eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
+    peer.engine.version = 3
+    steps = []
+    take = peer.follower.take_pending
+
+    def announce_at_the_second_step():  # type: ignore[no-untyped-def]
+        steps.append(len(steps))
+        if len(steps) == 2:
+            peer.follower.offer(Target(6, 10, b"\6" * 32, 6, 0))  # 3 < 6 - 2
+        return take()
+
+    peer.follower.take_pending = announce_at_the_second_step  # type: ignore[method-assign]
+
+    async def main() -> object:
+        return await peer.generate_stoppably(["1+2=", "3+4="], seed=7)
+
+    assert trio.run(main) is None
+    assert len(steps) == 2  # stopped at the step after the announcement, not at the batch's end
+    assert peer.batches_abandoned == 0  # not a stop: nothing to cancel
