@@ -133,7 +133,7 @@ class PeerBook:
     recent: dict[str, deque[tuple[float, int]]] = field(default_factory=dict)
     # `effective_peers`' last answer and when (trio time): it is asked on every status request,
     # and walking every peer's window each time would make status O(peers).
-    _effective: tuple[float, tuple[float, bool]] | None = None
+    _effective: tuple[float, float] | None = None
     accepted: Counter[str] = field(default_factory=Counter)
     # Signed batches judged per joined peer (what a ban is measured in: how many it took).
     batches: Counter[str] = field(default_factory=Counter)
@@ -159,7 +159,6 @@ class PeerBook:
             self.leave(oldest)
         self.joined[peer_id] = now
         self.joined.move_to_end(peer_id)
-        self._effective = None
 
     def leave(self, peer_id: str) -> None:
         self.joined.pop(peer_id, None)
@@ -187,18 +186,8 @@ class PeerBook:
         """How many full-rate peers the recent contributions amount to: groups contributed in the
         window over the most any one peer delivered (>= 1). Equal peers count as their number;
         a peer (or a hundred Sybils) delivering a trickle counts as that trickle, not as a head,
-        so it cannot cut the demand of the peers that do the work. Nobody delivered in the
-        window (a run's start, a pause): the peers heard from in it count, so the first asks
-        are not each one peer's whole share (Sybils that join and deliver nothing shrink them
-        only until the first delivery). Recomputed on a contribution or a departure, else at
-        most every EFFECTIVE_REFRESH_S (windows age out in between)."""
-        return self._split(now)[0]
-
-    def delivering(self, now: float) -> bool:
-        """Whether any joined peer contributed within the window."""
-        return self._split(now)[1]
-
-    def _split(self, now: float) -> tuple[float, bool]:
+        so it cannot cut the demand of the peers that do the work. Recomputed on a contribution or
+        a departure, else at most every EFFECTIVE_REFRESH_S (windows age out in between)."""
         if self._effective is not None and now - self._effective[0] < EFFECTIVE_REFRESH_S:
             return self._effective[1]
         totals = []
@@ -206,18 +195,9 @@ class PeerBook:
             _prune(window, now)
             totals.append(sum(n for _, n in window))
         top = max(totals, default=0)
-        value = (max(1.0, sum(totals) / top), True) if top else (float(max(1, self._heard_from(now))), False)
+        value = max(1.0, sum(totals) / top) if top else 1.0
         self._effective = (now, value)
         return value
-
-    def _heard_from(self, now: float) -> int:
-        """Joined peers that joined or contributed within the window (`joined` is ordered by that)."""
-        count = 0
-        for seen in reversed(self.joined.values()):
-            if now - seen > ACTIVE_WINDOW_S:
-                break
-            count += 1
-        return count
 
     def penalize(self, peer_id: str, *, strikes: int = 1, until_version: int | None = None) -> bool:
         """Count an offence (`strikes` of them); True if it got the peer banned just now (until

@@ -581,11 +581,6 @@ class Learner:
         )
 
     def demand_groups(self) -> int:
-        """The ask of the current version: fixed at its publication, except while no peer has
-        delivered lately (a run's start): then it follows the peers that join, so the first
-        ones are not each asked for the whole pool's share."""
-        if not self.peers.delivering(trio.current_time()):
-            self._demand = self._ask()
         return self._demand
 
     def _ask(self) -> int:

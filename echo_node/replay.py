@@ -163,23 +163,22 @@ class ReplayBuffer:
         self.bytes -= self._release(group)
 
     def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
-        """Pop up to `n_groups` admissible groups: those that would otherwise expire first,
-        then the freshest; stale ones are dropped.
+        """Pop up to `n_groups` admissible groups: those this update is the last chance for
+        first, then the freshest; stale ones are dropped.
 
         Freshest = newest oldest-token version, then latest arrival: taken oldest first, a
         buffer that holds more than a step needs would make every step train at the full
-        staleness S. But a group passed over for fresher ones until it expires is dropped as
-        stale: volunteer work thrown away while it could have been trained. So (async only:
-        in pull mode every group expires with its version) each take first takes the groups
-        that the takes still to come could not fit before their expiry (`_due`), earliest
-        expiry first, and only then the freshest.
+        staleness S. But a group skipped for fresher ones at its last admissible version is
+        dropped as stale after this update: volunteer work thrown away while it could still be
+        trained. So groups that expire with this update go first (async only: in pull mode
+        every group expires with its version).
         """
         self.evict_stale(current_version)
-        due = self._due(n_groups, current_version)
+        last_chance = current_version - self.staleness if self.mode == "async" else None
 
         def rank(i: int) -> tuple[bool, int, int]:
             v = self._groups[i].min_version
-            return (True, -v, -i) if i in due else (False, v, i)  # due: earliest expiry, then arrival
+            return (v == last_chance, v, i)
 
         order = sorted(range(len(self._groups)), key=rank, reverse=True)
         # First pass: at most `share` groups per origin; second: fill up from whatever is left,
@@ -200,20 +199,6 @@ class ReplayBuffer:
         for g in batch:
             self.bytes -= self._size[id(g)]  # no longer held here; forgotten when trained
         return batch
-
-    def _due(self, n_groups: int, current_version: int) -> set[int]:
-        """Indices of the groups this take must include so that, if every later take (one per
-        version) also takes `n_groups`, no buffered group expires: the m earliest to expire,
-        where m is the largest excess over k >= 1 of the groups with at most k takes left over
-        what the k - 1 takes after this one can hold. k = 1 is a group's last chance."""
-        if self.mode != "async" or not self._groups:
-            return set()
-        # Takes left for a group, this one included: its last admissible version is v + S.
-        left = sorted((g.min_version + self.staleness - current_version + 1, i) for i, g in enumerate(self._groups))
-        must = 0
-        for count, (takes, _) in enumerate(left, start=1):
-            must = max(must, count - n_groups * (takes - 1))
-        return {i for _, i in left[: min(must, n_groups)]}
 
     def count_admissible(self, current_version: int) -> int:
         return sum(

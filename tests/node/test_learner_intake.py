@@ -159,42 +159,12 @@ def test_demand_counts_what_the_learner_holds(learner: Learner) -> None:
     for n in range(20):
         learner.buffer.offer(make_group(version=learner.version, n=100 + n), learner.version)
     assert trio.run(lambda: _ask_now(learner)) == 1
-
-    async def published_ask() -> int:
-        learner.peers.join("p0", trio.current_time())
-        learner.peers.contributed("p0", 8, trio.current_time())
-        learner._demand = 5
-        return learner.demand_groups()
-
-    assert trio.run(published_ask) == 5
+    learner._demand = 5
+    assert learner.demand_groups() == 5
 
 
 async def _ask_now(learner: Learner) -> int:
     return learner._ask()
-
-
-def test_before_any_delivery_the_ask_follows_the_peers_that_join(learner: Learner) -> None:
-    """At a run's start the version's ask was fixed with nobody there: until someone delivers,
-    status answers split it among the peers heard from lately (joined Sybils that never deliver
-    shrink it only until then)."""
-
-    async def go() -> list[int]:
-        for p in list(learner.peers.joined):
-            learner.peers.leave(p)
-        learner._demand = learner._ask()
-        out = [learner.demand_groups()]
-        for i in range(3):
-            learner.peers.join(f"p{i}", trio.current_time())
-            out.append(learner.demand_groups())
-        learner.peers.contributed("p0", 8, trio.current_time())
-        learner._demand = 24  # the next publication's ask, with one peer delivering
-        out.append(learner.demand_groups())
-        await trio.sleep(20)  # nobody delivered for the window, nor joined: one head again
-        out.append(learner.demand_groups())
-        return out
-
-    # async, groups_per_step=8, κ=1: 24 groups until the next publication, split.
-    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [24, 24, 12, 8, 24, 24]
 
 
 def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -81,32 +81,6 @@ def test_a_group_at_its_last_admissible_version_goes_before_fresher_ones() -> No
     buf.check()
 
 
-def test_groups_the_later_takes_could_not_fit_go_now() -> None:
-    """Three groups with two takes left and room for two per take: one must go now, or one of
-    them expires at the next take (freshest-first would have taken the two v10s)."""
-    buf = ReplayBuffer(mode="async", staleness=2, capacity_groups=16)
-    for seq, v in enumerate((9, 10, 9, 9, 10)):
-        buf.offer(make_group(version=v, n=seq), current_version=10)
-    first = buf.take(2, current_version=10)
-    assert ids(first) == [0, 4]  # the earliest to expire (first arrival), then the freshest
-    second = buf.take(2, current_version=11)  # the other two v9s: their last chance
-    assert ids(second) == [2, 3]
-    third = buf.take(2, current_version=12)
-    assert ids(third) == [1]
-    buf.mark_trained(first + second + third)
-    assert buf.ledger.dropped == {}
-    buf.check()
-
-
-def test_when_every_take_is_full_the_excess_expires_and_is_counted() -> None:
-    buf = ReplayBuffer(mode="async", staleness=1, capacity_groups=16)
-    for seq in range(5):
-        buf.offer(make_group(version=10, n=seq), current_version=10)
-    taken = buf.take(2, current_version=10) + buf.take(2, current_version=11)
-    assert len(taken) == 4 and buf.take(2, current_version=12) == []
-    assert buf.ledger.dropped == {"stale": 8}
-
-
 def test_rejects_and_exit_are_counted() -> None:
     buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=8)
     buf.reject(DropReason.MALFORMED)  # undecodable message: one rollout
