@@ -56,8 +56,8 @@ from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
+from echo_node.peer.rollout_peer import Generator, RolloutPeer
 from echo_node.policy import Policy, set_threads
-from echo_node.rollout_peer import Generator, RolloutPeer
 from echo_node.topics import rollouts_topic
 from protocol import RolloutBatch, open_envelope
 from protocol.errors import RemoteProtocolError

@@ -1,5 +1,5 @@
 """How far an honest peer's behaviour log-probs fall from the spot checker's recompute, per
-(engine, dtype): the envelope `echo_node.verify` judges peers by.
+(engine, dtype): the envelope `echo_node.learner.spot_check` judges peers by.
 
 An honest peer samples with the KV-cache engine in the run's rollout dtype; the checker runs one
 full-sequence forward over the same (published) weights. This samples real completions of the

@@ -47,7 +47,7 @@ def paced_generator(group_s: float) -> type[Any]:
     """A `Generator` that takes at least `group_s` per group of each engine call: injected as the
     peer's `RolloutPeer.generator_class` (the extension point the attack benchmarks use too),
     the real generator otherwise."""
-    from echo_node.rollout_peer import Generator
+    from echo_node.peer.rollout_peer import Generator
 
     class PacedGenerator(Generator):
         def _generate(self, prompts: list[str], seed: int) -> Any:
@@ -64,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.group_s >= 0 and args.train_s >= 0):
         p.error("--group-s and --train-s must be >= 0")
     from echo_node import cli
-    from echo_node.rollout_peer import RolloutPeer
-    from echo_node.trainer import Trainer
+    from echo_node.learner.trainer import Trainer
+    from echo_node.peer.rollout_peer import RolloutPeer
 
     if args.group_s:
         RolloutPeer.generator_class = paced_generator(args.group_s)

@@ -103,8 +103,8 @@ def publish(folder: Path, versions: int, core: int) -> None:
 
     import trio
 
+    from echo_node.learner.weight_publisher import piece_size_for
     from echo_node.weights.broadcast import DataServer, Source
-    from echo_node.weights.publisher import piece_size_for
     from protocol import Identity, seal
     from protocol.weights.manifest import build_manifest
 
@@ -170,8 +170,8 @@ def peer(mode: str, port: int, targets: list[list[Any]], core: int, run_dir: Pat
     from echo_node.ml.engine import TorchEngine
     from echo_node.ml.model import load_pretrained, state_to_bytes
     from echo_node.net.discovery import PeerAddr
+    from echo_node.peer.weight_follower import Target, WeightFollower
     from echo_node.weights.broadcast import DataServer
-    from echo_node.weights.follower import Target, WeightFollower
     from protocol import Identity
     from protocol.weights.manifest import payload_digest
 

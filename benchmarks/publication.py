@@ -47,9 +47,9 @@ def measure(mode: str, versions: int, cores: list[int], torch_threads: int) -> d
     os.sched_setaffinity(0, set(cores))
     import torch
 
+    from echo_node.learner.weight_publisher import piece_size_for
     from echo_node.ml.model import canonical_state, copy_model, load_pretrained, state_layout, state_to_bytes, write_state
     from echo_node.weights import delta_encoder
-    from echo_node.weights.publisher import piece_size_for
     from echo_node.weights.store import VersionStore
     from protocol.weights import delta as wire
     from protocol.weights.manifest import build_manifest

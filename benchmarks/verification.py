@@ -30,7 +30,7 @@ for a picker that likes one slot in five (`trained_share` is reported, not judge
 `stale_1`, `stale_5`, `tempered`, `greedy` (adaptive, not in the default classes) pass checks 4
 and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the
 claimed weights, a temperature-0.6 sampler, greedy picks. They run the torch engine on a CPU,
-so check 6 (echo_node/verify.py) replays their noise and proves them once their tokens showed
+so check 6 (echo_node/learner/spot_check.py) replays their noise and proves them once their tokens showed
 they draw the assigned noise. For every adaptive class `trained_share_of_all` is judged: its
 trained groups over all groups trained in the run, <= 0.05 for stale_1 and <= 0.01 for the
 others (the issue's targets); `lying_batches_to_ban` is reported.
@@ -67,9 +67,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echo_node.checkpoint import CheckpointStore
 from echo_node.config import RunConfig
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
+from echo_node.learner.checkpoint import CheckpointStore
 from echo_node.metrics import read_metrics
 from protocol import Identity
 

@@ -278,7 +278,7 @@ def check_inputs(args: argparse.Namespace) -> None:
 
             check_first_learner_allowed(cfg.net.bootstrap)
         if role == "learn":
-            from echo_node.tracking import check_available
+            from echo_node.learner.tracking import check_available
 
             check_available(cfg.report.report_to)
         args.run_config = cfg
@@ -291,7 +291,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     elif role == "demo":
         _check_model_dir(args.model, "--model")
         if args.report_to is not None:
-            from echo_node.tracking import check_available
+            from echo_node.learner.tracking import check_available
 
             check_available(args.report_to)
     elif role == "plan":
@@ -433,9 +433,9 @@ def _read_peer_list(path: Path) -> list[str]:
 
 def _cmd_learn(args: argparse.Namespace) -> int:
     cfg = args.run_config  # built and checked by check_inputs
-    from echo_node.heap import limit_heap_growth
+    from echo_node.learner.heap import limit_heap_growth
 
-    heap = limit_heap_growth()  # before the model's first allocations (echo_node/heap.py)
+    heap = limit_heap_growth()  # before the model's first allocations (echo_node/learner/heap.py)
     with signals_deferred():
         import torch
     from echo_node.ml.sharded import init_from_env
@@ -476,8 +476,8 @@ def _log_device_choice(device: str, dtype: str | None) -> None:
 def _follow_learner(cfg: Any, dist: Any) -> int:
     import torch
 
+    from echo_node.learner.trainer import sharded_learner
     from echo_node.policy import learner_policy
-    from echo_node.trainer import sharded_learner
 
     # A follower stops when rank 0 says so (after its last checkpoint, which gathers from every
     # rank), not on the SIGINT/SIGTERM torchrun forwards to all ranks; a rank 0 that died is
@@ -494,7 +494,7 @@ def _follow_learner(cfg: Any, dist: Any) -> int:
 
 
 def _lead_learner(args: argparse.Namespace, cfg: Any, dist: Any) -> int:
-    from echo_node.learner import Learner
+    from echo_node.learner.learner import Learner
     from echo_node.policy import learner_policy
 
     identity = _identity(args, "learner")
@@ -547,8 +547,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
     cfg = args.run_config  # built and checked by check_inputs
     with signals_deferred():
         import torch  # noqa: F401
+    from echo_node.peer.rollout_peer import RolloutPeer
     from echo_node.policy import set_threads
-    from echo_node.rollout_peer import RolloutPeer
 
     set_threads(cfg.threads)
     if cfg.rollout.engine == "torch":
@@ -732,7 +732,7 @@ def _find_user_error(exc: BaseException) -> BaseException | None:
     # Only classes already imported can have raised: importing their modules here (trio, the
     # journal) would make every early error wait for them.
     user_errors: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, PermissionError)
-    for module, name in (("echo_node.journal", "StorageFailed"), ("echo_node.net.discovery", "JoinError")):
+    for module, name in (("echo_node.learner.journal", "StorageFailed"), ("echo_node.net.discovery", "JoinError")):
         if module in sys.modules:
             user_errors += (getattr(sys.modules[module], name),)
     return _user_error_in(exc, user_errors)

@@ -200,7 +200,7 @@ class RolloutConfig:
 
 @dataclass(kw_only=True, slots=True)
 class VerifyConfig:
-    # The learner's checks of what peers claim (echo_node/verify.py); a batch that fails one
+    # The learner's checks of what peers claim (echo_node/learner/spot_check.py); a batch that fails one
     # bans its publisher for `ban_versions` versions and purges its buffered groups.
     # Every batch: completions end at eos, prompts are the ones their slots assign, rewards are
     # the run's. Off (and every check with it) only to measure what verification buys.
@@ -229,7 +229,7 @@ class VerifyConfig:
     # comparison) and the rollout dtype on a GPU.
     check_dtype: Literal["auto", "float32", "rollout"] = "auto"
     # Claimed vs recomputed log-probs are judged against the envelope measured for the peer's
-    # (engine, device, dtype) (echo_node/calibration.py): a token's gap may reach
+    # (engine, device, dtype) (echo_node/learner/calibration.py): a token's gap may reach
     # `lp_max_factor` times the largest honest gap measured; the mean gap over the checked
     # tokens of a version may exceed the honest mean by `lp_mean_z` standard errors. A peer on a
     # pair never measured is judged by a wider envelope and warned about, not banned, in between.
@@ -249,7 +249,7 @@ class VerifyConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CapacityConfig:
-    # ECHO-2's cost-aware activation (echo_node/capacity.py): the learner measures each peer's
+    # ECHO-2's cost-aware activation (echo_node/learner/capacity_controller.py): the learner measures each peer's
     # throughput, its own step time and the broadcast time, and keeps the cheapest set of peers
     # active whose throughput covers gamma x what keeps it busy; the others stand by (they follow
     # weights and generate nothing). Off: every peer is active.
@@ -271,7 +271,7 @@ class CapacityConfig:
 
 @dataclass(kw_only=True, slots=True)
 class CheckpointConfig:
-    # The learner checkpoints (model, optimizer, ledger, peer tables: echo_node/checkpoint.py)
+    # The learner checkpoints (model, optimizer, ledger, peer tables: echo_node/learner/checkpoint.py)
     # every this many versions but no sooner than `min_interval_s` after the last one, when its
     # journal passes `max_journal_bytes`, and when it stops. A restart redoes the steps since the
     # last checkpoint from the journal: at most about max(every_versions steps, min_interval_s)
@@ -295,12 +295,12 @@ ReportTo = Literal["none", "tensorboard", "wandb"]
 
 @dataclass(kw_only=True, slots=True)
 class ReportConfig:
-    """What the learner tells its operator while it runs (echo_node/report.py)."""
+    """What the learner tells its operator while it runs (echo_node/learner/report.py)."""
 
     # A progress line at INFO every this many seconds (0: none): version, updates/s, rewards,
     # rollouts accepted and dropped in the window, idle, staleness, peers, bytes out.
     progress_s: float = 10.0
-    # Held-out evaluation (echo_node/evaluation.py): greedy accuracy on `eval_prompts` fixed
+    # Held-out evaluation (echo_node/learner/evaluation.py): greedy accuracy on `eval_prompts` fixed
     # prompts of the task every `eval_every` versions, in a worker thread (0: none).
     eval_every: int = 20
     eval_prompts: int = 64

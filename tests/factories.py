@@ -18,7 +18,7 @@ from protocol.assignment import prompt_draw
 from protocol.framing import decode_frame
 
 if TYPE_CHECKING:
-    from echo_node.learner import Learner
+    from echo_node.learner.learner import Learner
 
 ALICE = Identity.from_seed(b"\x0a" * 32)
 MALLORY = Identity.from_seed(b"\x0b" * 32)
@@ -53,7 +53,7 @@ def new_learner(runs_dir: Path, *, groups_per_step: int = 2, checkpoint_every: i
     """A learner of run "run-1" on the embedded toy policy (verification off, S = 4), whose
     libp2p host is not started: its announcements go nowhere."""
     from echo_node.config import CheckpointConfig, RLConfig, RunConfig, VerifyConfig
-    from echo_node.learner import Learner
+    from echo_node.learner.learner import Learner
     from echo_node.ml.model import build_model, tiny_llama_config
     from echo_node.policy import Policy
 

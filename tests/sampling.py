@@ -10,7 +10,7 @@ import torch
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import build_model, tiny_llama_config
 from echo_node.ml.rollout import ScoredGroup, generate_groups
-from echo_node.rollout_peer import rollout_group
+from echo_node.peer.rollout_peer import rollout_group
 from protocol import Identity, RolloutBatch
 from protocol.assignment import batch_seed
 from tests.factories import ALICE, TASK, TOKENIZER, assigned_prompt

@@ -1,5 +1,5 @@
 """Read experiment-tracking files back with the libraries that wrote them (the tests' side of
-echo_node/tracking.py)."""
+echo_node/learner/tracking.py)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import trio
 
-from echo_node.journal import fsync_dir
+from echo_node.durable import fsync_dir
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """How far an honest peer's behaviour log-probs may fall from the spot checker's: per (engine,
-device, dtype), the envelope `echo_node.verify` judges claimed log-probs by.
+device, dtype), the envelope `echo_node.learner.spot_check` judges claimed log-probs by.
 
 An honest peer samples with its engine (KV-cache decoding, its kernels, the run's rollout
 dtype); the learner's spot checker recomputes every checked token's log-prob with one
@@ -86,7 +86,7 @@ class Judgement:
     refuse: Tolerance
     warn: Tolerance | None = None
     # The largest per-token rounding gap allowed without the floor (factor x the measured
-    # maximum): what a replay of the pair's sampling may differ by (echo_node/verify.py, check
+    # maximum): what a replay of the pair's sampling may differ by (echo_node/learner/spot_check.py, check
     # 6), where the floor's reasons (other kernels, a forger's lever) do not apply. None: the
     # pair was never measured.
     rounding: float | None = None

@@ -7,7 +7,7 @@ Layout of a run folder:
         optimizer.pt                   the optimizer's state and the RNG states
         state.json                     version, ledger, peer tables, sequence floors, history...
         MANIFEST.json                  every other file's size and SHA-256, written last
-    journal/seg-*.wal                  the write-ahead journal (echo_node/journal.py)
+    journal/seg-*.wal                  the write-ahead journal (echo_node/learner/journal.py)
 
 Rules:
 - Atomic: a checkpoint is written into `checkpoints/.tmp-*`, every file fsynced, the manifest
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from echo_node.journal import fsync_dir
+from echo_node.durable import fsync_dir, replace_durable, write_durable
 
 log = logging.getLogger(__name__)
 
@@ -63,22 +63,6 @@ def _sha256_file(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    """Write `data` to `path` and fsync it (the caller renames or fsyncs the directory)."""
-    with path.open("wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def replace_durable(path: Path, data: bytes) -> None:
-    """Atomically replace `path` with `data`: temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 class CheckpointStore:

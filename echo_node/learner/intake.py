@@ -7,7 +7,7 @@ Rules:
 - Only peers that joined publish. A message from anyone else is a counted `not_joined` drop: a
   join is what puts a peer in the (bounded) peer table, so everything kept per publisher is
   bounded by it.
-- A batch whose claims fail the learner's checks (echo_node/verify.py: the cheap ones in the
+- A batch whose claims fail the learner's checks (echo_node/learner/spot_check.py: the cheap ones in the
   validator, spot checks of log-probs and sampling in the consumer before the buffer) bans its
   publisher at once for `ban_versions` versions and purges its buffered groups (`purged`). Any
   refused message puts its publisher back on probation: its next batches are spot-checked in
@@ -16,7 +16,7 @@ Rules:
   for the forwarder that relayed it); a message of another schema version is counted but not a strike
   (an honest peer on another release). `ban_after` penalties ban the peer for `ban_s` seconds: its joins
   are refused and its rollouts dropped as `banned` without being opened. Bans are appended to
-  `bans.log` in the run directory (off the event loop, echo_node/banlog.py) and read back at
+  `bans.log` in the run directory (off the event loop, echo_node/learner/banlog.py) and read back at
   start, so a restart does not forgive them.
 - Eviction never re-admits: the peer table evicts only peers idle for `ACTIVE_WINDOW_S`, and
   when the sequence tracker has to forget a publisher, a publisher it does not know must bring
@@ -55,11 +55,11 @@ from typing import Any, Protocol
 
 import trio
 
-from echo_node.banlog import BanLog
-from echo_node.journal import Journal
+from echo_node.learner.banlog import BanLog
+from echo_node.learner.journal import Journal
+from echo_node.learner.replay import ReplayBuffer
+from echo_node.learner.spot_check import COPIES_PER_STRIKE, Copies, Failure, SpotPlan, Verifier
 from echo_node.net import rpc
-from echo_node.replay import ReplayBuffer
-from echo_node.verify import COPIES_PER_STRIKE, Copies, Failure, SpotPlan, Verifier
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -255,7 +255,7 @@ class PeerBook:
         )
 
     def restore_bans(self, by_time: dict[str, float], by_version: dict[str, int]) -> None:
-        """Bans of an earlier run of this learner (echo_node/banlog.py), those not ended, in the
+        """Bans of an earlier run of this learner (echo_node/learner/banlog.py), those not ended, in the
         order they end (the table forgets the one ending first when full)."""
         now = time.time()
         for peer, until in sorted(by_time.items(), key=lambda kv: kv[1])[-MAX_BANS:]:
@@ -311,7 +311,7 @@ class RolloutIntake:
         # Each accepted group: its publisher, the version it was begun on, its rollouts.
         self.on_accept = on_accept
         self.on_caught = on_caught
-        # The learner's checks of what a batch claims (echo_node/verify.py); None: none.
+        # The learner's checks of what a batch claims (echo_node/learner/spot_check.py); None: none.
         self.verify = verify
         self.ban_versions = ban_versions
         self.copies = Copies() if verify is not None else None
@@ -348,7 +348,7 @@ class RolloutIntake:
         self._in_flight: Counter[str] = Counter()
         self._repairing: set[str] = set()
         self._repair_slots = trio.CapacityLimiter(REPAIRS_AT_ONCE)
-        # Bans outlive the process (echo_node/banlog.py); `ban_log.run` writes them.
+        # Bans outlive the process (echo_node/learner/banlog.py); `ban_log.run` writes them.
         self.ban_log = BanLog(bans_path) if bans_path is not None else None
         if self.ban_log is not None:
             peers.restore_bans(*self.ban_log.load())

@@ -2,8 +2,8 @@
 
 Job: a learner that crashes loses no rollout it accepted and counts none twice. Every event
 that changes the ledger or the replay buffer is appended here (in memory), and `flush` writes
-the pending records and fsyncs them. A checkpoint (echo_node/checkpoint.py) names the segment
-the journal switched to when it was taken; recovery (echo_node/recovery.py) loads the
+the pending records and fsyncs them. A checkpoint (echo_node/learner/checkpoint.py) names the segment
+the journal switched to when it was taken; recovery (echo_node/learner/recovery.py) loads the
 checkpoint and replays that segment and every later one.
 
 Rules:
@@ -49,6 +49,8 @@ from typing import Any, BinaryIO
 
 import msgpack
 
+from echo_node.durable import fsync_dir
+
 log = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("<II")
@@ -63,15 +65,6 @@ def segment_name(index: int) -> str:
 
 def segment_index(path: Path) -> int:
     return int(path.name[4:-4])
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or a new file in `path` durable (POSIX: the directory entry is separate)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def frame(record: list[Any]) -> bytes:

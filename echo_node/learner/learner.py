@@ -9,7 +9,7 @@ Invariant (see replay.py): each received rollout is trained or dropped with a re
 once, across restarts too; the ledger is written to `summary.json` at every stop. Bad input from
 a peer is a log line, a dropped-rollout count and a penalty against that peer, never a crash.
 
-Durability (echo_node/recovery.py): every start is a new epoch; a run folder that holds a run is
+Durability (echo_node/learner/recovery.py): every start is a new epoch; a run folder that holds a run is
 resumed from its newest checkpoint and write-ahead journal, and the version numbering goes on,
 never back. The journal is flushed before a version is announced (and at least every
 `checkpoint.journal_flush_s`), a checkpoint is written every `checkpoint.every_versions`
@@ -32,11 +32,20 @@ from typing import Any, TextIO
 import torch
 import trio
 
-from echo_node.capacity import CapacityController
 from echo_node.config import RunConfig, VerifyConfig, to_dict
-from echo_node.evaluation import HeldOutEval, evaluator
-from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
-from echo_node.journal import StorageFailed
+from echo_node.learner.capacity_controller import CapacityController
+from echo_node.learner.evaluation import HeldOutEval, evaluator
+from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.learner.journal import StorageFailed
+from echo_node.learner.profile import Profile
+from echo_node.learner.progress import Progress, Totals
+from echo_node.learner.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
+from echo_node.learner.replay import ReplayBuffer
+from echo_node.learner.report import RunReport
+from echo_node.learner.spot_check import Verifier
+from echo_node.learner.tracking import open_tracker
+from echo_node.learner.trainer import Trainer, staleness
+from echo_node.learner.weight_publisher import WeightPublisher
 from echo_node.metrics import first_last_update_rewards, json_safe, read_metrics
 from echo_node.ml.sharded import DistInfo
 from echo_node.net import rpc
@@ -44,18 +53,9 @@ from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
 from echo_node.policy import Policy
-from echo_node.profile import Profile
-from echo_node.progress import Progress, Totals
 from echo_node.prom import run_exporter
-from echo_node.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
-from echo_node.replay import ReplayBuffer
-from echo_node.report import RunReport
 from echo_node.topics import rollouts_topic, versions_topic
-from echo_node.tracking import open_tracker
-from echo_node.trainer import Trainer, staleness
-from echo_node.verify import Verifier
 from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
-from echo_node.weights.publisher import WeightPublisher
 from protocol.addresses import dial_back_refusal
 from protocol.admission import RunBounds
 from protocol.capacity import groups_to_ask
@@ -170,11 +170,11 @@ class Learner:
         self.weights = WeightPublisher(
             identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
         )
-        # Where the learner's time goes, per stage (echo_node/profile.py): in the summary.
+        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
         self.profile = Profile()
         self.trainer = Trainer(cfg, policy, self.buffer, dist=dist)
         self.trainer.profile = self.profile
-        # Which peers generate, and κ with rl.publish_auto (echo_node/capacity.py).
+        # Which peers generate, and κ with rl.publish_auto (echo_node/learner/capacity_controller.py).
         rl = cfg.rl
         auto = rl.publish_auto and rl.mode == "async"
         self.capacity = CapacityController(
@@ -212,7 +212,7 @@ class Learner:
         # against it since the version came out).
         self._demand = 1
         self._first_version = 0
-        # The operator's view while the run goes (echo_node/progress.py, echo_node/evaluation.py).
+        # The operator's view while the run goes (echo_node/learner/progress.py, echo_node/learner/evaluation.py).
         rep = cfg.report
         self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts, every=rep.eval_every,
                                                        max_new_tokens=cfg.sampling.max_new_tokens)
@@ -620,7 +620,7 @@ class Learner:
 
     async def _wait_for_batch(self) -> None:
         need = self.cfg.rl.groups_per_step
-        # A long wait wakes the peers on standby (echo_node/capacity.py).
+        # A long wait wakes the peers on standby (echo_node/learner/capacity_controller.py).
         self.capacity.waiting(trio.current_time())
         try:
             while self.buffer.count_admissible(self.version) < need:
@@ -692,7 +692,7 @@ class Learner:
 
     def _audit(self, groups: list[RolloutGroup], origins: list[str], trained_on: int) -> None:
         """The step's own forward re-checked the claimed log-probs of every token sampled on the
-        weights it trained (echo_node/verify.py, audits of training): a group off the envelope
+        weights it trained (echo_node/learner/spot_check.py, audits of training): a group off the envelope
         gets its publisher caught as a spot check would."""
         gaps = self.trainer.audit_gaps()
         if self.verifier is None or not gaps:
@@ -804,7 +804,7 @@ class Learner:
                       idle_s=self.trainer.idle_s + waiting, bytes_up=self.weights.bytes_up())
 
     async def _progress_loop(self) -> None:
-        """The progress line every `report.progress_s` (echo_node/progress.py), also a record."""
+        """The progress line every `report.progress_s` (echo_node/learner/progress.py), also a record."""
         self.progress = Progress(self._totals())
         while True:
             await trio.sleep(self.cfg.report.progress_s)
@@ -892,7 +892,7 @@ class Learner:
                             "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},
             "reward_first": first,
             "reward_last": last,
-            # The newest held-out evaluation (echo_node/evaluation.py), or None.
+            # The newest held-out evaluation (echo_node/learner/evaluation.py), or None.
             "eval_last": None if self.held_out is None or self.held_out.last is None else self.held_out.last.record(),
             "rollout_peers": len(self.peers.joined),
             "learner_idle_ratio": self.trainer.idle_ratio,

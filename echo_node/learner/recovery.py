@@ -1,9 +1,9 @@
 """A run outlives its learner process: what a checkpoint holds, and how a restart resumes.
 
-A checkpoint (echo_node/checkpoint.py) holds the model, the optimizer's state, the RNG state and
+A checkpoint (echo_node/learner/checkpoint.py) holds the model, the optimizer's state, the RNG state and
 `state.json`: the version, the ledger, the peer tables, the sequence tracker, the recent history
 of published versions (number -> digest) and the journal segment that began with it. A restart
-loads the newest checkpoint that verifies, then replays the journal (echo_node/journal.py) from
+loads the newest checkpoint that verifies, then replays the journal (echo_node/learner/journal.py) from
 that segment on:
 
 - accepted, rejected and dropped groups rebuild the buffer and the ledger as they were;
@@ -38,15 +38,15 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load_file as st_load_file
 
-from echo_node.checkpoint import Checkpoint, CheckpointStore
 from echo_node.config import RunConfig, to_dict
-from echo_node.intake import JoinRefused, PeerBook, RolloutIntake
-from echo_node.journal import Journal, replay_records
+from echo_node.learner.checkpoint import Checkpoint, CheckpointStore
+from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.learner.journal import Journal, replay_records
+from echo_node.learner.replay import ReplayBuffer
+from echo_node.learner.trainer import Trainer
 from echo_node.ml.export import export_pretrained
 from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy, save_state
 from echo_node.policy import Policy
-from echo_node.replay import ReplayBuffer
-from echo_node.trainer import Trainer
 from protocol.drops import DropReason
 from protocol.errors import RemoteProtocolError
 from protocol.messages import RolloutGroup

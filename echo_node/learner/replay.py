@@ -16,7 +16,7 @@ oldest group *of the origin holding the most* goes, as "overload": a peer that f
 own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
 
-Durability: with a `journal` (echo_node/journal.py) every change to the ledger is appended to it
+Durability: with a `journal` (echo_node/learner/journal.py) every change to the ledger is appended to it
 as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
 The `replay_*` methods rebuild the buffer from those records after a restart (no checks: they
 replay what was decided then).
@@ -261,7 +261,7 @@ class ReplayBuffer:
         """(gid, origin, group) of every buffered group, oldest first."""
         return [(self._gid[id(g)], self._origin[id(g)], g) for g in self._groups]
 
-    # -- replaying the journal (echo_node/recovery.py) -------------------------------------------
+    # -- replaying the journal (echo_node/learner/recovery.py) -------------------------------------------
 
     def replay_admit(self, gid: int, group: RolloutGroup, origin: str, *, received: bool = True) -> None:
         """A group the journal says entered the buffer (`received`: counted then; a carried

@@ -4,7 +4,7 @@
 `reachability`, `first_accept`, `train_error`, ... and `summary` last), each with `wall` (the
 wall clock, so a benchmark can line learner and peer records up). At the end `summary.json`
 holds the ledger and the run's totals, next to reward and run plots. With `--report-to`, the
-train, eval and progress records' scalars also go to TensorBoard or W&B (echo_node/tracking.py).
+train, eval and progress records' scalars also go to TensorBoard or W&B (echo_node/learner/tracking.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo_node.learner.tracking import Tracker, Tracking
 from echo_node.metrics import MetricsWriter, plot_rewards, plot_run, read_metrics
-from echo_node.tracking import Tracker, Tracking
 
 log = logging.getLogger(__name__)
 

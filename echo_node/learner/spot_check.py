@@ -16,7 +16,7 @@ as large as `verify.budget` affords, per version its tokens claim, with that ver
 (computed in float32 on a CPU: `check_dtype`):
 4. `logprobs`: the claimed behaviour log-probs are what those weights give at the run's
    temperature, within the envelope measured for honest peers of the publisher's (engine,
-   device, dtype) (echo_node/calibration.py): per token, and on average over the checked tokens
+   device, dtype) (echo_node/learner/calibration.py): per token, and on average over the checked tokens
    of a version. A pair never measured is refused only far outside every envelope measured and
    warned about in between.
 5. `sampling`: the tokens were sampled as the run samples (temperature, nucleus), q being that
@@ -105,8 +105,8 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from echo_node.calibration import Judgement, Tolerance, judgement
 from echo_node.config import VerifyConfig
+from echo_node.learner.calibration import Judgement, Tolerance, judgement
 from echo_node.ml.engine import top_p_filter
 from echo_node.ml.grpo import completion_log_softmax
 from echo_node.ml.model import copy_model, load_state_tensors, state_tensors
@@ -486,7 +486,7 @@ class Verifier:
 
     def judgement(self, peer_id: str) -> Judgement:
         """How `peer_id`'s log-probs are judged: by hand-set limits, or by the envelope of the
-        (engine, device) its heartbeat claims in the run's dtype (echo_node/calibration.py)."""
+        (engine, device) its heartbeat claims in the run's dtype (echo_node/learner/calibration.py)."""
         cfg = self.cfg
         engine, device = self._engine_of(peer_id) or ("unknown", "unknown")
         judge = judgement(engine, device, self._dtype_name, factor=cfg.lp_max_factor, z=cfg.lp_mean_z)

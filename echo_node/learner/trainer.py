@@ -31,14 +31,14 @@ import torch
 import trio
 
 from echo_node.config import RunConfig
-from echo_node.journal import Journal
+from echo_node.learner.journal import Journal
+from echo_node.learner.profile import Profile
+from echo_node.learner.replay import ReplayBuffer
 from echo_node.ml.device import autocast_dtype
 from echo_node.ml.grpo import LogprobGaps, PolicyOptimizer, TrainGroup
 from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy
 from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
-from echo_node.profile import Profile
-from echo_node.replay import ReplayBuffer
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
 
@@ -68,7 +68,7 @@ class Trainer:
             # Every rank starts from rank 0's weights, whatever each loaded or initialised.
             self.sharded.load(canonical_state(policy.model))
         self.journal: Journal | None = None
-        # Times each step as stage "train_step" (echo_node/profile.py); None: untimed.
+        # Times each step as stage "train_step" (echo_node/learner/profile.py); None: untimed.
         self.profile: Profile | None = None
         self.trained_rewards: list[float] = []
         self.train_errors = 0

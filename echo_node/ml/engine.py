@@ -20,7 +20,7 @@ Conventions (every engine keeps them):
   recomputation at v reproduces `logprobs[i]`. Rows that finished before a swap keep their
   tokens and tags; the hook, not the engine, decides which versions are worth taking.
 - Generation is abandonable between decoding steps the same way: a `swap` hook that raises
-  `GenerationCancelled` ends the call there (a peer stopping mid-batch: echo_node/rollout_peer.py).
+  `GenerationCancelled` ends the call there (a peer stopping mid-batch: echo_node/peer/rollout_peer.py).
   The exception propagates out of `generate`; the engine keeps nothing of the abandoned call
   (every call starts its own cache), so the next call is unaffected.
 """

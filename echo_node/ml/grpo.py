@@ -599,7 +599,7 @@ class PolicyOptimizer:
         self.opt = _adamw(self.params, lr=lr)
         self.steps = 0
         # The last step's on-policy log-prob gaps per group (index into its `groups`): the
-        # learner's own forward re-checks claimed log-probs at no extra cost (echo_node/verify.py).
+        # learner's own forward re-checks claimed log-probs at no extra cost (echo_node/learner/spot_check.py).
         self.last_gaps: dict[int, LogprobGaps] = {}
         # Train mode only changes what a forward computes where there is dropout; the lean Llama
         # forward has none, and walking the modules twice per update is a visible share of a step.

@@ -7,7 +7,7 @@ Services, each in the peer's nursery:
   request for it: with several, it joins none and says how to pin one. `rejoin` joins the same
   learner again after it restarted or stopped answering: its address, data port and epoch may
   change, nothing else may (another config is an error, not something to follow).
-- `WeightFollower` (echo_node/weights/follower.py): weights from the learner to the engine,
+- `WeightFollower` (echo_node/peer/weight_follower.py): weights from the learner to the engine,
   in pull or async mode.
 - `Generator`: samples what the learner asks for per version (flow control), on the prompts and
   seed the run assigns each batch (protocol/assignment.py), scores it, and hands each batch to
@@ -35,8 +35,8 @@ from typing import Any
 
 import trio
 
-from echo_node.checkpoint import replace_durable
 from echo_node.config import RunConfig
+from echo_node.durable import replace_durable
 from echo_node.metrics import MetricsWriter
 from echo_node.ml.engine import Engine, GenerationCancelled, WeightState
 from echo_node.ml.rollout import ScoredGroup, generate_groups
@@ -54,11 +54,11 @@ from echo_node.net.discovery import (
     on_loopback,
 )
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
+from echo_node.peer.weight_follower import REFRESH_ERRORS, WeightFollower
 from echo_node.policy import Policy, build_engine, peer_policy
 from echo_node.prom import run_exporter
 from echo_node.topics import rollouts_topic
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import REFRESH_ERRORS, WeightFollower
 from protocol.assignment import batch_seed, groups_that_fit, prompt_draw
 from protocol.envelope import seal
 from protocol.errors import LocalProtocolError, RemoteProtocolError

@@ -19,7 +19,7 @@ Model (async mode, Echo):
   received == trained + stale + buffered.
 - Followers: every present worker follows the weights, active (generating) or standby (the
   `Decision`'s standby: everyone not active). A worker fetches one version at a time, like the
-  follower (`echo_node.weights.follower`): a publication finds it idle and it joins that
+  follower (`echo_node.peer.weight_follower`): a publication finds it idle and it joins that
   version's broadcast, or busy and it joins the newest version's broadcast once its current one
   completes (late: members replay their relayed pieces to it). A worker that joins the swarm
   (churn) fetches the newest version at once, late, as a joining peer fetches the current

@@ -9,7 +9,7 @@ import trio
 
 from echo_node.cli import _read_peer_list
 from echo_node.config import load_config
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from echo_node.net import rpc
 from protocol import Identity, JoinRequest
 from tests.factories import ALICE, MALLORY

@@ -15,7 +15,7 @@ import torch
 
 from benchmarks.attackers import easy_prompts, flip_rewards, garbage, perturb, poison
 from echo_node.config import RunConfig, VerifyConfig
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from echo_node.ml.model import state_to_bytes
 from echo_node.policy import Policy
 from protocol import DropReason, Identity, RolloutBatch, seal

@@ -11,10 +11,10 @@ from pathlib import Path
 import trio
 import trio.testing
 
-from echo_node import banlog
-from echo_node.banlog import BanLog
-from echo_node.intake import MAX_BANS, PeerBook
-from echo_node.learner import Learner
+from echo_node.learner import banlog
+from echo_node.learner.banlog import BanLog
+from echo_node.learner.intake import MAX_BANS, PeerBook
+from echo_node.learner.learner import Learner
 from protocol import Identity
 
 

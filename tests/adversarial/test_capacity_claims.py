@@ -11,9 +11,9 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.capacity import _ARRIVALS_KEPT, CapacityController
 from echo_node.config import CapacityConfig
-from echo_node.learner import Learner
+from echo_node.learner.capacity_controller import _ARRIVALS_KEPT, CapacityController
+from echo_node.learner.learner import Learner
 from protocol import Identity, StatusRequest
 
 

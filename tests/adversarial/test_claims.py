@@ -1,4 +1,4 @@
-"""The learner's checks on every batch (echo_node/verify.py): completions end at eos, prompts
+"""The learner's checks on every batch (echo_node/learner/spot_check.py): completions end at eos, prompts
 are the ones their slots assign, rewards are the run's. A forged claim bans the publisher at
 once, for versions, across restarts, and purges its buffered groups."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 import trio
 
-from echo_node.banlog import BanLog
 from echo_node.config import VerifyConfig
-from echo_node.learner import Learner
+from echo_node.learner.banlog import BanLog
+from echo_node.learner.learner import Learner
+from echo_node.learner.spot_check import COPIES_PER_STRIKE, Verifier
 from echo_node.ml.model import build_model, tiny_llama_config
-from echo_node.verify import COPIES_PER_STRIKE, Verifier
 from protocol import DropReason, RolloutBatch, RolloutGroup, seal
 from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, answer_ids, make_batch, make_group, offer
 

@@ -28,7 +28,7 @@ from echo_node.net.discovery import (
     find_sole_learner,
 )
 from echo_node.net.p2p import P2PNode, provider_key
-from echo_node.rollout_peer import RATE_LIMITED_RETRIES_S, Session, _probe_learner, join_run
+from echo_node.peer.rollout_peer import RATE_LIMITED_RETRIES_S, Session, _probe_learner, join_run
 from protocol import Identity
 from protocol.messages import JoinResponse, RunSpec, SamplingParams, StatusResponse
 
@@ -316,7 +316,7 @@ def test_on_real_hosts_a_pinned_peer_joins_only_the_real_learner(tmp_path: Path)
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_on_real_hosts_an_unpinned_peer_joins_the_only_learner_and_logs_the_pin(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="echo_node.rollout_peer"):
+    with caplog.at_level(logging.INFO, logger="echo_node.peer.rollout_peer"):
         session, real, impostor, me = on_loopback_swarm(tmp_path, pin=None, impostor_up=False)
     assert isinstance(session, Session) and session.learner.peer_id == REAL
     assert real == [("status", me), ("join", me)] and impostor == []  # asked first, then joined

@@ -12,8 +12,8 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.intake import REPAIR_TIMEOUT_S, JoinRefused
-from echo_node.learner import Learner
+from echo_node.learner.intake import REPAIR_TIMEOUT_S, JoinRefused
+from echo_node.learner.learner import Learner
 from echo_node.net import rpc
 from protocol import Identity, JoinRequest, seal
 from protocol.sequence import SequenceTracker
@@ -149,7 +149,7 @@ def test_the_peer_table_is_bounded(learner: Learner) -> None:
 
 
 def test_stranger_penalties_are_bounded(learner: Learner) -> None:
-    from echo_node.intake import MAX_STRANGERS
+    from echo_node.learner.intake import MAX_STRANGERS
 
     for i in range(MAX_STRANGERS + learner.peers.max_peers + 100):
         learner.peers.penalize(f"stranger{i}")

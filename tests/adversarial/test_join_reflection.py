@@ -10,7 +10,7 @@ from functools import partial
 import trio
 import trio.testing
 
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from echo_node.net import rpc
 from echo_node.net.ratelimit import JOINS_ALL, JOINS_PER_PEER, JOINS_PER_SOURCE
 from protocol import Identity

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from echo_node.config import VerifyConfig
+from echo_node.learner.spot_check import Verifier
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.model import load_pretrained, state_to_bytes
 from echo_node.ml.rollout import generate_groups
 from echo_node.ml.tasks import get_task
-from echo_node.rollout_peer import rollout_group
-from echo_node.verify import Verifier
+from echo_node.peer.rollout_peer import rollout_group
 from protocol import DropReason, RolloutBatch, Sample
 from protocol.assignment import batch_seed, prompt_draw
 from tests.factories import ALICE

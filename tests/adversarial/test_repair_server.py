@@ -12,7 +12,7 @@ import trio.testing
 
 from echo_node.config import RunConfig
 from echo_node.net import rpc
-from echo_node.rollout_peer import RolloutPublisher
+from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import RepairRequest, RepairResponse, seal
 from tests.factories import ALICE, MALLORY, make_batch
 from tests.node.test_gap_repair import MemoryPeerStream

@@ -19,9 +19,9 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.net.discovery import PeerAddr
 from echo_node.net.p2p import P2PNode  # libp2p only via the adapter
+from echo_node.peer.weight_follower import WeightFollower
 from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import WeightFollower
 from protocol import Identity
 from protocol._wire import pack
 from protocol.envelope import seal

@@ -1,7 +1,7 @@
 """A publisher that chooses its own prompts by leaving out the seqs whose assigned prompts it
 dislikes (protocol/assignment.py: every seq's prompts are fixed, so skipping is the only choice
 it has). The learner counts skipped seqs (gaps that repair never recovers, jumps over owed seqs)
-against those delivered (echo_node/intake.py): beyond SKIP_ALLOWANCE + SKIP_SHARE the publisher
+against those delivered (echo_node/learner/intake.py): beyond SKIP_ALLOWANCE + SKIP_SHARE the publisher
 is caught like a prompt forger, while honest loss and restarts cost nothing."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Any
 import trio
 import trio.testing
 
-from echo_node.intake import REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
-from echo_node.learner import Learner
+from echo_node.learner.intake import REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
+from echo_node.learner.learner import Learner
 from protocol import Identity, seal
 from protocol.limits import SEQ_WINDOW
 from tests.factories import ALICE, MALLORY, learner_tasks, make_batch, new_learner

@@ -1,4 +1,4 @@
-"""Log-prob spot checks (echo_node/verify.py, checks 4 and 5): the learner recomputes a group's
+"""Log-prob spot checks (echo_node/learner/spot_check.py, checks 4 and 5): the learner recomputes a group's
 behaviour log-probs under the versions it claims and tests that its tokens were sampled at the
 run's temperature. Batches here are sampled by the real engine from a real (tiny) model."""
 
@@ -13,13 +13,13 @@ import torch
 import trio
 
 from echo_node.config import RLConfig, RunConfig, VerifyConfig
-from echo_node.learner import Learner
+from echo_node.learner import spot_check as verify_module
+from echo_node.learner.learner import Learner
+from echo_node.learner.spot_check import Verifier
 from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.model import build_model, state_to_bytes, tiny_llama_config
 from echo_node.ml.tokenizer import CharTokenizer
 from echo_node.policy import Policy
-from echo_node import verify as verify_module
-from echo_node.verify import Verifier
 from protocol import DropReason, Identity, RolloutBatch, RolloutGroup, seal
 from tests.factories import ALICE, MALLORY, TASK, TOKENIZER, learner_tasks, make_batch, offer
 from tests.sampling import RUN, perturbed, sample_batch, sharpened, tiny_model

@@ -7,7 +7,7 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.learner import STATUS_STRANGERS, Learner
+from echo_node.learner.learner import STATUS_STRANGERS, Learner
 from echo_node.net import rpc
 from echo_node.net.ratelimit import RateLimits
 from protocol import Identity, StatusRequest

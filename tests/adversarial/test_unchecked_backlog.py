@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import trio
 
-from echo_node import intake as intake_module
 from echo_node.config import RunConfig, VerifyConfig
-from echo_node.learner import Learner
+from echo_node.learner import intake as intake_module
+from echo_node.learner.learner import Learner
 from echo_node.ml.model import build_model, tiny_llama_config
 from echo_node.ml.tasks import get_task
 from echo_node.ml.tokenizer import CharTokenizer

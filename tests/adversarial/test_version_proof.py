@@ -1,4 +1,4 @@
-"""Check 6 (echo_node/verify.py): the spot checker draws the sampling noise of a batch again from
+"""Check 6 (echo_node/learner/spot_check.py): the spot checker draws the sampling noise of a batch again from
 its assigned seed and proves that a publisher on the torch CPU engine sampled from another
 distribution than the claimed version's: an old version claimed as the newest (with the
 log-probs recomputed under the claimed weights), a lowered temperature, greedy picks. Honest
@@ -16,8 +16,8 @@ import torch
 
 import tests.sampling as sampling
 from echo_node.config import VerifyConfig
+from echo_node.learner.spot_check import Verifier
 from echo_node.ml.model import state_to_bytes
-from echo_node.verify import Verifier
 from protocol import DropReason, Identity, RolloutBatch
 from tests.adversarial.test_spot_checks import each_group, with_true_logprobs
 from tests.factories import TASK, TOKENIZER

@@ -1311,7 +1311,7 @@ class LearnerIntake:
 
     def __init__(self) -> None:
         from echo_node.config import RunConfig
-        from echo_node.learner import Learner
+        from echo_node.learner.learner import Learner
         from echo_node.ml.model import build_model, tiny_llama_config
         from echo_node.ml.tasks import get_task
         from echo_node.ml.tokenizer import CharTokenizer

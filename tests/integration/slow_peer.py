@@ -12,7 +12,7 @@ from typing import Any
 
 from echo_node import cli
 from echo_node.ml.rollout import ScoredGroup
-from echo_node.rollout_peer import Generator, RolloutPeer
+from echo_node.peer.rollout_peer import Generator, RolloutPeer
 
 SLOW_STEP_S = 0.5
 log = logging.getLogger("slow_peer")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from echo_node.intake import SKIP_ALLOWANCE
+from echo_node.learner.intake import SKIP_ALLOWANCE
 from echo_node.metrics import read_metrics
 from tests.integration.conftest import Cluster
 
@@ -26,11 +26,11 @@ EXPECTED = {
     "copier": {"bad_prompt"},
     "poison": {"bad_sampling", "bad_logprobs"},
 }
-# Caught only once its skipped seqs pass the intake's allowance (echo_node/intake.py): it picks
+# Caught only once its skipped seqs pass the intake's allowance (echo_node/learner/intake.py): it picks
 # one slot in five, so it may publish about SKIP_ALLOWANCE / 4 honest batches of its choosing
 # first (each one group).
 # This slot picker samples with the seed of the slot it started from and publishes under the
-# slot it picked: the sampler's replay (echo_node/verify.py, check 6) proves that noise is not the
+# slot it picked: the sampler's replay (echo_node/learner/spot_check.py, check 6) proves that noise is not the
 # picked slot's (bad_sampling) once it has checked enough of its tokens; whichever comes first.
 ADAPTIVE = {"slot_picker": {"bad_prompt", "bad_sampling"}}
 # Ten processes start at once on two cores: joining can take a minute, and the slot picker is

@@ -3,7 +3,7 @@ beside an honest peer: old weights claimed as the newest (1 and 5 versions behin
 recomputed under the claimed weights), a temperature-0.6 sampler and greedy decoding (both
 claiming the run's-temperature log-probs). Their engine is the torch engine on a CPU, so the
 learner's spot checker draws each batch's noise again from its assigned seed (check 6 of
-echo_node/verify.py) and proves what they sampled from. Every one is caught as `bad_sampling`,
+echo_node/learner/spot_check.py) and proves what they sampled from. Every one is caught as `bad_sampling`,
 few of their groups are trained, and the honest peer is never flagged."""
 
 from __future__ import annotations

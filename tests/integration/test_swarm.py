@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from echo_node.checkpoint import CheckpointStore
+from echo_node.learner.checkpoint import CheckpointStore
 from echo_node.metrics import read_metrics
 from echo_node.net import rpc
 from echo_node.net.discovery import connect_bootstrap, find_provider

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from echo_node.config import RunConfig, VerifyConfig
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from echo_node.ml.model import build_model, tiny_llama_config
 from echo_node.ml.tasks import get_task
 from echo_node.ml.tokenizer import CharTokenizer

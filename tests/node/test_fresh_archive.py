@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from echo_node.metrics import plot_run
 from tests.unit.test_operator_view import train_records
 

@@ -14,9 +14,9 @@ import trio
 import trio.testing
 
 from echo_node.config import RunConfig
-from echo_node.intake import REPAIR_TIMEOUT_S
-from echo_node.learner import Learner
-from echo_node.rollout_peer import RolloutPublisher
+from echo_node.learner.intake import REPAIR_TIMEOUT_S
+from echo_node.learner.learner import Learner
+from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import seal
 from tests.factories import ALICE, make_batch
 

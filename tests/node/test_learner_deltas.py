@@ -8,9 +8,9 @@ import pytest
 import torch
 import trio
 
-from echo_node.learner import Learner
+from echo_node.learner import weight_publisher as publisher_module
+from echo_node.learner.learner import Learner
 from echo_node.ml.model import state_to_bytes
-from echo_node.weights import publisher as publisher_module
 from echo_node.weights.broadcast import FULL, DataServer, Unavailable, open_version, receive_version
 from protocol import Identity
 from protocol.weights.delta import decode_delta

@@ -14,7 +14,7 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
 from protocol import seal
 from tests.factories import ALICE, MALLORY, bad_rollout_messages, make_batch, make_group, offer
 
@@ -32,7 +32,7 @@ def test_every_bad_message_is_counted_penalized_and_logged(learner: Learner, cap
     assert offer(learner, good, ALICE.peer_id)
     for name, data, reason, rollouts in bad_rollout_messages(MALLORY, "run-1"):
         before = learner.buffer.ledger.dropped[reason]
-        with caplog.at_level(logging.WARNING, logger="echo_node.intake"):
+        with caplog.at_level(logging.WARNING, logger="echo_node.learner.intake"):
             assert not offer(learner, data, MALLORY.peer_id), name
         assert learner.buffer.ledger.dropped[reason] == before + rollouts, name
         assert MALLORY.peer_id in caplog.records[-1].getMessage(), name
@@ -82,7 +82,7 @@ def test_one_bad_group_refuses_the_whole_signed_batch(learner: Learner) -> None:
 
 def test_a_validated_message_is_verified_once(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
     """The validator's decoded batch goes to the consumer: one signature check per message."""
-    import echo_node.intake as learner_module
+    import echo_node.learner.intake as learner_module
 
     opened: list[bytes] = []
     real = learner_module.open_envelope

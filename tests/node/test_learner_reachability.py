@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import trio
 
-from echo_node import learner as learner_module
-from echo_node.learner import Learner
+from echo_node.learner import learner as learner_module
+from echo_node.learner.learner import Learner
 from echo_node.weights.broadcast import DataServer
 from protocol import Identity
 from protocol.messages import JoinRequest, JoinResponse

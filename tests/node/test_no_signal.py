@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import trio
 
 from echo_node.config import NetConfig, RunConfig
-from echo_node.learner import Learner
+from echo_node.learner.learner import Learner
+from echo_node.peer.weight_follower import Target, WeightFollower
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import Target, WeightFollower
 from protocol import seal
 from tests.factories import ALICE, learner_tasks, make_batch
 from tests.node.test_resume import BOB, GROUPS_PER_STEP, new_learner, start

@@ -13,9 +13,9 @@ import trio.testing
 
 from echo_node.config import NetConfig, RunConfig
 from echo_node.net.discovery import JoinError
-from echo_node.rollout_peer import SeqReservation
+from echo_node.peer.rollout_peer import SeqReservation
+from echo_node.peer.weight_follower import STALL_ABANDON_S, Target, TransferAbandoned, WeightFollower
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import STALL_ABANDON_S, Target, TransferAbandoned, WeightFollower
 from tests.factories import ALICE
 
 
@@ -144,7 +144,7 @@ def test_sequence_numbers_are_never_reused_across_restarts(tmp_path: Path, monke
     first = SeqReservation(path)
     first.reserve(first.first + 10)
     # The clock steps back an hour before the restart: the reservation still wins.
-    import echo_node.rollout_peer as rp
+    import echo_node.peer.rollout_peer as rp
 
     monkeypatch.setattr(rp.time, "time_ns", lambda: (first.first - 3_600_000) * 1_000_000)
     second = SeqReservation(path)
@@ -225,7 +225,7 @@ def test_a_learner_back_with_another_config_is_not_followed() -> None:
     scores or trains otherwise (or names another learner) is refused, field by field."""
     from dataclasses import replace
 
-    from echo_node.rollout_peer import spec_changes
+    from echo_node.peer.rollout_peer import spec_changes
     from protocol import RunSpec, SamplingParams
 
     spec = RunSpec(
@@ -241,7 +241,7 @@ def test_a_learner_back_with_another_config_is_not_followed() -> None:
 
 def test_status_is_asked_often_right_after_a_join_then_every_5_s() -> None:
     """Announcements are least reliable right after a (re)join: the status is the authority."""
-    from echo_node.weights.follower import JOINED_FAST_S, STATUS_FAST_S, STATUS_INTERVAL_S
+    from echo_node.peer.weight_follower import JOINED_FAST_S, STATUS_FAST_S, STATUS_INTERVAL_S
 
     f = follower()
     asked: list[float] = []

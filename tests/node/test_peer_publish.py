@@ -15,7 +15,7 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.ml.engine import Generation
 from echo_node.ml.rollout import ScoredGroup
-from echo_node.rollout_peer import RolloutPublisher
+from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import RolloutBatch, open_envelope
 from protocol.errors import LocalProtocolError
 from tests.factories import ALICE
@@ -48,7 +48,7 @@ def test_batches_get_consecutive_seqs_and_an_oversize_batch_is_dropped(caplog: p
     peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=tmp_path), ALICE, node)
     first_seq = peer.seq
     small, oversize, last = [scored(4, 0), scored(4, 1)], [scored(4, 2), scored(4096, 3)], [scored(4, 4)]
-    with caplog.at_level(logging.WARNING, logger="echo_node.rollout_peer"):
+    with caplog.at_level(logging.WARNING, logger="echo_node.peer.rollout_peer"):
         for batch in (small, oversize, last):
             trio.run(partial(peer.publish, batch, seq=peer.seq))
     opened = [open_envelope(m, expected_kind=RolloutBatch, expected_sender=ALICE.peer_id)[0] for m in node.published]

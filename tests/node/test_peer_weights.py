@@ -11,8 +11,8 @@ import trio
 
 from echo_node.config import RunConfig
 from echo_node.net.discovery import PeerAddr
+from echo_node.peer.weight_follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from echo_node.weights.broadcast import DataServer, Source
-from echo_node.weights.follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
 from protocol.weights.delta import encode_delta

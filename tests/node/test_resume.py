@@ -23,10 +23,10 @@ import trio
 import trio.testing
 from safetensors.torch import load_file as st_load_file
 
-from echo_node.checkpoint import CheckpointStore
 from echo_node.config import CheckpointConfig
-from echo_node.journal import SEGMENT_GLOB, frame, read_segment
-from echo_node.learner import Learner
+from echo_node.learner.checkpoint import CheckpointStore
+from echo_node.learner.journal import SEGMENT_GLOB, frame, read_segment
+from echo_node.learner.learner import Learner
 from protocol import RolloutBatch, seal
 from tests.factories import ALICE, BOB, CREATED, learner_tasks, make_batch
 from tests.factories import new_learner as make_learner

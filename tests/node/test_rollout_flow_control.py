@@ -11,9 +11,9 @@ import trio
 import trio.testing
 
 from echo_node.config import RunConfig
-from echo_node.rollout_peer import DEMAND_WAIT_S, Generator, RolloutPublisher
+from echo_node.peer.rollout_peer import DEMAND_WAIT_S, Generator, RolloutPublisher
+from echo_node.peer.weight_follower import Target, WeightFollower
 from echo_node.weights.broadcast import DataServer
-from echo_node.weights.follower import Target, WeightFollower
 from tests.factories import ALICE
 
 

@@ -1,4 +1,4 @@
-"""The learner's capacity controller (echo_node/capacity.py) on hand-made measurements: peers'
+"""The learner's capacity controller (echo_node/learner/capacity_controller.py) on hand-made measurements: peers'
 throughput is the rate at which the learner accepted their work while they had work, T_bcast
 comes from heartbeats, standby follows the real scheduler's decisions, and nobody stands by
 before it was measured."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from echo_node.capacity import CapacityController
 from echo_node.config import CapacityConfig
+from echo_node.learner.capacity_controller import CapacityController
 
 R = 64  # rollouts per update
 

@@ -71,7 +71,7 @@ def test_a_run_saved_before_an_option_existed_resumes_under_its_default() -> Non
     """A checkpoint's config from before `[task]` became a table and `model.dtype`/`device`
     existed still matches today's defaults; where the model computes may change on resume."""
     from echo_node.config import to_dict
-    from echo_node.recovery import config_difference
+    from echo_node.learner.recovery import config_difference
 
     current = to_dict(RunConfig())
     old = to_dict(RunConfig())

@@ -1,4 +1,4 @@
-"""The learner's heap setting (echo_node/heap.py), in child processes: it is process-wide."""
+"""The learner's heap setting (echo_node/learner/heap.py), in child processes: it is process-wide."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 PROBE = """
 import sys
 if sys.argv[1] == "limit":
-    from echo_node.heap import limit_heap_growth
+    from echo_node.learner.heap import limit_heap_growth
     print(limit_heap_growth())
 def anon():
     return int([l for l in open('/proc/self/status') if l.startswith('RssAnon')][0].split()[1])

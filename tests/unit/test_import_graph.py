@@ -128,3 +128,43 @@ def test_the_scan_sees_circles_of_every_kind(tmp_path: Path) -> None:
     assert import_circles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c"]]
     (pkg / "sub" / "c.py").write_text("import json\n")
     assert import_circles(import_graph(module_files(tmp_path, ("pkg",)))) == []
+
+
+WINGS = ("echo_node.learner", "echo_node.peer")
+# Start a role, so they may import its wing: the CLI, and tests and benchmarks (not scanned here).
+ROLE_STARTERS = ("echo_node.cli",)
+
+
+def _wing(module: str) -> str | None:
+    return next((w for w in WINGS if module == w or module.startswith(w + ".")), None)
+
+
+def wing_crossings(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of a role's wing from outside it: from the other wing or from a module both roles
+    use. What both roles use must not depend on either role, and neither role on the other."""
+    return sorted(
+        (module, imported)
+        for module, edges in graph.items()
+        if module.startswith("echo_node") and module not in ROLE_STARTERS
+        for imported in edges
+        if _wing(imported) is not None and _wing(imported) != _wing(module)
+    )
+
+
+def test_the_wings_are_imported_only_by_the_cli() -> None:
+    graph = import_graph(module_files())
+    assert all(any(m.startswith(w + ".") for m in graph) for w in WINGS), "a wing is missing"
+    assert wing_crossings(graph) == []
+
+
+def test_the_wing_check_sees_a_crossing() -> None:
+    graph = {
+        "echo_node.learner.intake": {"echo_node.metrics"},
+        "echo_node.peer.rollout_peer": {"echo_node.learner.journal", "echo_node.metrics"},
+        "echo_node.metrics": {"echo_node.peer"},
+        "echo_node.cli": {"echo_node.learner", "echo_node.peer.rollout_peer"},
+    }
+    assert wing_crossings(graph) == [
+        ("echo_node.metrics", "echo_node.peer"),
+        ("echo_node.peer.rollout_peer", "echo_node.learner.journal"),
+    ]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from echo_node.journal import SEGMENT_GLOB, Journal, frame, read_segment, replay_records
+from echo_node.learner.journal import SEGMENT_GLOB, Journal, frame, read_segment, replay_records
 
 
 def journal(tmp_path: Path) -> Journal:

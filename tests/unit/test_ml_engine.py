@@ -226,9 +226,9 @@ def test_a_swap_hook_that_returns_none_changes_nothing(fast_path: bool) -> None:
 def test_swapped_version_tags_reach_the_learners_staleness_rule() -> None:
     """Engine -> the peer's wire record -> sealed -> opened by the learner: a completion that
     spans the swap keeps both versions, and the learner judges it by its oldest token."""
+    from echo_node.learner.replay import ReplayBuffer
     from echo_node.ml.rollout import ScoredGroup
-    from echo_node.replay import ReplayBuffer
-    from echo_node.rollout_peer import rollout_group
+    from echo_node.peer.rollout_peer import rollout_group
     from protocol import Identity, RolloutBatch, open_envelope, seal
     from protocol.drops import DropReason
 

@@ -144,9 +144,9 @@ def test_chat_prompts_of_a_dataset_task_pass_the_learners_claim_checks(tmp_path:
     rollout path a peer runs) passes every claim check, and its rewards are scored on the task's
     prompt, not on the chat template's text around it."""
     from echo_node.config import VerifyConfig
+    from echo_node.learner.spot_check import Verifier
     from echo_node.ml.rollout import generate_groups
-    from echo_node.rollout_peer import rollout_group
-    from echo_node.verify import Verifier
+    from echo_node.peer.rollout_peer import rollout_group
     from protocol import RolloutBatch
     from protocol.assignment import prompt_draw
     from tests.factories import ALICE

@@ -1,11 +1,11 @@
-"""The learner's profile (echo_node/profile.py): stages timed on the loop and in worker threads."""
+"""The learner's profile (echo_node/learner/profile.py): stages timed on the loop and in worker threads."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from echo_node.profile import Profile
+from echo_node.learner.profile import Profile
 
 
 def busy(seconds: float) -> int:

@@ -1,5 +1,5 @@
-"""The learner's progress line (echo_node/progress.py) and held-out evaluation
-(echo_node/evaluation.py), on the real embedded model."""
+"""The learner's progress line (echo_node/learner/progress.py) and held-out evaluation
+(echo_node/learner/evaluation.py), on the real embedded model."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from echo_node.config import load_config
-from echo_node.evaluation import HeldOutEval, evaluator
+from echo_node.learner.evaluation import HeldOutEval, evaluator
+from echo_node.learner.progress import Progress, Totals
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.rollout import generate_groups
 from echo_node.policy import learner_policy
-from echo_node.progress import Progress, Totals
 
 
 def test_the_progress_window_counts_what_changed_since_the_last_line() -> None:

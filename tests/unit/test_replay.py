@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from echo_node.replay import ReplayBuffer, group_bytes
+from echo_node.learner.replay import ReplayBuffer, group_bytes
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
 from tests.factories import make_group

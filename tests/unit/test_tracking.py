@@ -1,4 +1,4 @@
-"""`--report-to` (echo_node/tracking.py): the run report's scalars through TensorBoard and W&B,
+"""`--report-to` (echo_node/learner/tracking.py): the run report's scalars through TensorBoard and W&B,
 read back from the files those libraries wrote."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from echo_node import tracking
-from echo_node.report import RunReport
-from echo_node.tracking import Tracking, open_tracker, scalars
+from echo_node.learner import tracking
+from echo_node.learner.report import RunReport
+from echo_node.learner.tracking import Tracking, open_tracker, scalars
 from tests.tracking_files import tensorboard_scalars, wandb_history
 
 
