@@ -245,6 +245,12 @@ class VerifyConfig:
     # A step takes at most this share of its groups from one peer while others have admissible
     # ones: what an attacker not caught yet can move the policy by.
     max_peer_share: float = 0.5
+    # Publishers not proven yet (their checked tokens below trust_tokens and, on a replayable
+    # engine, their noise not proven: echo_node/verify.py) together weigh at most this share of
+    # a full step, even when nobody else has data (loss weights and a scaled learning rate:
+    # echo_node/replay.py); their groups take at most this share of a step's slots while proven
+    # publishers have groups.
+    unproven_share: float = 0.25
 
 
 @dataclass(kw_only=True, slots=True)
@@ -390,9 +396,9 @@ def validate(cfg: RunConfig) -> None:
     if rl.buffer_bytes < 1 << 20:
         raise ValueError(f"rl.buffer_bytes must be >= 1 MiB, got {rl.buffer_bytes}")
     v = cfg.verify
-    if (not 0 < v.max_peer_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1
+    if (not 0 < v.max_peer_share <= 1 or not 0 < v.unproven_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1
             or v.trust_tokens < 0):
-        raise ValueError("verify needs 0 < max_peer_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1, "
+        raise ValueError("verify needs 0 < max_peer_share <= 1, 0 < unproven_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1, "
                          "trust_tokens >= 0")
     if not (v.lp_max_factor >= 1 and v.lp_mean_z > 0 and 0 < v.false_alarm < 1):
         raise ValueError("verify needs lp_max_factor >= 1, lp_mean_z > 0 and false_alarm in (0, 1)")

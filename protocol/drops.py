@@ -36,6 +36,7 @@ class DropReason(enum.StrEnum):
     BAD_COMPLETION = "bad_completion"  # tokens after eos: unscored text no engine samples
     BAD_LOGPROBS = "bad_logprobs"  # behaviour log-probs the claimed versions do not give
     BAD_SAMPLING = "bad_sampling"  # tokens not sampled at the run's temperature (improbable, greedy)
+    UNCHECKED = "unchecked"  # an unproven publisher's batch the learner's checker had no room for (never trained unchecked)
     COPIED = "copied"  # a group another publisher sent first (same prompt, same samples)
     NOT_JOINED = "not_joined"  # the publisher never joined the run (or was evicted from it)
     BANNED = "banned"  # the publisher is banned for earlier bad messages

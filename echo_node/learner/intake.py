@@ -542,7 +542,10 @@ class RolloutIntake:
         like a check the budget cannot afford), unless its publisher is young (no trust earned:
         `check_rate` 1): then it waits beside for the checker (one batch per publisher besides
         the one being checked, BESIDE_WAITING in all), so a newcomer past probation cannot slip
-        batches past the checks by sending them while the checker is busy with others."""
+        batches past the checks by sending them while the checker is busy with others. A batch of
+        an unproven publisher (`Verifier.proven`) that finds no room to wait is dropped as
+        `unchecked`: every batch of such a publisher is checked (the budget does not excuse
+        one either, `Verifier.plan`) or not trained."""
         if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
@@ -558,6 +561,11 @@ class RolloutIntake:
                 self._beside_checks += 1
                 self._beside_by[origin] += 1
                 self._beside.start_soon(self._check_beside, batch, origin, plan)
+                return
+            if not self.verify.proven(origin):
+                # Never trained unchecked: dropped, counted, its seq delivered (not a skip).
+                self.verify.stats.unproven_dropped += 1
+                self.ingest(batch, origin, take=False)
                 return
             self.verify.stats.checker_busy += 1
             plan = None
@@ -591,19 +599,20 @@ class RolloutIntake:
             return False
         return True
 
-    def ingest(self, batch: RolloutBatch, origin: str) -> None:
+    def ingest(self, batch: RolloutBatch, origin: str, *, take: bool = True) -> None:
+        """Observe `batch`'s seq and buffer its groups (`take`), or drop them as `unchecked`."""
         # The seq and the fate of the batch's groups are journaled as one: a restart that knows
         # the seq arrived knows what became of it (else gap repair asks for it again).
         if self.journal is None:
-            self._ingest(batch, origin)
+            self._ingest(batch, origin, take)
             return
         self.journal.begin()
         try:
-            self._ingest(batch, origin)
+            self._ingest(batch, origin, take)
         finally:
             self.journal.commit()
 
-    def _ingest(self, batch: RolloutBatch, origin: str) -> None:
+    def _ingest(self, batch: RolloutBatch, origin: str, take: bool = True) -> None:
         current = self.version()
         known = origin in self.tracker
         if not known and batch.max_version <= self._forgot_at:
@@ -624,6 +633,9 @@ class RolloutIntake:
             return
         if self.journal is not None:
             self.journal.append(["seen", origin, batch.seq])
+        if not take:
+            self.buffer.reject(DropReason.UNCHECKED, batch.num_samples)
+            return
         # Groups that count as the peer's work in the demand split (`PeerBook.contributed`):
         # those accepted, and in pull mode also those that passed every check but came after
         # their version was trained. A pull peer that is always the last to finish would

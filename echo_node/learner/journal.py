@@ -30,6 +30,7 @@ Records (msgpack arrays; `gid` is the journal's serial number of a buffered grou
     ["seen", origin, seq]                  the sequence tracker took (origin, seq) as new
     ["drop", reason, [gid, ...]]           buffered groups dropped with a reason
     ["step", version, [gid, ...]]          one update trained these groups and made `version`
+    ["step", version, [gid, ...], [w, ...]] ... with these loss weights (some publisher unproven)
     ["publish", version, sha256, size, epoch]   a version peers may fetch
     ["join", peer_id]                      a peer joined
     ["excuse", peer_id]                    a tracked publisher joined again: its next gap is no skip

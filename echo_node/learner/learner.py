@@ -40,7 +40,7 @@ from echo_node.learner.journal import StorageFailed
 from echo_node.learner.profile import Profile
 from echo_node.learner.progress import Progress, Totals
 from echo_node.learner.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
-from echo_node.learner.replay import ReplayBuffer
+from echo_node.learner.replay import ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
 from echo_node.learner.spot_check import Verifier
 from echo_node.learner.tracking import open_tracker
@@ -650,10 +650,13 @@ class Learner:
         t1 = time.monotonic()
         profile = self.profile
         with profile.stage("take"):
-            groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version)
+            unproven = self._unproven
+            share = self.cfg.verify.unproven_share
+            groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version, unproven=unproven, unproven_share=share)
             origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
+            weights = step_weights([unproven(o) for o in origins], self.cfg.rl.groups_per_step, share)
         with trio.CancelScope(shield=True):  # all or nothing (trainer.py)
-            stats = await trainer.step(groups)
+            stats = await trainer.step(groups, weights)
             if stats is None:
                 self._write({"event": "train_error", "version": self.version, "groups": len(groups),
                              "origins": sorted({self.buffer.origin(g) or "?" for g in groups})})
@@ -682,6 +685,10 @@ class Learner:
         if self._checkpoint_due():
             with profile.stage("checkpoint"):
                 await self._checkpoint()
+
+    def _unproven(self, origin: str) -> bool:
+        """Whether `origin`'s groups are weighted as an unproven publisher's (echo_node/replay.py)."""
+        return self.verifier is not None and not self.verifier.proven(origin)
 
     def _checkpoint_due(self) -> bool:
         journal, cfg = self.state.journal, self.cfg.checkpoint

@@ -413,7 +413,7 @@ class RunState:
         elif kind == "excuse":
             tracker.excuse_next_gap(str(record[1]))
         elif kind == "step":
-            self._redo(resumed, int(record[1]), [int(g) for g in record[2]])
+            self._redo(resumed, int(record[1]), [int(g) for g in record[2]], [float(w) for w in record[3]] if len(record) > 3 else None)
         elif kind == "publish":
             self._republish(resumed, int(record[1]), bytes(record[2]), int(record[3]))
         elif kind == "resume":
@@ -421,7 +421,7 @@ class RunState:
         else:
             raise ValueError(f"unknown record kind {kind!r}")
 
-    def _redo(self, resumed: Resumed, version: int, gids: list[int]) -> None:
+    def _redo(self, resumed: Resumed, version: int, gids: list[int], weights: list[float] | None = None) -> None:
         trainer = self.learner.trainer
         if resumed.diverged is not None:
             return  # the groups stay buffered: trained again, counted once
@@ -433,7 +433,7 @@ class RunState:
             resumed.diverged = f"the step to version {version} names groups the journal lost"
             return
         try:
-            trainer.redo(groups)
+            trainer.redo(groups, weights)
         except Exception as exc:  # the same batch failed the same way then: train_error
             self.learner.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
             resumed.diverged = f"redoing the step to version {version} failed: {exc}"

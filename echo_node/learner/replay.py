@@ -15,6 +15,10 @@ Bounds (peers are untrusted, so the buffer is what a flood fills first): at most
 oldest group *of the origin holding the most* goes, as "overload": a peer that floods evicts its
 own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
+Origins the learner has not proven yet (`unproven`, echo_node/verify.py: `Verifier.proven`)
+together get at most `unproven_share` of a step's slots while proven ones have admissible groups,
+and fill what those leave empty; their groups carry a loss weight (`step_weights`) so that they
+move a step by at most `unproven_share` of a full one, even when nobody else has data.
 
 Durability: with a `journal` (echo_node/learner/journal.py) every change to the ledger is appended to it
 as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
@@ -26,7 +30,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from typing import Any, Protocol
@@ -53,6 +57,17 @@ class Ledger:
             "trained": self.trained,
             "dropped": dict(sorted(self.dropped.items())),
         }
+
+
+def step_weights(unproven: list[bool], n_groups: int, share: float) -> list[float]:
+    """Loss weights of a step's groups, `unproven[i]` telling whether group i's publisher is not
+    proven yet: 1 for a proven one's; the unproven ones split `share` x `n_groups` (the step's
+    full size) among themselves, at most 1 each. With the learning rate scaled by the mean
+    weight (echo_node/ml/grpo.py), a step of unproven groups alone moves the weights by at most
+    `share` of a full step, and in a mixed one they weigh at most `share` x `n_groups` groups."""
+    young = sum(unproven)
+    w = min(1.0, share * n_groups / young) if young else 1.0
+    return [w if u else 1.0 for u in unproven]
 
 
 def group_bytes(group: RolloutGroup) -> int:
@@ -162,7 +177,10 @@ class ReplayBuffer:
         """A buffered group leaves: release it and its bytes."""
         self.bytes -= self._release(group)
 
-    def take(self, n_groups: int, current_version: int) -> list[RolloutGroup]:
+    def take(
+        self, n_groups: int, current_version: int, *, unproven: Callable[[str], bool] = lambda origin: False,
+        unproven_share: float = 1.0,
+    ) -> list[RolloutGroup]:
         """Pop up to `n_groups` admissible groups: those this update is the last chance for
         first, then the freshest; stale ones are dropped.
 
@@ -181,18 +199,25 @@ class ReplayBuffer:
             return (v == last_chance, v, i)
 
         order = sorted(range(len(self._groups)), key=rank, reverse=True)
-        # First pass: at most `share` groups per origin; second: fill up from whatever is left,
-        # so a lone peer still fills a step.
+        # First pass: at most `share` groups per origin, and `young_slots` of unproven origins
+        # together; second: fill up from whatever is left, proven origins' groups first, so a
+        # lone peer still fills a step.
         share = max(1, math.floor(n_groups * self.max_share))
+        young_slots = math.floor(n_groups * unproven_share)
+        young = {o: unproven(o) for o in {self._origin[id(g)] for g in self._groups}}
         per_origin: Counter[str] = Counter()
         picked: list[int] = []
+        taken_young = 0
         for i in order:
             origin = self._origin[id(self._groups[i])]
-            if len(picked) < n_groups and per_origin[origin] < share:
+            if len(picked) < n_groups and per_origin[origin] < share and (not young[origin] or taken_young < young_slots):
                 picked.append(i)
                 per_origin[origin] += 1
+                taken_young += young[origin]
         chosen = set(picked)
-        picked += [i for i in order if i not in chosen][: n_groups - len(picked)]
+        rest = [i for i in order if i not in chosen]
+        rest.sort(key=lambda i: young[self._origin[id(self._groups[i])]])  # stable: proven first, in rank order
+        picked += rest[: n_groups - len(picked)]
         chosen = set(picked)
         batch = [self._groups[i] for i in picked]
         self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)

@@ -143,6 +143,9 @@ SPOT_CHUNK_ELEMENTS = 1 << 24
 # ... and of at most this many rows: the forward's activations grow with rows x tokens x width,
 # whatever the vocabulary (a 1,552-row batch of the toy grew the learner by ~100 MB at once).
 SPOT_CHUNK_ROWS = 64
+# Check 4(b) takes honest peers' mean log-prob gap to be at most this many times the envelope's
+# mean (a run's prompts and model may round a little differently from the ones measured).
+GAP_MARGIN = 2.0
 # The measured cost per checked row follows new checks with this weight (they vary with length).
 COST_EWMA = 0.3
 
@@ -180,13 +183,16 @@ class VerifyStats:
     over_budget: int = 0
     # ... and chosen while the checker was busy with another (checks run beside the intake).
     checker_busy: int = 0
+    # ... and batches of unproven publishers dropped for it (never trained unchecked).
+    unproven_dropped: int = 0
     # Checks of a peer on a pair never measured that left its dtype's envelope (warned, passed).
     excursions: int = 0
     # How close what passed came to the tolerances: the calibration a run reports (the largest
     # per-token gap, and the largest mean gap of a version's checked tokens).
     lp_gap_max: float = 0.0
     lp_gap_mean_max: float = 0.0
-    log_e_max: dict[str, float] = field(default_factory=lambda: {"improbable": 0.0, "greedy": 0.0, "older": 0.0})
+    log_e_max: dict[str, float] = field(
+        default_factory=lambda: {"improbable": 0.0, "greedy": 0.0, "older": 0.0, "logprob_drift": 0.0})
     # Check 6: batches whose sampling noise was drawn again, the tokens judged by it, those
     # skipped for their cost, the largest race deficit that passed, and the largest log evidence
     # of a publisher drawing other noise than ours.
@@ -214,6 +220,7 @@ class VerifyStats:
             "unverifiable_tokens": self.unverifiable_tokens,
             "over_budget": self.over_budget,
             "checker_busy": self.checker_busy,
+            "unproven_dropped": self.unproven_dropped,
             "excursions": self.excursions,
             "passed_lp_gap_max": self.lp_gap_max,
             "passed_lp_gap_mean_max": self.lp_gap_mean_max,
@@ -281,8 +288,9 @@ class Verifier:
         self._cost_per_row: float | None = None
         # Publisher -> excursions beyond its dtype's envelope (warned at powers of two).
         self._warned: OrderedDict[str, int] = OrderedDict()
-        # Publisher -> accumulated log e-values of the three sampling tests (the e-CUSUM above).
-        self._evidence: OrderedDict[str, tuple[float, float, float]] = OrderedDict()
+        # Publisher -> accumulated log e-values of the three sampling tests and check 4(b) (the
+        # e-CUSUMs above).
+        self._evidence: OrderedDict[str, tuple[float, float, float, float]] = OrderedDict()
         # Publisher -> log of check 6's martingale for "it draws other noise than ours", and the
         # largest race deficit of its checked tokens so far (judged once the noise is proven ours).
         self._shared_noise: OrderedDict[str, tuple[float, _Gap | None]] = OrderedDict()
@@ -405,6 +413,8 @@ class Verifier:
             return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows), probation=True)
         if self._rng.random() >= self.check_rate(peer):
             return None
+        if not self.proven(peer):  # never unchecked (module docstring, unproven publishers)
+            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows))
         rows = self._affordable_rows(batch.num_samples, floor=0)
         if rows < min(self.cfg.min_rows, batch.num_samples):
             self.stats.over_budget += 1
@@ -419,6 +429,15 @@ class Verifier:
         trust_tokens / spot_rate tokens of checks, and its lies then still meet spot_rate."""
         passed = self._trusted_tokens.get(peer_id, 0)
         return max(self.cfg.spot_rate, min(1.0, self.cfg.trust_tokens / max(1, passed)))
+
+    def proven(self, peer_id: str) -> bool:
+        """Whether `peer_id`'s checked work proved it (module docstring, unproven publishers):
+        its tokens that passed checks reached `trust_tokens`, or check 6 proved that it draws the
+        assigned noise (every checked token of its is then judged exactly). Without log-prob
+        checks every peer counts as proven (nothing could prove one)."""
+        if self._model is None or self._trusted_tokens.get(peer_id, 0) >= self.cfg.trust_tokens:
+            return True
+        return self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
 
     def credit_s(self) -> float:
         """CPU seconds the budget still allows checks to spend now."""
@@ -540,6 +559,7 @@ class Verifier:
         # Check 5(c)'s log e-value: how much likelier the tokens are under the version before
         # the one they claim (when the replay does not already judge them).
         older = 0.0
+        drift = 0.0  # check 4(b)'s log e-value: log-prob gaps larger than honest ones on average
         proven = self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
         for version in sorted({v for _, s in candidates for v in s.token_versions}):
             rows = [(g, s) for g, s in candidates if version in s.token_versions]
@@ -549,8 +569,8 @@ class Verifier:
             result = self._rows_checked(rows, version, judge, peer_id, noise)
             if isinstance(result, Failure):
                 return result
-            n, low, high, race, logq_sum = result
-            tokens, surprise, greed = tokens + n, surprise + low, greed + high
+            n, low, high, race, logq_sum, gaps = result
+            tokens, surprise, greed, drift = tokens + n, surprise + low, greed + high, drift + gaps
             before = self._previous(version)
             if n and not proven and before is not None and self._load(before):
                 older += self._logq_sum(rows, version) - logq_sum
@@ -564,10 +584,19 @@ class Verifier:
             failure = self._judge_race(peer_id, shared, deficit, judge)
             if failure is not None:
                 return failure
-        kept = self._evidence.get(peer_id, (0.0, 0.0, 0.0))
+        kept = self._evidence.get(peer_id, (0.0, 0.0, 0.0, 0.0))
         low, high, stale = max(0.0, kept[0] + surprise), max(0.0, kept[1] + greed), max(0.0, kept[2] + older)
-        _keep_recent(self._evidence, peer_id, (low, high, stale))
+        pooled = max(0.0, kept[3] + drift)
+        _keep_recent(self._evidence, peer_id, (low, high, stale, pooled))
         threshold = -math.log(self.cfg.false_alarm)
+        if pooled >= threshold:
+            return Failure(
+                DropReason.BAD_LOGPROBS,
+                f"its claimed log-probs are further from the learner's than honest {judge.pair} peers' "
+                f"(mean {judge.refuse.mean:.3g} a token) over its checked tokens: e-value e^{pooled:.1f} since the "
+                f"evidence last restarted, e^{drift:.1f} from this batch's {tokens} tokens (an honest peer's chance "
+                f"<= e^-{pooled:.1f} per run)",
+            )
         for log_e, batch_e, how in ((low, surprise, "less likely than"), (high, greed, "more likely than"),
                                     (stale, older, "likelier under the version before the one they claim than")):
             if log_e >= threshold:
@@ -577,7 +606,7 @@ class Verifier:
                     f"e-value e^{log_e:.1f} over its checks since the evidence last restarted, e^{batch_e:.1f} from "
                     f"this batch's {tokens} tokens (an honest sampler's chance <= e^-{log_e:.1f} per check)",
                 )
-        for log_e, name in ((low, "improbable"), (high, "greedy"), (stale, "older")):
+        for log_e, name in ((low, "improbable"), (high, "greedy"), (stale, "older"), (pooled, "logprob_drift")):
             self.stats.log_e_max[name] = max(self.stats.log_e_max[name], log_e)
         return None
 
@@ -648,27 +677,29 @@ class Verifier:
 
     def _rows_checked(
         self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, peer_id: str, noise: _Noise | None = None
-    ) -> Failure | tuple[int, float, float, _Race | None, float]:
+    ) -> Failure | tuple[int, float, float, _Race | None, float, float]:
         """Checks 4 and 5(a) on the tokens of `rows` tagged `version` (weights loaded), in
         forwards of at most `SPOT_CHUNK_ELEMENTS` log-probabilities each; else (tokens, log
-        e-values of both 5(b) tests over them). The mean log-prob gap is judged over all rows."""
+        e-values of both 5(b) tests over them, check 6's race, the sum of their log q, and check
+        4(b)'s log e-value over them). The mean log-prob gap is judged over all rows."""
         width = max(len(s.completion_ids) for _, s in rows)
         per = max(1, min(SPOT_CHUNK_ROWS, SPOT_CHUNK_ELEMENTS // max(1, width * self._vocab)))
-        tokens, low, high, gap_sum, logq_sum = 0, 0.0, 0.0, 0.0, 0.0
+        tokens, low, high, gap_sum, logq_sum, drift = 0, 0.0, 0.0, 0.0, 0.0, 0.0
         worst: _Gap | None = None
         race: _Race | None = None
         for start in range(0, len(rows), per):
             part = self._rows_at(rows[start : start + per], version, judge, noise)
             if isinstance(part, Failure):
                 return part
-            n, lo, hi, gaps, gap, chunk_race, chunk_logq = part
+            n, lo, hi, gaps, gap, chunk_race, chunk_logq, chunk_drift = part
             tokens, low, high, gap_sum, logq_sum = tokens + n, low + lo, high + hi, gap_sum + gaps, logq_sum + chunk_logq
+            drift += chunk_drift
             if gap is not None and (worst is None or gap.value > worst.value):
                 worst = gap
             if chunk_race is not None:
                 race = chunk_race if race is None else race.joined(chunk_race)
         if worst is None or not tokens:
-            return tokens, low, high, race, logq_sum
+            return tokens, low, high, race, logq_sum, drift
         mean = gap_sum / tokens
         if mean > judge.refuse.mean_limit(tokens):
             return self._bad_logprobs(version, mean, tokens, worst, judge.refuse, judge.pair)
@@ -677,7 +708,7 @@ class Verifier:
             self._excursion(peer_id, version, mean, tokens, worst, judge)
         self.stats.lp_gap_max = max(self.stats.lp_gap_max, worst.value)
         self.stats.lp_gap_mean_max = max(self.stats.lp_gap_mean_max, mean)
-        return tokens, low, high, race, logq_sum
+        return tokens, low, high, race, logq_sum, drift
 
     def _excursion(self, peer_id: str, version: int, mean: float, tokens: int, worst: _Gap, judge: Judgement) -> None:
         """A peer on a pair never measured left the envelope honest peers of its dtype keep:
@@ -707,10 +738,11 @@ class Verifier:
 
     def _rows_at(
         self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, noise: _Noise | None = None
-    ) -> Failure | tuple[int, float, float, float, _Gap | None, _Race | None, float]:
+    ) -> Failure | tuple[int, float, float, float, _Gap | None, _Race | None, float, float]:
         """Checks 4 (per token) and 5(a) on the tokens of `rows` tagged `version`, in one
         forward; else (tokens, both log e-values, the sum of their log-prob gaps, the largest,
-        check 6's race over them when `noise` holds these rows, and the sum of their log q)."""
+        check 6's race over them when `noise` holds these rows, the sum of their log q, and
+        check 4(b)'s log e-value over their gaps)."""
         assert self._model is not None
         samples = [s for _, s in rows]
         with torch.inference_mode():
@@ -747,7 +779,7 @@ class Verifier:
         if noise is not None:
             race = _race(logq, targets, on, noise.rows([s for _, s in rows], t_max), version, [g.group_id for g, _ in rows])
         return (int(on.sum()), _log_e_value(logq, sampled, on, -0.5), _log_e_value(logq, sampled, on, 1.0),
-                float(gap.sum()), worst, race, float(sampled.clamp(min=-1e30)[on].sum()))
+                float(gap.sum()), worst, race, float(sampled.clamp(min=-1e30)[on].sum()), gap_log_e(gap, GAP_MARGIN * judge.refuse.mean))
 
 
 def _keep_recent(table: OrderedDict[str, V], peer_id: str, value: V) -> None:
@@ -818,6 +850,17 @@ def _race(logq: Tensor, targets: Tensor, on: Tensor, neg_log_e: Tensor | None, v
     r, t = divmod(int(deficit.argmax()), t_max)
     worst = _Gap(float(deficit[r, t]), group_ids[r], t, float(version), float(mine[r, t]))
     return _Race(log_e, worst)
+
+
+def gap_log_e(gaps: Tensor, mean: float) -> float:
+    """Check 4(b)'s log e-value of some tokens' log-prob gaps x >= 0: log prod (1 + x / mean) / 2.
+    Under E[x | the past] <= `mean` (honest peers of the pair: the envelope's mean, at least the
+    floor) each factor has mean at most 1 and is >= 1/2, so the product is a test
+    supermartingale; it grows on gaps larger than `mean` on average, by log((1 + m / mean) / 2)
+    a token at a gap of m."""
+    if not gaps.numel():
+        return 0.0
+    return float(torch.log1p(gaps.double() / mean).sum()) - gaps.numel() * math.log(2.0)
 
 
 def _log_e_value(logq: Tensor, sampled: Tensor, on: Tensor, a: float) -> float:

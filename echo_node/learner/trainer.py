@@ -81,14 +81,14 @@ class Trainer:
     def idle_ratio(self) -> float:
         return self.idle_s / max(1e-9, self.idle_s + self.train_s)
 
-    async def step(self, groups: list[RolloutGroup]) -> dict[str, float] | None:
+    async def step(self, groups: list[RolloutGroup], weights: list[float] | None = None) -> dict[str, float] | None:
         """Train on `groups` (taken from the buffer) and bump the version; None if the step
         failed and the batch was dropped. A batch without reward variance is dropped as
         `no_signal` and the version stays (`stats["skipped"]` is 1). Call inside a shielded
         scope (see the rules)."""
         t0 = time.monotonic()
         try:
-            batch = [_train_group(g, self.version) for g in groups]
+            batch = [_train_group(g, self.version, w) for g, w in zip(groups, weights or [1.0] * len(groups))]
             optimize = self._optimize if self.profile is None else self.profile.timed("train_step", self._optimize)
             stats: dict[str, float] = await trio.to_thread.run_sync(optimize, batch)
         except Exception:
@@ -101,7 +101,7 @@ class Trainer:
             self.buffer.mark_failed(groups, DropReason.NO_SIGNAL)
             self.no_signal_steps += 1
             return stats
-        self._trained(groups)
+        self._trained(groups, weights=weights)
         self.train_s += time.monotonic() - t0
         return stats
 
@@ -151,19 +151,21 @@ class Trainer:
         if self.sharded is not None and not self.sharded.closed:
             self.sharded.close()
 
-    def redo(self, groups: list[RolloutGroup]) -> dict[str, float]:
+    def redo(self, groups: list[RolloutGroup], weights: list[float] | None = None) -> dict[str, float]:
         """A journaled step again, after a restart (synchronously; errors propagate)."""
-        stats = self._optimize([_train_group(g, self.version) for g in groups])
+        stats = self._optimize([_train_group(g, self.version, w) for g, w in zip(groups, weights or [1.0] * len(groups))])
         self._trained(groups, journal=False)
         return stats
 
-    def _trained(self, groups: list[RolloutGroup], *, journal: bool = True) -> None:
+    def _trained(self, groups: list[RolloutGroup], *, journal: bool = True, weights: list[float] | None = None) -> None:
         gids = [self.buffer.gid(g) for g in groups] if journal and self.journal is not None else None
         self.buffer.mark_trained(groups)
         self.trained_rewards += [s.reward for g in groups for s in g.samples]
         self.version += 1
         if gids is not None and self.journal is not None:
-            self.journal.append(["step", self.version, gids])
+            # The loss weights too, where any is below 1: the redo must make the same update.
+            weighted = [list(weights)] if weights is not None and any(w != 1.0 for w in weights) else []
+            self.journal.append(["step", self.version, gids, *weighted])
 
     def _failed(self, groups: list[RolloutGroup]) -> None:
         self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
@@ -196,8 +198,9 @@ def update_settings(cfg: RunConfig, policy: Policy) -> dict[str, Any]:
     }
 
 
-def _train_group(g: RolloutGroup, version: int) -> TrainGroup:
+def _train_group(g: RolloutGroup, version: int, weight: float = 1.0) -> TrainGroup:
     return TrainGroup(
+        weight=weight,
         prompt_ids=list(g.prompt_ids),
         completions=[list(s.completion_ids) for s in g.samples],
         behaviour_logprobs=[list(s.behaviour_logprobs) for s in g.samples],

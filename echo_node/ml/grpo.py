@@ -75,9 +75,15 @@ class TrainGroup:
     # environment's turns through the forward as context and leave them out of the loss, the
     # importance weights and the token mean (their "log-probs" are placeholders). None: all do.
     loss_masks: list[list[bool]] | None = None
+    # The group's loss weight in its update (0 < weight <= 1): below 1 for a publisher the learner
+    # has not proven yet (echo_node/replay.py, `step_weights`). The update's learning rate is
+    # scaled by its used groups' mean weight (`PolicyOptimizer.step`).
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
         n = len(self.completions)
+        if not 0 < self.weight <= 1:
+            raise ValueError(f"a group's weight must be in (0, 1], got {self.weight}")
         if len(self.behaviour_logprobs) != n or len(self.rewards) != n:
             raise ValueError(
                 f"group sizes differ: {n} completions, {len(self.behaviour_logprobs)} log-prob rows,"
@@ -524,7 +530,7 @@ class Share:
 # How `merge_share_stats` combines a stat over the shares of one update: the stats a process
 # derives from the whole batch are the same in every share; counts add up; the rest are maxima,
 # minima or means over the share's tokens, each counted by "tokens" unless `_COUNTED_BY` says.
-_SAME = frozenset({"reward_mean", "groups", "groups_used", "skipped", "grad_norm"})
+_SAME = frozenset({"reward_mean", "groups", "groups_used", "skipped", "grad_norm", "weight_mean"})
 _SUMMED = frozenset({"tokens", "lp_gap_tokens"})
 _LARGEST = frozenset({"is_weight_max", "ratio_max", "lp_gap_max"})
 _SMALLEST = frozenset({"is_weight_min"})
@@ -687,6 +693,16 @@ class PolicyOptimizer:
         if self.correction == "none":
             weights = mask.float()
         stats.update(is_stats)
+        # Groups weighted below 1 (unproven publishers): their tokens' loss is scaled by the
+        # weight, and the update's learning rate by the used groups' mean weight. AdamW divides
+        # the gradient by its running scale, so a step of such groups alone would otherwise move
+        # the weights as far as any other; with both, it moves them by its mean weight of a step.
+        scale = sum(g.weight for g in used) / len(used)
+        if scale < 1.0:
+            row_weight = [g.weight for g in used for _ in g.completions]
+            weights = weights * torch.tensor([row_weight[i] for i in rows], dtype=weights.dtype, device=weights.device).unsqueeze(1)
+        stats["weight_mean"] = scale
+        lrs = [group["lr"] for group in self.opt.param_groups]
 
         totals: dict[str, float] = {}
         grad_norm = 0.0
@@ -706,7 +722,13 @@ class PolicyOptimizer:
             # Over sharded (DTensor) gradients the norm is the whole model's, the same on every
             # process: the clip is the single-process clip.
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
-            self.opt.step()
+            for group, lr in zip(self.opt.param_groups, lrs):
+                group["lr"] = lr * scale
+            try:
+                self.opt.step()
+            finally:
+                for group, lr in zip(self.opt.param_groups, lrs):
+                    group["lr"] = lr
             # The fused kernel writes the parameters without moving their version counters, and a
             # TorchEngine over this model keeps its cached weights until they move.
             increment_version(self.params)

@@ -180,9 +180,9 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
             with trio.CancelScope() as scope:
                 take = learner.buffer.take
 
-                def take_then_deadline(n: int, version: int):  # type: ignore[no-untyped-def]
+                def take_then_deadline(n: int, version: int, **how):  # type: ignore[no-untyped-def]
                     scope.cancel()
-                    return take(n, version)
+                    return take(n, version, **how)
 
                 learner.buffer.take = take_then_deadline  # type: ignore[method-assign]
                 await learner._train_loop()

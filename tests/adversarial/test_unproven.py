@@ -1,0 +1,202 @@
+"""Publishers the learner has not proven yet (echo_node/verify.py, `Verifier.proven`: fewer than
+`trust_tokens` of their tokens passed checks, and, on a replayable engine, their noise not shown
+to be ours). Their batches never reach training unchecked, and together they move a step by at
+most `verify.unproven_share` of a full one, whoever else has data and however many identities
+they use. Real verifier, intake, buffer and optimizer; the checker is held busy by hand where a
+test needs it busy."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import trio
+
+from echo_node.config import VerifyConfig
+from echo_node.learner.intake import BESIDE_WAITING
+from echo_node.learner.replay import ReplayBuffer, step_weights
+from echo_node.learner.spot_check import Verifier
+from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
+from echo_node.ml.model import build_model, tiny_llama_config
+from protocol import seal
+from tests.adversarial.test_unchecked_backlog import ATTACKERS, checking_learner
+from tests.factories import ALICE, TASK, TOKENIZER, make_batch, make_group
+from tests.sampling import RUN, sample_batch, tiny_model
+
+
+def test_an_unproven_publishers_batch_is_checked_or_dropped_never_trained_unchecked(tmp_path: Path) -> None:
+    """While the checker is busy, an unproven publisher's batches wait for it (two at most) and
+    the rest are dropped as `unchecked`, counted; their seqs count as delivered, not as skips.
+    Every one of its groups that reaches the buffer passed its own check. A proven publisher's
+    batch in the same moment still goes unchecked (`checker_busy`): its trust was earned."""
+    learner = checking_learner(tmp_path)
+    intake, verifier = learner.intake, learner.verifier
+    assert verifier is not None
+    held, young, trusted = ATTACKERS[0], ATTACKERS[1], ATTACKERS[2]
+    for who in (held, young, trusted):
+        learner.peers.join(who.peer_id, 0.0)
+        verifier._probation[who.peer_id] = 0  # past probation
+    verifier._trusted_tokens[trusted.peer_id] = 1 << 30
+    verifier._rng = SimpleNamespace(random=lambda: 0.0)  # type: ignore[assignment]  # every batch is chosen
+    release, checking = threading.Event(), threading.Event()
+    checked: list[tuple[str, int]] = []
+
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+        if batch.peer_id == held.peer_id:
+            checking.set()
+            assert release.wait(30)
+        checked.append((batch.peer_id, batch.seq))
+        return None
+
+    verifier.spot = spot  # type: ignore[method-assign]
+    sent = 6
+
+    async def main() -> None:
+        send, receive = trio.open_memory_channel[Any](32)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(intake.consume, receive)
+            for who, seqs in ((held, [1]), (young, range(1, sent + 1)), (trusted, [1])):
+                for seq in seqs:
+                    data = seal(make_batch(identity=who, seq=seq, groups=2), who)
+                    assert intake.validate(who.peer_id, who.peer_id, data)
+                    await send.send(SimpleNamespace(data=data, sender=who.peer_id))
+            with trio.fail_after(30):
+                while learner.buffer.ledger.received < (sent - 2 + 1) * 16:
+                    await trio.sleep(0.01)
+            assert checking.is_set()
+            assert not [g for g in learner.buffer._groups if learner.buffer.origin(g) == young.peer_id]
+            release.set()
+            with trio.fail_after(30):
+                while len(checked) < 3:
+                    await trio.sleep(0.01)
+            await send.aclose()
+
+    trio.run(main)
+    assert BESIDE_WAITING >= 3
+    assert verifier.stats.unproven_dropped == sent - 2 and verifier.stats.checker_busy == 1
+    assert learner.buffer.ledger.dropped["unchecked"] == (sent - 2) * 16
+    assert checked == [(held.peer_id, 1), (young.peer_id, 1), (young.peer_id, 2)]
+    buffered = {(learner.buffer.origin(g), g.group_id) for g in learner.buffer._groups}
+    assert {o for o, _ in buffered} == {held.peer_id, young.peer_id, trusted.peer_id}
+    assert sum(o == young.peer_id for o, _ in buffered) == 2 * 2  # the two checked batches, nothing else
+    assert intake.tracker.skips(young.peer_id)[0] == 0 and not intake.tracker.missing(young.peer_id)
+    learner.buffer.check()
+
+
+@pytest.fixture(scope="module")
+def model() -> torch.nn.Module:
+    return tiny_model()
+
+
+def test_no_credit_never_excuses_an_unproven_publishers_batch(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher cannot get its batch past the checks by sending it when the budget is spent
+    (the learner's credit is not something it can see, but it can flood to spend it): while
+    unproven, its batch gets the smallest check anyway; once proven, by tokens that passed or by
+    its noise, an unaffordable batch goes unchecked (`over_budget`), as every proven peer's."""
+    from echo_node.learner import spot_check as verify_module
+
+    v = Verifier(VerifyConfig(spot_rate=1.0, probation_batches=0, budget=0.05, min_rows=2), run_id=RUN, tokenizer=TOKENIZER,
+                 task=TASK, model=model, temperature=1.0, keep_versions=4, engine_of=lambda peer: ("torch", "cpu"))
+    batch = sample_batch(model, groups=8)
+    clock = [1000.0]
+    monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])
+    v._budget_from = clock[0]
+    v._cost_per_row = 1.0  # no credit for a single row
+    for _ in range(5):
+        plan = v.plan(batch)
+        assert plan is not None and plan.rows == 2
+    assert v.stats.over_budget == 0 and not v.proven(ALICE.peer_id)
+    v._shared_noise[ALICE.peer_id] = (25.0, None)  # its tokens proved it draws the assigned noise
+    assert v.proven(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 1
+    del v._shared_noise[ALICE.peer_id]
+    v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens
+    assert v.proven(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 2
+    v.suspect(ALICE.peer_id)  # a refused message starts trust over
+    assert not v.proven(ALICE.peer_id)
+
+
+@pytest.mark.parametrize("identities", [1, 3, 64])
+def test_unproven_publishers_share_one_quota_of_a_step_however_many_identities(identities: int) -> None:
+    """Sybils do not multiply the quota: all unproven groups of a step weigh share x N together;
+    proven groups weigh 1; one unproven group never more than 1."""
+    n, share = 8, 0.25
+    unproven = [True] * identities + [False] * 3
+    weights = step_weights(unproven, n, share)
+    assert sum(w for w, u in zip(weights, unproven) if u) == pytest.approx(min(identities, share * n))
+    assert all(w == 1.0 for w, u in zip(weights, unproven) if not u)
+    assert step_weights([False] * 8, n, share) == [1.0] * 8
+
+
+def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> None:
+    """With proven groups admissible, unproven publishers (any number of identities) get at most
+    share x N slots of a step; alone, they fill it (the learner does not wait for proven data)."""
+    buffer = ReplayBuffer(mode="async", staleness=4, capacity_groups=1000, max_share=0.5)
+    sybils = [f"sybil{i}" for i in range(20)]
+    for i in range(8):
+        buffer.offer(make_group(n=100 + i), 0, ("honest0", "honest1")[i % 2])
+    for i in range(40):  # fresher than the proven ones: ranked first
+        buffer.offer(make_group(n=i), 0, sybils[i % 20])
+
+    def unproven(origin: str) -> bool:
+        return origin.startswith("sybil")
+
+    taken = buffer.take(8, 0, unproven=unproven, unproven_share=0.25)
+    assert sum(unproven(buffer.origin(g)) for g in taken) == 2 and len(taken) == 8
+    buffer.mark_trained(taken)
+    taken = buffer.take(8, 0, unproven=unproven, unproven_share=0.25)
+    assert sum(unproven(buffer.origin(g)) for g in taken) == 6  # 2 proven groups left: the rest is filled
+    buffer.mark_trained(taken)
+    alone = buffer.take(8, 0, unproven=unproven, unproven_share=0.25)
+    assert len(alone) == 8 and all(unproven(buffer.origin(g)) for g in alone)
+
+
+def _update(model: torch.nn.Module, weight: float, history: int) -> float:
+    """How far (L2) one update on a fixed batch at `weight` moves `model`'s parameters, after
+    `history` full-weight updates on other data (AdamW's running scale)."""
+    torch.manual_seed(0)
+    opt = PolicyOptimizer(model, lr=1e-3, pad_id=0)
+    prompt = [1, 5, 6]
+
+    def group(w: float, salt: int) -> TrainGroup:
+        rows = [[7 + salt, 8, 2], [9, 10 + salt, 2], [11, 12, 2 + salt], [13, 14, 2]]
+        return TrainGroup(prompt, rows, [[-1.0] * 3] * 4, [1.0, 0.0, 0.5, 0.0], weight=w)
+
+    for i in range(history):
+        opt.step([group(1.0, i % 3)])
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = opt.step([group(weight, 0)])
+    assert stats["weight_mean"] == pytest.approx(weight)
+    return float(torch.sqrt(sum(((p.detach() - b) ** 2).sum() for p, b in zip(model.parameters(), before))))
+
+
+@pytest.mark.parametrize("history", [0, 3])
+def test_an_unproven_step_moves_the_weights_by_its_weight_of_a_full_step(history: int) -> None:
+    """AdamW divides the gradient by its own running scale, so weighting the loss alone would let
+    a lone unproven publisher move the weights as far as a proven one (at the start of a run,
+    exactly as far). With the learning rate scaled by the step's mean weight, a step of
+    unproven groups alone moves them by that weight of a full step."""
+    base = build_model(tiny_llama_config(TOKENIZER.vocab_size))
+    full = _update(copy.deepcopy(base), 1.0, history)
+    quarter = _update(copy.deepcopy(base), 0.25, history)
+    assert quarter == pytest.approx(0.25 * full, rel=0.05)
+
+
+def test_a_group_weight_outside_0_1_is_refused() -> None:
+    for w in (0.0, -1.0, 1.5, float("nan")):
+        with pytest.raises(ValueError):
+            TrainGroup([1], [[3, 2], [4, 2]], [[-0.1, -0.1]] * 2, [1.0, 0.0], weight=w)
+
+
+def test_the_config_refuses_a_share_outside_0_1() -> None:
+    from echo_node.config import RunConfig, validate
+
+    for share in (0.0, 1.5):
+        with pytest.raises(ValueError, match="unproven_share"):
+            validate(RunConfig(verify=VerifyConfig(unproven_share=share)))
+
+
