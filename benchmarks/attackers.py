@@ -12,6 +12,9 @@ Classes (the verification issue's a-f):
 - `cherry_picked` (d): answers easy prompts of its choosing ("AB+00=") instead of its slots'.
 - `copier` (e): samples nothing; re-publishes the groups of other peers' batches it hears on
   the rollouts topic under its own key (its own seqs).
+- `reordered_copier` (the adaptive attacker's): a copier that disguises each copy: the samples
+  of a group in reverse order, every log-prob nudged down by 1e-3, the group renamed (what a
+  copy fingerprint hashing samples in order, or hashing log-probs, would miss).
 - `poison` (f): half of each group's completions replaced by the right answer with a bos token
   injected after its first digit (the tokenizer's decoding drops bos, so the reward is right),
   with the log-probs the current weights honestly give those tokens: plausible, rewarded, and
@@ -34,6 +37,9 @@ Classes (the verification issue's a-f):
 `--after N`: honest for the first N batches, lying from then on (a peer that earns trust first:
 past probation, only the spot rate catches it).
 
+Key rotation after a ban (a new identity for free) is not a class here: benchmarks/verification.py
+(`rotating`) restarts an attacker under a new key each time the learner catches it.
+
 Each batch published is one JSON line on stdout: {"event": "published", "seq", "groups",
 "lying", "wall"}.
 """
@@ -46,6 +52,7 @@ import signal
 import sys
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -59,7 +66,7 @@ from echo_node.ml.tokenizer import Tokenizer
 from echo_node.peer.rollout_peer import Generator, RolloutPeer
 from echo_node.policy import Policy, set_threads
 from echo_node.topics import rollouts_topic
-from protocol import RolloutBatch, open_envelope
+from protocol import RolloutBatch, RolloutGroup, open_envelope
 from protocol.errors import RemoteProtocolError
 
 NOISE = 0.05
@@ -141,7 +148,8 @@ class Attacker(Generator):
             lying = self.lying
             await publish(groups, seq=seq)
             self.batches += 1
-            print(json.dumps({"event": "published", "seq": seq, "groups": len(groups), "lying": lying, "wall": time.time()}), flush=True)
+            print(json.dumps({"event": "published", "seq": seq, "groups": len(groups), "lying": lying, "wall": time.time(),
+                              "peer": self.publisher.identity.peer_id}), flush=True)
 
         self.publisher.publish_groups = announced  # type: ignore[method-assign]
 
@@ -198,6 +206,28 @@ class Copier(Attacker):
                 continue
             assert isinstance(batch, RolloutBatch)
             await self.publisher.publish_groups(batch.groups, seq=self.publisher.seq)
+
+
+class ReorderedCopier(Copier):
+    """A copier whose copies differ from the original in everything a copier may change without
+    changing what is trained: sample order, log-probs (nudged), the group's name."""
+
+    async def run(self) -> None:
+        publish = self.publisher.publish_groups
+
+        async def disguised(groups: Any, *, seq: int) -> None:
+            await publish(tuple(disguise(g, i) for i, g in enumerate(groups)), seq=seq)
+
+        self.publisher.publish_groups = disguised  # type: ignore[method-assign]
+        await super().run()
+
+
+def disguise(group: RolloutGroup, index: int) -> RolloutGroup:
+    """`group` with its samples reversed, each log-prob 1e-3 lower (still <= 0), a new name."""
+    samples = tuple(
+        replace(s, behaviour_logprobs=tuple(min(0.0, x - 1e-3) for x in s.behaviour_logprobs)) for s in reversed(group.samples)
+    )
+    return replace(group, samples=samples, group_id=f"{group.group_id}~{index}")
 
 
 def likes(prompt: str) -> bool:
@@ -348,6 +378,7 @@ ATTACKS: dict[str, type[Attacker]] = {
     "other_model": OtherModel,
     "cherry_picked": CherryPicked,
     "copier": Copier,
+    "reordered_copier": ReorderedCopier,
     "poison": Poison,
     "freeze": Freeze,
     "slot_picker": SlotPicker,

@@ -35,6 +35,12 @@ they draw the assigned noise. For every adaptive class `trained_share_of_all` is
 trained groups over all groups trained in the run, <= 0.05 for stale_1 and <= 0.01 for the
 others (the issue's targets); `lying_batches_to_ban` is reported.
 
+`reordered_copier` (adaptive) copies other peers' groups with their samples reversed, log-probs
+nudged and names changed. `rotating` (adaptive) is `other_model` honest for its first 2 batches
+under each key, restarted under a new key (a new identity at zero trust) each time the learner
+catches it, 5 keys at most: its numbers sum over every key (`keys_caught`,
+`lying_batches_to_ban_per_key`).
+
 `other_model_late` and `poison_late` are those attackers honest for their first AFTER = 5
 batches: past probation only the spot rate finds them, each lying batch with chance
 `verify.spot_rate` (0.1), so the wait is geometric with mean 10 lying batches
@@ -75,7 +81,10 @@ from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
 # The adaptive attacker's classes (not in the default run: `--classes slot_picker --off no`).
-ADAPTIVE = ["slot_picker", "stale_1", "stale_5", "tempered", "greedy"]
+ADAPTIVE = ["slot_picker", "stale_1", "stale_5", "tempered", "greedy", "reordered_copier", "rotating"]
+# `rotating`: this attacker class, honest for its first ROTATING_AFTER batches under each key,
+# restarted under a new key each time the learner catches it, ROTATIONS keys at most.
+ROTATING, ROTATING_AFTER, ROTATIONS = "other_model", 2, 5
 # Targets on the share of all trained groups that came from an adaptive attacker.
 ADAPTIVE_SHARE = {"stale_1": 0.05}
 ADAPTIVE_SHARE_DEFAULT = 0.01
@@ -88,7 +97,12 @@ RUN_ID = "verify-bench"
 EVAL_PROMPTS = 500
 
 
-NAMES = ["boot", "learner", "peer0", "peer1", "attacker"]
+NAMES = ["boot", "learner", "peer0", "peer1", "attacker", *(f"attacker{i}" for i in range(1, ROTATIONS))]
+
+
+def attacker_key(i: int) -> str:
+    """The name of the key the attacker uses after `i` bans."""
+    return "attacker" if i == 0 else f"attacker{i}"
 
 
 def identity(name: str) -> Identity:
@@ -125,30 +139,43 @@ def run_one(root: Path, keys: Path, attack: str, *, verify: bool, versions: int,
         _wait_line(learner, _is_ready, 240, "ready")
         for i in range(2):
             swarm.spawn(f"peer{i}", ["join", *common, "--learner", peer_id("learner"), "--key-file", str(keys / f"peer{i}.key")], cpus=OTHER_CPUS)
-        attacker: Child | None = None
-        if attack != "clean":
-            how = [LATE[attack], "--after", str(AFTER)] if attack in LATE else [attack]
-            attacker = swarm.spawn(
-                "attacker", [*how, *common, "--learner", peer_id("learner"), "--key-file", str(keys / "attacker.key")], cpus=OTHER_CPUS,
+        attackers: list[Child] = []
+
+        def spawn_attacker(i: int) -> None:
+            how = ([LATE[attack], "--after", str(AFTER)] if attack in LATE else
+                   [ROTATING, "--after", str(ROTATING_AFTER)] if attack == "rotating" else [attack])
+            name = attacker_key(i)
+            attackers.append(swarm.spawn(
+                name, [*how, *common, "--learner", peer_id("learner"), "--key-file", str(keys / f"{name}.key")], cpus=OTHER_CPUS,
                 module="benchmarks.attackers",
-            )
-        try:
-            learner.proc.wait(seconds + 300)
-        except Exception:  # noqa: BLE001 - stopped below, reported as not finished
-            pass
+            ))
+
+        if attack != "clean":
+            spawn_attacker(0)
+        deadline = time.monotonic() + seconds + 300
+        while learner.proc.poll() is None and time.monotonic() < deadline:
+            # A caught rotating attacker comes back at once under its next key (a new identity).
+            if attack == "rotating" and len(attackers) < ROTATIONS and attackers[-1].proc.poll() is None:
+                metrics = runs / RUN_ID / "metrics.jsonl"
+                current = peer_id(attacker_key(len(attackers) - 1))
+                if metrics.exists() and any(r.get("event") == "caught" and r.get("peer") == current for r in read_metrics(metrics)):
+                    attackers[-1].proc.terminate()
+                    attackers[-1].proc.wait(30)
+                    spawn_attacker(len(attackers))
+            time.sleep(1.0)
     finally:
         swarm.stop_all()
     run_dir = runs / RUN_ID
     summary = json.loads((run_dir / "summary.json").read_text())
     records = read_metrics(run_dir / "metrics.jsonl")
-    published = [json.loads(line) for line in attacker.stdout_path.read_text().splitlines() if line.startswith("{")] if attacker else []
-    return measure(attack, verify, summary, records, published, run_dir)
+    published = [json.loads(line) for a in attackers for line in a.stdout_path.read_text().splitlines() if line.startswith("{")]
+    return measure(attack, verify, summary, records, published, run_dir, keys_used=len(attackers))
 
 
 def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[dict[str, Any]], published: list[dict[str, Any]],
-            run_dir: Path) -> dict[str, Any]:
+            run_dir: Path, *, keys_used: int = 1) -> dict[str, Any]:
     honest = {peer_id("peer0"), peer_id("peer1")}
-    bad = peer_id("attacker")
+    bad = [peer_id(attacker_key(i)) for i in range(keys_used)]
     caught = [r for r in records if r.get("event") == "caught"]
     trained = summary.get("trained_groups", {})
     result: dict[str, Any] = {
@@ -170,18 +197,25 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
     }
     if attack != "clean":
         groups = sum(p["groups"] for p in published)
-        mine = [r for r in caught if r["peer"] == bad]
+        mine = [r for r in caught if r["peer"] in bad]
         lies = [p for p in published if p.get("lying", True)]
         first = min((p["wall"] for p in lies), default=None)
+        honest_first = AFTER if attack in LATE else ROTATING_AFTER if attack == "rotating" else 0
+        bad_trained = sum(trained.get(p, 0) for p in bad)
         result.update(
+            attacker_keys=len(bad),
             attacker_batches_published=len(published),
             attacker_groups_published=groups,
-            attacker_groups_trained=trained.get(bad, 0),
-            trained_share=round(trained.get(bad, 0) / max(1, groups), 4),
-            trained_share_of_all=round(trained.get(bad, 0) / max(1, sum(trained.values())), 4),
+            attacker_groups_trained=bad_trained,
+            # Groups of the batches it published lying (the honest first batches left out).
+            attacker_lying_groups_published=sum(p["groups"] for p in lies),
+            trained_share=round(bad_trained / max(1, groups), 4),
+            trained_share_of_all=round(bad_trained / max(1, sum(trained.values())), 4),
             caught={k: mine[0][k] for k in ("reason", "evidence", "batches", "version")} if mine else None,
+            keys_caught=len({r["peer"] for r in mine}),
             # Of the batches the learner opened up to the ban, how many lied (the honest ones first).
-            lying_batches_to_ban=mine[0]["batches"] - (AFTER if attack in LATE else 0) if mine else None,
+            lying_batches_to_ban=mine[0]["batches"] - honest_first if mine else None,
+            lying_batches_to_ban_per_key=[r["batches"] - honest_first for r in mine],
             ban_after_s=round(mine[0]["wall"] - first, 3) if mine and first is not None else None,
         )
     return result
