@@ -18,7 +18,12 @@ as large as `verify.budget` affords, per version its tokens claim, with that ver
    temperature, within the envelope measured for honest peers of the publisher's (engine,
    device, dtype) (echo_node/learner/calibration.py): per token, and on average over the checked tokens
    of a version. A pair never measured is refused only far outside every envelope measured and
-   warned about in between.
+   warned about in between. (b) Small batches pooled: over a publisher's checked tokens,
+   prod (1 + gap / mu) / 2 with mu = GAP_MARGIN x the envelope's mean gap is a test
+   supermartingale while its gaps have mean at most mu (each factor is >= 1/2 and has mean
+   <= 1), kept per publisher as an e-CUSUM like 5(b) and failed at 1 / `false_alarm`: a nudge
+   of every log-prob below what one small batch's mean test allows (mean + z sd / sqrt(n)
+   for a few dozen tokens) passes each batch alone and is caught pooled.
 5. `sampling`: the tokens were sampled as the run samples (temperature, nucleus), q being that
    distribution. (a) No token an honest sampler draws with q below `false_alarm` / V: tokens of
    q <= eps together are drawn with probability at most V * eps. (b) Over a publisher's checked
@@ -73,10 +78,18 @@ Budget: checks cost CPU seconds (of the checking thread) and may take `verify.bu
 learner's wall time since it started. A batch chosen for a check gets as many rows as the
 credit left affords at the measured cost per row, at least `min_rows`; a batch chosen while the
 credit does not afford `min_rows` is not checked (`over_budget`), unless its publisher is on
-probation: then `min_rows` rows are checked whatever the credit, so a newcomer's first update
+probation or not proven yet: then `min_rows` rows are checked whatever the credit, so a newcomer's first update
 waits for a small check, never a whole batch's. Rows are drawn uniformly at random (the
 publisher cannot tell which), so a forger who forges a share f of its rows is caught per checked
 batch with chance at least 1 - (1 - f)^rows.
+
+Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
+checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
+of its is judged exactly). Until then every batch of it is checked: the budget does not excuse
+one (it gets `min_rows` rows whatever the credit), and the intake drops one that finds no room
+to wait for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
+less in a step (`verify.unproven_share`, echo_node/replay.py). A refused message starts trust
+over; noise evidence is kept.
 
 Copies (`Copies`, in the intake's consumer): a group whose prompt and completions another
 publisher sent first is dropped as `copied`; the first publisher keeps credit. The fingerprint is
