@@ -159,6 +159,10 @@ SPOT_CHUNK_ROWS = 64
 # Check 4(b) takes honest peers' mean log-prob gap to be at most this many times the envelope's
 # mean (a run's prompts and model may round a little differently from the ones measured).
 GAP_MARGIN = 2.0
+# Check 6 keeps -log E in float16: a stored value is within NOISE_ULP of itself (the relative
+# rounding of float16's 11-bit significand) plus NOISE_SUBNORMAL (its smallest step) of the drawn one.
+NOISE_ULP = 2.0**-11
+NOISE_SUBNORMAL = 2.0**-24
 # The measured cost per checked row follows new checks with this weight (they vary with length).
 COST_EWMA = 0.3
 
@@ -551,8 +555,8 @@ class Verifier:
         gen = torch.Generator().manual_seed(batch_seed(self.run_id, batch.peer_id, version, batch.seq))
         keep = torch.tensor(rows)
         drawn = torch.empty(batch.num_samples, self._vocab)
-        # -log E per kept row and step, in float16: its absolute error (< 0.02 for E > 1e-14)
-        # is far below the rounding limit a deficit is judged by.
+        # -log E per kept row and step, in float16 (half the memory of float32); `_race` allows
+        # for its rounding (NOISE_ULP) before judging a deficit.
         neg_log = torch.empty(len(rows), steps, self._vocab, dtype=torch.float16)
         for t in range(steps):
             drawn.exponential_(1, generator=gen)  # what torch.multinomial draws for [rows, V]
@@ -855,7 +859,14 @@ def _race(logq: Tensor, targets: Tensor, on: Tensor, neg_log_e: Tensor | None, v
     score = logq + neg_log_e
     best = score.max(dim=-1)
     mine = score.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    deficit = (best.values - mine).masked_fill(~on, -1.0)
+    # The noise is kept in float16 (`_Noise`): each stored -log E is off by up to NOISE_ULP of
+    # itself (plus a subnormal's step), so a race two tokens honestly ran within that of each
+    # other may look lost. The deficit judged is what is left beyond that error: a token is
+    # never failed for the noise's rounding (an honest torch CPU peer lost races by 9e-4 nats
+    # of it, four times the fp32 rounding limit).
+    noise_of = neg_log_e.gather(-1, best.indices.unsqueeze(-1)).squeeze(-1).abs() + neg_log_e.gather(
+        -1, targets.unsqueeze(-1)).squeeze(-1).abs()
+    deficit = (best.values - mine - NOISE_ULP * noise_of - 2 * NOISE_SUBNORMAL).clamp(min=0.0).masked_fill(~on, -1.0)
     won = best.indices == targets
     collide = torch.logsumexp(2.0 * logq.masked_fill(logq == -math.inf, -1e30), dim=-1).exp()
     log_e = float(torch.log(0.5 * won.float() / collide + 0.5)[on].sum())

@@ -173,3 +173,26 @@ def test_the_false_alarm_rate_of_every_statistic_is_at_most_the_stated_one(
         got = verdicts(v, [sample_batch(v1, identity=who, seq=s, version=1) for s in range(3)])
         failed.append(any(r is not None for r in got))
     assert sum(failed) <= 6, failed
+
+
+def test_a_race_won_by_less_than_the_stored_noises_rounding_is_not_a_deficit() -> None:
+    """The checker keeps the replayed noise in float16. An honest token that won its race by
+    1e-4 nats against a rival whose -log E rounds up in float16 looks lost by ~1e-3, beyond the
+    fp32 rounding limit (2.3e-4): the deficit judged leaves out the noise's own rounding, so it
+    is 0 (an honest torch CPU peer was banned for this in an integration run), while a token
+    that lost by 0.05 still shows its loss."""
+    from echo_node.verify import _race
+
+    # Two noises either side of a float16 rounding midpoint: stored ~1e-3 apart the other way.
+    mid = 3.2998046875
+    exact = torch.tensor([mid + 1e-6, mid - 1e-6], dtype=torch.float64)
+    d = 1e-4 + 2e-6  # token 1's log q is higher by this: it wins the drawn race by 1e-4
+    logq = torch.tensor([[[math.log(0.5) - d / 2, math.log(0.5) + d / 2]]], dtype=torch.float32)
+    assert float((logq[0, 0, 1] + exact[1]) - (logq[0, 0, 0] + exact[0])) == pytest.approx(1e-4, abs=2e-6)
+    stored = exact.to(torch.float16).float().view(1, 1, 2)
+    assert float(logq[0, 0, 0] + stored[0, 0, 0] - logq[0, 0, 1] - stored[0, 0, 1]) > 1e-3  # looks lost by ~2e-3
+    on = torch.tensor([[True]])
+    race = _race(logq, torch.tensor([[1]]), on, stored, 3, ["g"])
+    assert race is not None and race.worst is not None and race.worst.value == 0.0
+    lost = _race(logq, torch.tensor([[1]]), on, torch.tensor([[[3.3, 3.25]]]), 3, ["g"])  # lost by 0.05 in the noise
+    assert lost is not None and lost.worst is not None and lost.worst.value > 0.04
