@@ -135,7 +135,7 @@ def test_unproven_publishers_share_one_quota_of_a_step_however_many_identities(i
 def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> None:
     """With proven groups admissible, unproven publishers (any number of identities) get at most
     share x N slots of a step; alone, they fill it (the learner does not wait for proven data)."""
-    buffer = ReplayBuffer(mode="async", staleness=4, capacity_groups=1000, max_share=0.5)
+    buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
     sybils = [f"sybil{i}" for i in range(20)]
     for i in range(8):
         buffer.offer(make_group(n=100 + i), 0, ("honest0", "honest1")[i % 2])
