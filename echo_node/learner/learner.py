@@ -687,7 +687,7 @@ class Learner:
                 await self._checkpoint()
 
     def _unproven(self, origin: str) -> bool:
-        """Whether `origin`'s groups are weighted as an unproven publisher's (echo_node/replay.py)."""
+        """Whether `origin`'s groups are weighted as an unproven publisher's (echo_node/learner/replay.py)."""
         return self.verifier is not None and not self.verifier.proven(origin)
 
     def _checkpoint_due(self) -> bool:

@@ -15,7 +15,7 @@ Bounds (peers are untrusted, so the buffer is what a flood fills first): at most
 oldest group *of the origin holding the most* goes, as "overload": a peer that floods evicts its
 own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
-Origins the learner has not proven yet (`unproven`, echo_node/verify.py: `Verifier.proven`)
+Origins the learner has not proven yet (`unproven`, echo_node/learner/spot_check.py: `Verifier.proven`)
 together get at most `unproven_share` of a step's slots while proven ones have admissible groups,
 and fill what those leave empty; their groups carry a loss weight (`step_weights`) so that they
 move a step by at most `unproven_share` of a full one, even when nobody else has data.

@@ -88,7 +88,7 @@ checks, or once check 6 proved that it draws the assigned noise (from then on ev
 of its is judged exactly). Until then every batch of it is checked: the budget does not excuse
 one (it gets `min_rows` rows whatever the credit), and the intake drops one that finds no room
 to wait for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
-less in a step (`verify.unproven_share`, echo_node/replay.py). A refused message starts trust
+less in a step (`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust
 over; noise evidence is kept.
 
 Copies (`Copies`, in the intake's consumer): a group whose prompt and completions another

@@ -76,7 +76,7 @@ class TrainGroup:
     # importance weights and the token mean (their "log-probs" are placeholders). None: all do.
     loss_masks: list[list[bool]] | None = None
     # The group's loss weight in its update (0 < weight <= 1): below 1 for a publisher the learner
-    # has not proven yet (echo_node/replay.py, `step_weights`). The update's learning rate is
+    # has not proven yet (echo_node/learner/replay.py, `step_weights`). The update's learning rate is
     # scaled by its used groups' mean weight (`PolicyOptimizer.step`).
     weight: float = 1.0
 

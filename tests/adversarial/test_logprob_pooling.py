@@ -1,4 +1,4 @@
-"""Check 4(b) (echo_node/verify.py): a publisher's log-prob gaps pooled over all its checked
+"""Check 4(b) (echo_node/learner/spot_check.py): a publisher's log-prob gaps pooled over all its checked
 batches. A batch of one group holds a few dozen tokens, where the per-batch mean test must allow
 the honest spread of so few (mean + z sd / sqrt(n)); a forger nudging every log-prob by less
 than that passes each batch alone. The pooled statistic, prod (1 + gap / mu) / 2 with mu twice

@@ -1,4 +1,4 @@
-"""Publishers the learner has not proven yet (echo_node/verify.py, `Verifier.proven`: fewer than
+"""Publishers the learner has not proven yet (echo_node/learner/spot_check.py, `Verifier.proven`: fewer than
 `trust_tokens` of their tokens passed checks, and, on a replayable engine, their noise not shown
 to be ours). Their batches never reach training unchecked, and together they move a step by at
 most `verify.unproven_share` of a full one, whoever else has data and however many identities

@@ -181,7 +181,7 @@ def test_a_race_won_by_less_than_the_stored_noises_rounding_is_not_a_deficit() -
     fp32 rounding limit (2.3e-4): the deficit judged leaves out the noise's own rounding, so it
     is 0 (an honest torch CPU peer was banned for this in an integration run), while a token
     that lost by 0.05 still shows its loss."""
-    from echo_node.verify import _race
+    from echo_node.learner.spot_check import _race
 
     # Two noises either side of a float16 rounding midpoint: stored ~1e-3 apart the other way.
     mid = 3.2998046875
