@@ -409,7 +409,10 @@ def _cmd_bootstrap(args: argparse.Namespace) -> int:
     from echo_node.net.p2p import p2p_settings
 
     net = args.net_config  # built and checked by check_inputs
-    _, signum = run_until_signal(partial(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True)))
+    _, signum = run_until_signal(
+        partial(run_bootstrap, _identity(args, "bootstrap"), p2p_settings(net, dht_server=True)),
+        on_ready=lambda addrs: _say(addrs[0]),
+    )
     return _exit_status(signum)
 
 
@@ -503,7 +506,7 @@ def _lead_learner(args: argparse.Namespace, cfg: Any, dist: Any) -> int:
     earlier = _mtime(summary_path)  # a summary an earlier run under this id left
     learner = Learner(cfg, identity, policy, fresh=args.fresh, dist=dist)
     try:
-        summary, signum = run_until_signal(learner.run, doing="writing the summary")
+        summary, signum = run_until_signal(learner.run, doing="writing the summary", on_ready=lambda ready: _say(json.dumps(ready)))
     finally:
         learner.trainer.close()  # releases the other ranks (sharded), also on an error
     if summary is not None:
@@ -511,6 +514,13 @@ def _lead_learner(args: argparse.Namespace, cfg: Any, dist: Any) -> int:
     else:
         _log_stopped(summary_path, cfg.run_id, signum, stale=earlier)
     return _exit_status(signum)
+
+
+def _say(line: str) -> None:
+    """A line for the program that started this one (the bootstrap's address, the learner's
+    ready record): stdout, flushed at once."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def _mtime(path: Path) -> float | None:

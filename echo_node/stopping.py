@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from types import FrameType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     import trio
@@ -126,40 +126,59 @@ async def _watch_signals(
             _exit_now(signum)
 
 
+def _unwrap_one(exc: Exception) -> Exception:
+    """The role's error as it raised it: the one nursery `run_until_signal` runs it in wraps an
+    error raised after the role was ready in a group of one."""
+    if isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+        return exc.exceptions[0]
+    return exc
+
+
 def _leaf_errors(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for inner in exc.exceptions for leaf in _leaf_errors(inner)]
     return [exc]
 
 
-def run_until_signal(fn: Callable[[], Awaitable[T]], *, doing: str = "") -> tuple[T | None, int | None]:
-    """`trio.run(fn)` until it returns or SIGINT/SIGTERM cancels it.
+def run_until_signal(
+    fn: Callable[..., Awaitable[T]], *, doing: str = "", on_ready: Callable[[Any], None] | None = None
+) -> tuple[T | None, int | None]:
+    """Run the role `fn` under `trio.run` until it returns or SIGINT/SIGTERM cancels it.
 
-    Returns fn's result (None if a signal cancelled it) and the stop signal's number (None if
-    none came). `doing` says, in the log line a signal brings, what the role does on its way out.
-    An error the role raises while stopping is logged, not raised: the operator asked it to stop,
-    and the exit status says it was stopped.
+    `fn` is started with `nursery.start`: it takes `task_status` and reports that it is ready
+    (serving, joined) with `task_status.started(value)`; `on_ready(value)` is then called (the
+    CLI prints the role's ready line from it). Returns fn's result (None if a signal cancelled
+    it) and the stop signal's number (None if none came). `doing` says, in the log line a signal
+    brings, what the role does on its way out. An error the role raises while stopping is
+    logged, not raised: the operator asked it to stop, and the exit status says it was stopped.
+    A role that returns without saying it is ready is an error (RuntimeError, trio's).
     """
     import trio
 
     state = _StopState()
-    if not state.watched:  # both ignored: nothing to stop on
-        return trio.run(fn), None
     result: list[T] = []
-    # The role's own error, raised after trio.run as the role raised it (the nursery here would
-    # wrap it in an exception group that `trio.run(fn)` does not add).
+    # The role's own error, raised after trio.run as the role raised it (the nurseries here
+    # would wrap it in an exception group that the role's own code did not raise).
     error: list[Exception] = []
+
+    async def role_task(*, task_status: trio.TaskStatus[Any]) -> None:
+        result.append(await fn(task_status=task_status))
 
     async def main() -> None:
         role = trio.CancelScope()
         async with trio.open_nursery() as nursery:
-            # Started (receiver open) before the role runs, so no signal can reach the role as
-            # KeyboardInterrupt: the role sees only a cancellation.
-            await nursery.start(partial(_watch_signals, state, role, doing))
+            if state.watched:  # else both are ignored: nothing to stop on
+                # Started (receiver open) before the role runs, so no signal can reach the role
+                # as KeyboardInterrupt: the role sees only a cancellation.
+                await nursery.start(partial(_watch_signals, state, role, doing))
             try:
                 with role:
-                    result.append(await fn())
+                    async with trio.open_nursery() as running:
+                        ready = await running.start(role_task)  # an error before it comes bare
+                        if on_ready is not None:
+                            on_ready(ready)
             except Exception as exc:
+                exc = _unwrap_one(exc)
                 if state.signum is None:
                     error.append(exc)
                     return

@@ -18,16 +18,14 @@ versions (no sooner than `checkpoint.min_interval_s` after the last) and at a st
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
-import sys
 import time
 from collections import Counter
 from functools import partial
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TypedDict
 
 import torch
 import trio
@@ -110,6 +108,17 @@ END_DRAIN_S = 1.0
 IO_RETRY_DELAYS_S = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
 
 
+class Ready(TypedDict):
+    """What `Learner.run` reports once ready; the CLI prints it as the learner's first stdout
+    line (JSON), which the demo, the tests and the benchmarks wait for."""
+
+    event: str  # "ready"
+    peer_id: str
+    addrs: list[str]
+    version: int  # the version this start goes on from (the one peers fetch first)
+    epoch: int
+
+
 class Learner:
     """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
     gap repair), `Trainer` (GRPO updates), `WeightPublisher` (versions on the data channel),
@@ -117,7 +126,7 @@ class Learner:
     and announcements."""
 
     def __init__(
-        self, cfg: RunConfig, identity: Identity, policy: Policy, *, stdout: TextIO = sys.stdout, fresh: bool = False,
+        self, cfg: RunConfig, identity: Identity, policy: Policy, *, fresh: bool = False,
         dist: DistInfo | None = None,
     ) -> None:
         """`dist`: this process is rank 0 of a torchrun job and the update is sharded over its
@@ -132,7 +141,6 @@ class Learner:
         self.resumed: Resumed | None = None
         self.identity = identity
         self.policy = policy
-        self.stdout = stdout
         # Tables the intake owns, also read here (demand, relays, the summary).
         self.peers = PeerBook(
             max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s, version=lambda: self.version
@@ -221,9 +229,11 @@ class Learner:
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    async def run(self) -> dict[str, Any]:
+    async def run(self, *, task_status: trio.TaskStatus[Ready] = trio.TASK_STATUS_IGNORED) -> dict[str, Any]:
         """Resume (or start) the run, then serve and train until the configured time or version
-        budget is spent or the task is cancelled; the summary and a checkpoint are written either way."""
+        budget is spent or the task is cancelled; the summary and a checkpoint are written either way.
+        Ready (`task_status.started`, a `Ready`) once peers can find the run, join it and fetch
+        its current version."""
         self._started = time.monotonic()
         blob = self._start()
         self._first_version = self.version  # where this incarnation began (updates/s counts from here)
@@ -235,7 +245,7 @@ class Learner:
                 await nursery.start(self._node_until, node_scope)
                 reason: RunEndReason = "stopped"
                 try:
-                    await self._serve_and_train(nursery, blob)
+                    await self._serve_and_train(nursery, blob, task_status)
                     reason = "finished"
                 finally:
                     with trio.CancelScope(shield=True):
@@ -266,7 +276,7 @@ class Learner:
         log.info("told the peers the run %s (version %d, epoch %d)", reason, ended.version, self.epoch)
         self._write({"event": "run_ended", "reason": reason, "version": ended.version, "epoch": self.epoch})
 
-    async def _serve_and_train(self, nursery: trio.Nursery, blob: Any) -> None:
+    async def _serve_and_train(self, nursery: trio.Nursery, blob: Any, task_status: trio.TaskStatus[Ready]) -> None:
         """Serve the run and train from `blob` (the version this start goes on from) until the
         budget is spent (returns) or the learner is cancelled; the host runs already."""
         await nursery.start(self.data.run)
@@ -288,8 +298,9 @@ class Learner:
                                   on_overflow=self.intake.overflowed,
                                   admit=self.intake.queue_admits)
         await self.node.provide(provider_key(self.cfg.run_id))
-        self._say({"event": "ready", "peer_id": self.node.peer_id, "addrs": self.node.addrs, "version": self.version,
-                   "epoch": self.epoch})
+        task_status.started(
+            Ready(event="ready", peer_id=self.node.peer_id, addrs=self.node.addrs, version=self.version, epoch=self.epoch)
+        )
         nursery.start_soon(self.intake.consume, self.node.messages(self.rollouts_topic))
         nursery.start_soon(self.intake.repair_loop, self.cfg.net.repair_interval_s)
         nursery.start_soon(self._provide_loop)
@@ -425,10 +436,6 @@ class Learner:
     def _checkpoint_failed(self, version: int, exc: OSError) -> None:
         self.io_errors["checkpoint"] += 1
         log.error("could not write the checkpoint of version %d (%s): a restart replays the journal since the last one", version, exc)
-
-    def _say(self, record: dict[str, Any]) -> None:
-        self.stdout.write(json.dumps(record) + "\n")
-        self.stdout.flush()
 
     # -- request handlers ----------------------------------------------------------------------
 

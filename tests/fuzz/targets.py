@@ -1324,9 +1324,7 @@ class LearnerIntake:
         tok = CharTokenizer()
         arch = tiny_llama_config(tok.vocab_size)
         policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
-        self._devnull = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the learner)
-        atexit.register(self._devnull.close)
-        self.learner = Learner(cfg, Identity.from_seed(b"\x01" * 32), policy, stdout=self._devnull)
+        self.learner = Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
         # The validator moved from Learner._validate/_deliver to Learner.intake.validate/deliver.
         intake = getattr(self.learner, "intake", None)
         if intake is not None and hasattr(intake, "validate"):
