@@ -301,7 +301,13 @@ class RolloutIntake:
         on_caught: Callable[[dict[str, Any]], None] = lambda record: None,
         verify: Verifier | None = None,
         ban_versions: int = 1000,
+        node: Gossip | None = None,
+        journal: Journal | None = None,
+        published: Callable[[int], bool] | None = None,
     ) -> None:
+        """`node`: the gossip node penalties and repair requests go to (None: neither);
+        `journal`: the learner's write-ahead journal (new seqs are journaled, so a restart
+        rebuilds the tracker); `published`: which version numbers the learner published."""
         self.run = run
         self.buffer = buffer
         self.peers = peers
@@ -325,12 +331,10 @@ class RolloutIntake:
         self._beside: trio.Nursery | None = None
         self._beside_checks = 0
         self._beside_by: Counter[str] = Counter()
-        self.node: Gossip | None = None
+        self.node = node
         self.tracker = SequenceTracker()
-        # Set by the learner: its write-ahead journal (new seqs are journaled, so a restart
-        # rebuilds the tracker), and which version numbers it published.
-        self.journal: Journal | None = None
-        self.published: Callable[[int], bool] | None = None
+        self.journal = journal
+        self.published = published
         # The learner's version when the tracker last forgot a publisher (see the module rules).
         self._forgot_at = -1
         # Messages seen missing from a publisher's sequence and never recovered by repair. They

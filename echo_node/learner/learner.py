@@ -34,10 +34,10 @@ from echo_node.config import RunConfig, VerifyConfig, to_dict
 from echo_node.learner.capacity_controller import CapacityController
 from echo_node.learner.evaluation import HeldOutEval, evaluator
 from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
-from echo_node.learner.journal import StorageFailed
+from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
 from echo_node.learner.progress import Progress, Totals
-from echo_node.learner.recovery import PreparedCheckpoint, Resumed, ResumeRefused, RunState
+from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunState
 from echo_node.learner.replay import ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
 from echo_node.learner.spot_check import Verifier
@@ -141,47 +141,20 @@ class Learner:
         self.resumed: Resumed | None = None
         self.identity = identity
         self.policy = policy
+        # Each part gets what it depends on when it is built, in this order: nothing is wired in
+        # afterwards. The write-ahead journal every part appends to, and the published versions.
+        journal = Journal(cfg.run_dir / "journal", max_segment_bytes=cfg.checkpoint.max_journal_bytes)
+        history = History()
         # Tables the intake owns, also read here (demand, relays, the summary).
         self.peers = PeerBook(
             max_peers=cfg.net.max_peers, ban_after=cfg.net.ban_after, ban_s=cfg.net.ban_s, version=lambda: self.version
         )
         self.buffer = ReplayBuffer(
             mode=cfg.rl.mode, staleness=cfg.rl.staleness, capacity_groups=cfg.rl.buffer_groups,
-            capacity_bytes=cfg.rl.buffer_bytes, max_share=cfg.verify.max_peer_share,
+            capacity_bytes=cfg.rl.buffer_bytes, max_share=cfg.verify.max_peer_share, journal=journal,
         )
         self.rollouts_topic = rollouts_topic(cfg.run_id)
         self.versions_topic = versions_topic(cfg.run_id)
-        # Spot checks need the weights of every version a rollout can still be admitted on.
-        self.verifier = Verifier(
-            cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
-            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
-            rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
-            engine_of=lambda peer: self.capacity.engine_of(peer),
-        ) if cfg.verify.enabled else None
-        self.intake = RolloutIntake(
-            run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
-            bans_path=cfg.run_dir / "bans.log", on_first_accept=self._first_accept, verify=self.verifier,
-            on_accept=lambda peer, version, n: self.capacity.accepted(peer, version, n, trio.current_time()),
-            on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
-            ban_versions=cfg.verify.ban_versions,
-        )
-        self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
-        self.intake.node = self.node
-        self.data = DataServer(
-            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
-        )
-        self.data.ban_s = cfg.net.ban_s
-        # A peer the data channel caught sending a bad frame or piece, or asking without reading,
-        # is banned from the run at once (no honest peer does either), rollouts and joins alike.
-        self.data.on_ban = lambda peer, why: self.intake.ban(peer, f"data channel: {why}")
-        # Every rl.publish_every-th version becomes fetchable (weights.published).
-        self.weights = WeightPublisher(
-            identity, cfg.run_id, self.data, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions
-        )
-        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
-        self.profile = Profile()
-        self.trainer = Trainer(cfg, policy, self.buffer, dist=dist)
-        self.trainer.profile = self.profile
         # Which peers generate, and κ with rl.publish_auto (echo_node/learner/capacity_controller.py).
         rl = cfg.rl
         auto = rl.publish_auto and rl.mode == "async"
@@ -189,10 +162,39 @@ class Learner:
             cfg.capacity, rollouts_per_update=rl.groups_per_step * rl.group_size, staleness=rl.staleness,
             kappa=max(1, rl.staleness - 1) if auto else rl.publish_every, auto_kappa=auto, pipelined=rl.mode == "async",
         )
+        # Spot checks need the weights of every version a rollout can still be admitted on.
+        self.verifier = Verifier(
+            cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
+            temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
+            rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
+            engine_of=self.capacity.engine_of,
+        ) if cfg.verify.enabled else None
+        self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
+        self.intake = RolloutIntake(
+            run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
+            bans_path=cfg.run_dir / "bans.log", on_first_accept=self._first_accept, verify=self.verifier,
+            on_accept=lambda peer, version, n: self.capacity.accepted(peer, version, n, trio.current_time()),
+            on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
+            ban_versions=cfg.verify.ban_versions, node=self.node, journal=journal, published=history.published,
+        )
+        # Every rl.publish_every-th version becomes fetchable (weights.published), from the data
+        # server the publisher builds (it resolves the deltas peers ask for). A peer the data
+        # channel caught sending a bad frame or piece, or asking without reading, is banned from
+        # the run at once (no honest peer does either), rollouts and joins alike.
+        self.weights = WeightPublisher(
+            identity, cfg.run_id, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions,
+            data_server=partial(
+                DataServer, identity, cfg.run_id, bind_host=listen_host(cfg.net.listen),
+                advertise_host=self.node.advertise_host, port=cfg.net.data_port, ban_s=cfg.net.ban_s,
+                on_ban=lambda peer, why: self.intake.ban(peer, f"data channel: {why}"),
+            ),
+        )
+        self.data = self.weights.data
+        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
+        self.profile = Profile()
+        self.trainer = Trainer(cfg, policy, self.buffer, dist=dist, journal=journal, profile=self.profile)
         # Checkpoints, the journal and the history of published versions.
-        self.state = RunState(self)
-        self.buffer.journal = self.trainer.journal = self.intake.journal = self.state.journal
-        self.intake.published = self.state.history_published
+        self.state = RunState(self, journal, history)
         self._journal_lock = trio.Lock()
         # Writes of the journal and checkpoints that failed (retried, or skipped for checkpoints).
         self.io_errors: Counter[str] = Counter()

@@ -91,13 +91,13 @@ class History:
     def to_json(self) -> list[list[Any]]:
         return [[v, sha.hex(), size] for v, (sha, size) in self.versions.items()]
 
-    @classmethod
-    def from_json(cls, rows: list[list[Any]], last: int) -> History:
-        history = cls()
+    def restore(self, rows: list[list[Any]], last: int) -> None:
+        """Become the history `to_json` wrote (in place: the intake holds `published`)."""
+        self.versions.clear()
+        self.last = -1
         for v, sha, size in rows:
-            history.add(int(v), bytes.fromhex(sha), int(size))
-        history.last = max(history.last, last)
-        return history
+            self.add(int(v), bytes.fromhex(sha), int(size))
+        self.last = max(self.last, last)
 
 
 @dataclass(slots=True)
@@ -174,18 +174,16 @@ class LearnerParts(Protocol):
 class RunState:
     """Writes a learner's checkpoints and resumes it from them."""
 
-    def __init__(self, learner: LearnerParts) -> None:
+    def __init__(self, learner: LearnerParts, journal: Journal, history: History) -> None:
+        """`journal`: the one the learner's parts append to; `history`: the published versions,
+        restored in place by a resume."""
         self.learner = learner
         cfg = learner.cfg
         self.store = CheckpointStore(cfg.run_dir, keep=cfg.checkpoint.keep)
-        self.journal = Journal(cfg.run_dir / "journal", max_segment_bytes=cfg.checkpoint.max_journal_bytes)
-        self.history = History()
+        self.journal = journal
+        self.history = history
         self.checkpoints_written = 0
         self.checkpoint_s = 0.0
-
-    def history_published(self, version: int) -> bool:
-        """`History.published` of the current history (a resume replaces the object)."""
-        return self.history.published(version)
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -351,7 +349,7 @@ class RunState:
         buffer.ledger.trained = int(ledger["trained"])
         buffer.ledger.dropped.update({str(k): int(v) for k, v in ledger["dropped"].items()})
         buffer.trained_groups.update({str(k): int(v) for k, v in state.get("trained_groups", {}).items()})
-        self.history = History.from_json(state["history"], int(state.get("last_published", -1)))
+        self.history.restore(state["history"], int(state.get("last_published", -1)))
         peers, p = ln.peers, state["peers"]
         peers.accepted.update(p.get("accepted", {}))
         peers.batches.update(p.get("batches", {}))

@@ -79,7 +79,8 @@ def group_bytes(group: RolloutGroup) -> int:
 
 class ReplayBuffer:
     def __init__(
-        self, *, mode: str, staleness: int, capacity_groups: int, capacity_bytes: int = 1 << 62, max_share: float = 1.0
+        self, *, mode: str, staleness: int, capacity_groups: int, capacity_bytes: int = 1 << 62, max_share: float = 1.0,
+        journal: Journal | None = None,
     ) -> None:
         if capacity_groups < 1 or capacity_bytes < 1:
             raise ValueError("capacity_groups and capacity_bytes must be >= 1")
@@ -98,7 +99,7 @@ class ReplayBuffer:
         self.bytes = 0
         # Groups trained per origin, over the run (one count per peer that ever had one trained).
         self.trained_groups: Counter[str] = Counter()
-        self.journal: Journal | None = None
+        self.journal = journal
         self._gid: dict[int, int] = {}
         self.next_gid = 0
 

@@ -49,7 +49,10 @@ log = logging.getLogger(__name__)
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, policy: Policy, buffer: ReplayBuffer, *, dist: DistInfo | None = None) -> None:
+    def __init__(
+        self, cfg: RunConfig, policy: Policy, buffer: ReplayBuffer, *, dist: DistInfo | None = None,
+        journal: Journal | None = None, profile: Profile | None = None,
+    ) -> None:
         """`dist`: this is rank 0 of a torchrun job; the update is sharded over every rank
         (`sharded_learner`), and `policy.model` stays rank 0's unsharded copy of the weights,
         refreshed after every update (publications, checkpoints and spot checks read it)."""
@@ -67,9 +70,9 @@ class Trainer:
             self.sharded = self.optimizer = sharded_learner(cfg, policy, dist, copy.deepcopy(policy.model))
             # Every rank starts from rank 0's weights, whatever each loaded or initialised.
             self.sharded.load(canonical_state(policy.model))
-        self.journal: Journal | None = None
+        self.journal = journal
         # Times each step as stage "train_step" (echo_node/learner/profile.py); None: untimed.
-        self.profile: Profile | None = None
+        self.profile = profile
         self.trained_rewards: list[float] = []
         self.train_errors = 0
         # Batches dropped as no_signal (no version made of them).

@@ -58,19 +58,21 @@ class WeightPublisher:
         self,
         identity: Identity,
         run_id: str,
-        data: DataServer,
         *,
         members: Container[str],
         relays: Mapping[str, tuple[str, int]],
         keep_versions: int,
+        data_server: Callable[..., DataServer],
     ) -> None:
+        """`data_server` builds the learner's data server, given `resolve=`: the publisher
+        answers the deltas peers ask for that it has not cut yet (`delta_on_demand`)."""
         self.identity = identity
         self.run_id = run_id
-        self.data = data
+        self.data = data_server(resolve=self.delta_on_demand)
         # Live tables of the learner (joined peers, proven data addresses), by reference.
         self.members = members
         self.relays = relays
-        self.served = Served(data, keep_versions)
+        self.served = Served(self.data, keep_versions)
         self.sources: dict[tuple[int, int], Source] = {}
         # The newest version peers can fetch.
         self.published = 0
@@ -85,7 +87,6 @@ class WeightPublisher:
         self._building: dict[tuple[int, int], trio.Event] = {}
         self._next_delta_try = 1
         self._delta_retry = DELTA_RETRY_VERSIONS
-        data.resolve = self.delta_on_demand
 
     def open_store(self, directory: Path) -> None:
         """Keep versions as files in `directory` from now on (before the first version)."""

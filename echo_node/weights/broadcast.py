@@ -335,7 +335,8 @@ class DataServer:
 
     def __init__(
         self, identity: Identity, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0,
-        caps: Caps | None = None,
+        caps: Caps | None = None, ban_s: float = DATA_BAN_S, on_ban: Callable[[str, str], None] | None = None,
+        resolve: Callable[[int, int], Awaitable[VersionHandler | None]] | None = None,
     ) -> None:
         self.identity = identity
         self.inbound = Inbound(caps or listener_caps(DATA_CHANNEL), name="data channel")
@@ -349,13 +350,13 @@ class DataServer:
         # Peers caught sending a bad piece or frame -> wall-clock end of their ban, for every
         # version this node serves or fetches; `on_ban` tells the owner (the learner penalizes).
         self.bans: dict[str, float] = {}
-        self.ban_s = DATA_BAN_S
-        self.on_ban: Callable[[str, str], None] | None = None
+        self.ban_s = ban_s
+        self.on_ban = on_ban
         self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
         # Asked for a (version, base) that is not registered while the version is: the owner may
         # make it now (the learner cuts a delta against an older base) or answer None.
-        self.resolve: Callable[[int, int], Awaitable[VersionHandler | None]] | None = None
+        self.resolve = resolve
 
     def register(self, version: int, handler: VersionHandler, *, base: int = FULL) -> None:
         self._handlers[(version, base)] = handler
@@ -567,7 +568,7 @@ class Receiver:
 
     def __init__(
         self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0,
-        into: bytearray | memoryview | mmap.mmap | None = None,
+        into: bytearray | memoryview | mmap.mmap | None = None, connect: Connector = tcp_connect,
     ) -> None:
         self.server = server
         self.identity = server.identity
@@ -594,7 +595,7 @@ class Receiver:
         self._relay_busy_since: float | None = None
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self.connect: Connector = tcp_connect
+        self.connect = connect  # how links to other peers are opened (a test's own transport)
 
     # -- connections -------------------------------------------------------------------------
 
@@ -819,8 +820,7 @@ async def receive_version(
     """After `open_version`: register a receiver for the manifest and download the payload
     (`on_start` is handed the receiver first, e.g. to watch its progress; `into`: a buffer of
     the manifest's payload size to assemble it in, e.g. a mapped file)."""
-    receiver = Receiver(server, manifest, source_id=learner_id, into=into)
-    receiver.connect = connect
+    receiver = Receiver(server, manifest, source_id=learner_id, into=into, connect=connect)
     if on_start is not None:
         on_start(receiver)
     server.register(manifest.version, receiver, base=base_of(manifest))
