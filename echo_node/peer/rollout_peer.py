@@ -503,13 +503,13 @@ class SeqReservation:
 class RolloutPublisher:
     """Signs and gossips rollout batches, one seq each, and answers gap repair from its history."""
 
-    def __init__(self, cfg: RunConfig, identity: Identity, node: Any) -> None:
+    def __init__(self, cfg: RunConfig, identity: Identity, node: Any, *, metrics: MetricsWriter | None = None) -> None:
         self.cfg = cfg
         self.identity = identity
         self.node = node
         self.reservation = SeqReservation(cfg.run_dir / "peers" / f"{identity.peer_id}.seq")
         self.seq = self.reservation.first
-        self.metrics: MetricsWriter | None = None
+        self.metrics = metrics
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
         self.published_rollouts = 0
@@ -574,6 +574,8 @@ class RolloutPublisher:
 
 
 class RolloutPeer:
+    """A volunteer's node: joins a run, then runs a `JoinedPeer`, built whole once joined."""
+
     # What samples and what publishes; the attack benchmarks swap in their own (benchmarks/attackers.py).
     generator_class: type[Generator] = Generator
     publisher_class: type[RolloutPublisher] = RolloutPublisher
@@ -583,21 +585,61 @@ class RolloutPeer:
         self.identity = identity
         self.node = P2PNode(identity, p2p_settings(cfg.net))
         self.data = DataServer(
-            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host, port=cfg.net.data_port
+            identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host,
+            port=cfg.net.data_port, ban_s=cfg.net.ban_s,
         )
-        self.data.ban_s = cfg.net.ban_s
-        self.publisher = self.publisher_class(cfg, identity, self.node)
-        self.follower: WeightFollower | None = None  # once joined
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Join, then follow, generate and publish until the run finishes (returns) or the task
+        is cancelled; ready (`task_status.started`) once the first weights are installed."""
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.node.run)
+            await nursery.start(self.data.run)
+            session = await join_run(self.cfg, self.node, self.data)
+            # Written only once joined: a join that fails leaves nothing behind.
+            metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
+            try:
+                metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
+                               "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
+                joined = JoinedPeer(
+                    self.cfg, self.identity, self.node, self.data, session, metrics,
+                    publisher_class=self.publisher_class, generator_class=self.generator_class,
+                )
+                await joined.run(task_status=task_status)
+                nursery.cancel_scope.cancel()  # the run finished: the host and data server go too
+            finally:
+                metrics.close()
+
+
+class JoinedPeer:
+    """A rollout peer in a run, built once `join_run` returned: its publisher, weight follower
+    and generator, its operator's view (status line, Prometheus snapshot), and the end of the run."""
+
+    def __init__(
+        self, cfg: RunConfig, identity: Identity, node: P2PNode, data: DataServer, session: Session, metrics: MetricsWriter,
+        *, publisher_class: type[RolloutPublisher] = RolloutPublisher, generator_class: type[Generator] = Generator,
+    ) -> None:
+        self.cfg = cfg
+        self.node = node
+        self.session = session
+        self.metrics = metrics
+        self.publisher = publisher_class(cfg, identity, node, metrics=metrics)
+        self.follower = WeightFollower(
+            cfg, node, data, session, metrics=metrics, rejoin=partial(rejoin, cfg, node, data, session),
+            versions_dir=cfg.run_dir / "peers" / f"{node.peer_id}.versions",
+            device="cuda" if cfg.rollout.engine == "vllm" else str(session.policy.device),
+        )
+        self.generator = generator_class(cfg, session, self.follower, self.publisher)
 
     def snapshot(self) -> dict[str, Any]:
         """What this peer's operator sees (its Prometheus endpoint, its status line)."""
         f = self.follower
         return {
-            "installed_version": -1 if f is None else f.installed_version,
+            "installed_version": f.installed_version,
             "rollouts_published": self.publisher.published_rollouts,
-            "bytes_up": 0 if f is None else f.bytes_relayed(),
-            "bytes_down": 0 if f is None else f.bytes_received(),
-            "active": 1 if f is None or f.active else 0,
+            "bytes_up": f.bytes_relayed(),
+            "bytes_down": f.bytes_received(),
+            "active": 1 if f.active else 0,
             "price_per_hour": self.cfg.rollout.price_per_hour,
         }
 
@@ -612,12 +654,11 @@ class RolloutPeer:
                 "active" if s["active"] else "standby (the learner has enough peers; following weights)",
             )
 
-    async def _until_run_ends(self, scope: trio.CancelScope, metrics: MetricsWriter) -> None:
+    async def _until_run_ends(self, scope: trio.CancelScope) -> None:
         """The learner said its run ended (RunEnded): "finished", leave with a summary line (the
         process exits 0); "stopped", wait for a restart (the follower stands this peer by and
         looks for the learner for net.learner_outage_s)."""
-        follower = self.follower
-        assert follower is not None
+        follower, metrics = self.follower, self.metrics
         t0 = time.monotonic()
         while True:
             await follower.run_ended.wait()
@@ -640,29 +681,16 @@ class RolloutPeer:
             return
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve repairs, follow the weights, generate and publish until the run finishes
+        (returns) or the task is cancelled; ready once the first weights are installed."""
         async with trio.open_nursery() as nursery:
-            await nursery.start(self.node.run)
-            await nursery.start(self.data.run)
-            session = await join_run(self.cfg, self.node, self.data)
-            # Written only once joined: a join that fails leaves nothing behind.
-            metrics = MetricsWriter(self.cfg.run_dir / "peers" / f"{self.node.peer_id}.jsonl")
-            try:
-                metrics.write({"event": "joined", "wall": time.time(), "peer": self.node.peer_id,
-                               "addrs": self.node.addrs, "data": f"{self.data.host}:{self.data.port}"})
-                self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=session.learner.peer_id))
-                self.publisher.metrics = metrics
-                self.follower = WeightFollower(
-                    self.cfg, self.node, self.data, session, metrics=metrics, rejoin=partial(rejoin, self.cfg, self.node, self.data, session),
-                    versions_dir=self.cfg.run_dir / "peers" / f"{self.node.peer_id}.versions",
-                )
-                self.follower.device = "cuda" if self.cfg.rollout.engine == "vllm" else str(session.policy.device)
-                await nursery.start(self.follower.run)  # the initial weights, before the first token
-                task_status.started()
-                nursery.start_soon(self._status_line)
-                nursery.start_soon(self._until_run_ends, nursery.cancel_scope, metrics)
-                if self.cfg.net.metrics_port is not None:
-                    net = self.cfg.net
-                    await nursery.start(run_exporter, "peer", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
-                await self.generator_class(self.cfg, session, self.follower, self.publisher).run()
-            finally:
-                metrics.close()
+            self.node.set_stream_handler(rpc.REPAIR, partial(self.publisher.serve_repair, learner=self.session.learner.peer_id))
+            await nursery.start(self.follower.run)  # the initial weights, before the first token
+            task_status.started()
+            nursery.start_soon(self._status_line)
+            nursery.start_soon(self._until_run_ends, nursery.cancel_scope)
+            if self.cfg.net.metrics_port is not None:
+                net = self.cfg.net
+                await nursery.start(run_exporter, "peer", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
+            await self.generator.run()
+

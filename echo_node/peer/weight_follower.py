@@ -127,7 +127,7 @@ class Joined(Protocol):
 class WeightFollower:
     def __init__(
         self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None,
-        rejoin: Callable[[], Awaitable[None]] | None = None, versions_dir: Path | None = None,
+        rejoin: Callable[[], Awaitable[None]] | None = None, versions_dir: Path | None = None, device: str = "",
     ) -> None:
         self.cfg = cfg
         self.node = node
@@ -188,7 +188,7 @@ class WeightFollower:
         # Set when a version was verified and handed over: the next heartbeat goes at once.
         self._installed = trio.Event()
         # The device this peer's engine runs on, for the heartbeat.
-        self.device = ""
+        self.device = device
         # The newest version the learner told of, and its demand (groups per version).
         self.newest: Target | None = None
         self.demand = cfg.rollout.groups_per_batch
