@@ -71,10 +71,11 @@ def test_one_source_flooding_cuts_only_its_own_connections() -> None:
     server = DataServer(SERVER, "run-1", caps=SMALL)
     server.inbound.exempt_loopback = False
     answered: list[bool] = []
+    flooded = trio.Event()
 
     async def slow_honest(port: int) -> None:
         stream = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.3")
-        await trio.sleep(0.5)  # connected first, says its hello only after the flood
+        await flooded.wait()  # connected first, says its hello only after the flood
         await stream.aclose()
         await probe(HONEST, "run-1", SERVER.peer_id, "127.0.0.1", port, connect=from_address("127.0.0.3"))
         answered.append(True)
@@ -84,12 +85,17 @@ def test_one_source_flooding_cuts_only_its_own_connections() -> None:
         async with trio.open_nursery() as nursery:
             port = await nursery.start(server.run)
             nursery.start_soon(slow_honest, port)
-            await trio.sleep(0.05)
-            await flood(port, 50, "127.0.0.2", held)
-            await trio.sleep(0.2)
+            with trio.fail_after(30):  # events, not time: steady on a loaded machine
+                while server.inbound._pending_by.get("127.0.0.3") != 1:
+                    await trio.sleep(0.01)
+                await flood(port, 50, "127.0.0.2", held)
+                while server.inbound._pending_by.get("127.0.0.2", 0) < SMALL.pending_per_source:
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)  # the rest of the flood is cut, not admitted
             assert server.inbound._pending_by["127.0.0.2"] <= SMALL.pending_per_source
             assert server.inbound._pending_by["127.0.0.3"] == 1  # not cut by the other source's flood
-            with trio.fail_after(5):
+            flooded.set()
+            with trio.fail_after(30):
                 while not answered:
                     await trio.sleep(0.05)
             nursery.cancel_scope.cancel()
