@@ -588,15 +588,17 @@ class RolloutIntake:
             self.ingest(batch, origin)
 
     async def _passes(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> bool:
-        """Run `plan`'s spot check on `batch`; False if it failed (the publisher is caught) or
-        the publisher was banned meanwhile (the batch is counted either way)."""
+        """Run `plan`'s spot check on `batch`; False if it failed (the publisher is caught, once:
+        a check of another of its batches that ends after the ban only counts the drop) or the
+        publisher was banned meanwhile (the batch is counted either way)."""
         assert self.verify is not None
         async with self._spot_lock:
             failure = await trio.to_thread.run_sync(partial(self.verify.spot, batch, plan.groups, rows=plan.rows))
         if failure is not None:
             self.buffer.reject(failure.reason, batch.num_samples)
-            self._evidence = failure.evidence
-            self.caught(origin, failure.reason)
+            if not self.peers.is_banned(origin):
+                self._evidence = failure.evidence
+                self.caught(origin, failure.reason)
             return False
         if self.peers.is_banned(origin):  # caught while its batch was being checked
             self.buffer.reject(DropReason.BANNED, batch.num_samples)

@@ -212,6 +212,33 @@ def test_a_peer_caught_is_caught_once_though_more_of_its_batches_were_queued(lea
     assert learner.buffer.ledger.dropped == {"bad_logprobs": 32, "banned": 64}
 
 
+def test_a_check_that_fails_after_the_ban_does_not_catch_the_peer_again(learner: Learner) -> None:
+    """Checks beside the intake run for several batches of a young publisher: one that fails
+    after another already got it banned counts its drop, and the publisher stays caught once
+    (a second record, written after the ban reset its counts, said it was caught at batch 0)."""
+    learner.verifier = v = verifier(learner.policy.model, min_rows=1000)
+    learner.intake.verify = v
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+    other = perturbed(learner.policy.model, 0.05)
+    batches = [sample_batch(other, identity=MALLORY, seq=seq) for seq in (1, 2)]
+
+    async def go() -> list[bool]:
+        verdicts = []
+        for batch in batches:
+            learner.peers.batches[MALLORY.peer_id] += 1
+            plan = v.plan(batch)
+            assert plan is not None
+            verdicts.append(await learner.intake._passes(batch, MALLORY.peer_id, plan))
+        return verdicts
+
+    assert trio.run(go) == [False, False]
+    assert [(r["reason"], r["batches"]) for r in caught] == [("bad_logprobs", 1)]
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    assert learner.buffer.ledger.dropped == {"bad_logprobs": 64}
+
+
 def shifted(batch: RolloutBatch, by: float) -> RolloutBatch:
     """Every claimed log-prob moved by `by`: a forger's room inside (or outside) a tolerance."""
     return each_group(batch, lambda g: replace(g, samples=tuple(
