@@ -127,3 +127,31 @@ def test_a_batch_doomed_mid_generation_is_stopped() -> None:
     assert trio.run(main) is None
     assert len(steps) == 2  # stopped at the step after the announcement, not at the batch's end
     assert peer.batches_abandoned == 0  # not a stop: nothing to cancel
+
+
+def test_only_the_learners_own_announcement_can_doom_a_batch() -> None:
+    """A batch is dropped by the peer itself when an announcement puts the learner past S of its
+    weights, so a forged announcement of a far version would throw away every batch: the
+    versions topic's validator takes only the run's learner's signed word for its own run."""
+    from echo_node.net.discovery import PeerAddr
+    from protocol import Identity
+    from protocol.envelope import seal
+    from protocol.messages import VersionAnnounce
+
+    learner, mallory = Identity.from_seed(b"\x61" * 32), Identity.from_seed(b"\x62" * 32)
+    peer = peer_on_version(3, demand=6)
+    peer.spec.staleness = 2
+    peer.follower.session = SimpleNamespace(learner=PeerAddr(learner.peer_id, []))
+
+    def announce(run_id: str, version: int) -> VersionAnnounce:
+        return VersionAnnounce(run_id=run_id, version=version, size=10, sha256=b"\7" * 32, demand_groups=6, epoch=0)
+
+    validate = peer.follower._validate_announce
+    far = announce("run-1", 10**6)
+    assert not validate(mallory.peer_id, mallory.peer_id, seal(far, mallory))  # signed by another key
+    assert not validate(learner.peer_id, learner.peer_id, seal(announce("run-2", 10**6), learner))  # another run
+    assert not validate(learner.peer_id, learner.peer_id, seal(far, learner)[:-1])  # torn
+    assert not peer.doomed(3)
+    assert validate(learner.peer_id, learner.peer_id, seal(far, learner))
+    peer.follower.offer(Target(far.version, far.size, far.sha256, far.demand_groups, far.epoch))
+    assert peer.doomed(3)
