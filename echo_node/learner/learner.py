@@ -181,8 +181,11 @@ class Learner:
         # server the publisher builds (it resolves the deltas peers ask for). A peer the data
         # channel caught sending a bad frame or piece, or asking without reading, is banned from
         # the run at once (no honest peer does either), rollouts and joins alike.
+        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
+        self.profile = Profile()
         self.weights = WeightPublisher(
             identity, cfg.run_id, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions,
+            profile=self.profile,
             data_server=partial(
                 DataServer, identity, cfg.run_id, bind_host=listen_host(cfg.net.listen),
                 advertise_host=self.node.advertise_host, port=cfg.net.data_port, ban_s=cfg.net.ban_s,
@@ -190,8 +193,6 @@ class Learner:
             ),
         )
         self.data = self.weights.data
-        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
-        self.profile = Profile()
         self.trainer = Trainer(cfg, policy, self.buffer, dist=dist, journal=journal, profile=self.profile)
         # Checkpoints, the journal and the history of published versions.
         self.state = RunState(self, journal, history)
@@ -780,8 +781,13 @@ class Learner:
         await self._flush_journal()
         if self.verifier is not None:  # before a peer can learn of the version
             self.verifier.remember(version, blob)
-        with self.profile.stage("offer_and_delta"):  # wall: the delta's encode runs in worker threads
-            await self.weights.publish(version, blob, manifest)
+        # Fetchable in full once `start` returns; the up-front delta is cut after the announcement
+        # (inline, before it, in a learner driven update by update outside `run`).
+        with self.profile.stage("offer"):
+            if self._nursery is not None:
+                await self._nursery.start(self.weights.publish, version, blob, manifest)
+            else:
+                await self.weights.publish(version, blob, manifest)
         self._demand = self._ask()
         announce = VersionAnnounce(
             run_id=self.cfg.run_id,

@@ -2,9 +2,9 @@
 broadcast source on the data channel, full and, when it pays, as a delta.
 
 Rules:
-- Every published version is offered full. It is also offered up front as a delta against the
-  previously published version (which most peers hold) when that saves at least
-  `DELTA_MIN_SAVING` of the bytes; a peer that skipped versions asks for a delta against the
+- Every published version is offered full, and announced as soon as it is. It is also offered
+  as a delta against the previously published version (which most peers hold) when that saves
+  at least `DELTA_MIN_SAVING` of the bytes, cut after the announcement (`publish`); a peer that skipped versions asks for a delta against the
   newest one it holds, cut on demand once and then served to (and relayed among) every peer that
   asks.
 - A delta is cut only when a sampled estimate (`estimate_delta_ratio`) says it may pay; after a
@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from echo_node.learner.profile import Profile
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
 from echo_node.weights.delta_encoder import encode_delta, worker_count
 from echo_node.weights.store import VersionStore
@@ -63,11 +64,14 @@ class WeightPublisher:
         relays: Mapping[str, tuple[str, int]],
         keep_versions: int,
         data_server: Callable[..., DataServer],
+        profile: Profile | None = None,
     ) -> None:
         """`data_server` builds the learner's data server, given `resolve=`: the publisher
-        answers the deltas peers ask for that it has not cut yet (`delta_on_demand`)."""
+        answers the deltas peers ask for that it has not cut yet (`delta_on_demand`). Delta
+        encodes are timed as `profile`'s `delta_encode` stage."""
         self.identity = identity
         self.run_id = run_id
+        self.profile = profile or Profile()
         self.data = data_server(resolve=self.delta_on_demand)
         # Live tables of the learner (joined peers, proven data addresses), by reference.
         self.members = members
@@ -87,6 +91,7 @@ class WeightPublisher:
         self._building: dict[tuple[int, int], trio.Event] = {}
         self._next_delta_try = 1
         self._delta_retry = DELTA_RETRY_VERSIONS
+        self._cutting = False
 
     def open_store(self, directory: Path) -> None:
         """Keep versions as files in `directory` from now on (before the first version)."""
@@ -121,19 +126,31 @@ class WeightPublisher:
         self._no_delta = {k for k in self._no_delta if k[0] in self.served}
         return source
 
-    async def publish(self, version: int, blob: Any, manifest: WeightManifest | None = None) -> WeightManifest:
-        """Offer `version` (`blob` is its weights) in full and, up front when it pays, as a
-        delta against the previously published one. Returns the full snapshot's manifest."""
+    async def publish(
+        self, version: int, blob: Any, manifest: WeightManifest | None = None,
+        *, task_status: trio.TaskStatus[WeightManifest] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Offer `version` (`blob` is its weights) in full, report the full snapshot's manifest
+        (the version is fetchable then: `nursery.start` returns and the learner announces it),
+        then cut the up-front delta against the previously published version when it may pay.
+
+        The announcement never waits for that cut: it is as long as reading both versions
+        through zstd (~20 s for 135M fp32 parameters on a CPU core), longer than a full fetch
+        on a fast link, and a peer that asks for the delta meanwhile waits for this one encode
+        (`delta_on_demand`). One up-front cut runs at a time; a version published while one
+        runs gets none up front (a peer that wants it asks, and it is cut on demand)."""
         previous = self.published
         key = (version, previous)
-        up_front = version >= self._next_delta_try and key not in self._building
+        up_front = version >= self._next_delta_try and key not in self._building and not self._cutting
         # Claimed before the version is registered: a peer that asks for this very delta while
         # it is being cut waits for this encode (`delta_on_demand`) instead of starting another.
         if up_front:
             self._building[key] = trio.Event()
+            self._cutting = True
         try:
-            manifest = self.offer(version, blob, manifest).store.manifest
+            full = self.offer(version, blob, manifest).store.manifest
             self.published = version
+            task_status.started(full)
             if up_front:
                 if await self._offer_delta(version, previous) is None:
                     self._next_delta_try = version + self._delta_retry
@@ -142,9 +159,9 @@ class WeightPublisher:
                     self._delta_retry = DELTA_RETRY_VERSIONS
         finally:
             if up_front:
+                self._cutting = False
                 self._building.pop(key).set()
             self.store.release(version, previous)
-        return manifest
 
     def manifest(self, version: int) -> WeightManifest:
         """The full snapshot's manifest of a served version."""
@@ -188,7 +205,10 @@ class WeightPublisher:
             self._no_delta.add((version, base))
             return None
         self.deltas_encoded += 1
-        delta = await trio.to_thread.run_sync(encode_delta, memoryview(blob), memoryview(previous))
+        # The encode stops at its next chunk when the learner stops (nothing waits for it then).
+        delta = await trio.to_thread.run_sync(
+            partial(self.profile.timed("delta_encode", encode_delta), memoryview(blob), memoryview(previous),
+                    check=trio.from_thread.check_cancelled))
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
             self._no_delta.add((version, base))
             return None

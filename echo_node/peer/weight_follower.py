@@ -11,8 +11,9 @@ Sync modes (Echo):
 
 Rules: a version goes live only with every piece verified against the learner's signed manifest
 and the whole payload against the announced digest; a delta is asked for when the peer holds a
-base the learner still keeps, and after the learner said it has none, only full snapshots for
-`DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
+base the learner still keeps, and waited for at most as long as the last full snapshot took to
+fetch (the learner may still be cutting it); after the learner said it has none, or was slower,
+only full snapshots for `DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
 until it is `keep_versions` old.
 
 Memory (docs/architecture.md, "Memory per parameter"): no weights are held as Python bytes.
@@ -75,8 +76,11 @@ class TransferAbandoned(Exception):
 # What a failed weight fetch looks like; the peer retries after a pause (by then a newer version
 # may be the target: "unavailable" means the learner already stopped serving this one).
 REFRESH_ERRORS = (*LINK_ERRORS, trio.TooSlowError, rpc.RequestFailed, RemoteProtocolError, Unavailable, TransferAbandoned)
-# After the learner said it has no delta for a version, ask only for full snapshots this long.
+# After the learner said it has no delta for a version, or was slower to deliver one than a
+# full snapshot takes to fetch, ask only for full snapshots this long.
 DELTA_BACKOFF_VERSIONS = 20
+# The shortest wait for a delta (a fast link's full fetch is no measure of a handshake).
+DELTA_WAIT_MIN_S = 5.0
 # Status checks double as a liveness probe of the learner in async mode. Announcements are
 # best effort and least reliable right after a (re)join (py-libp2p is still settling its gossip
 # streams: a restarted peer's first ~30 s of announcements were seen to go missing in the soak),
@@ -180,6 +184,8 @@ class WeightFollower:
         self._release_after: int | None = None
         self._delta_from = 0
         self.deltas_used = 0
+        # How long this peer's last full snapshot took to fetch (0: none yet).
+        self._full_fetch_s = 0.0
         # The learner's capacity controller's word on this peer (its last status answer): False
         # means stand by, keep following weights, generate nothing. `active_changed` wakes a
         # generator waiting on standby.
@@ -274,7 +280,9 @@ class WeightFollower:
                 got = await self._fetch_delta(target)
                 delta = got is not None
                 if got is None:
+                    t_full = time.monotonic()
                     got = await self._nursery_start(target, FULL)
+                    self._full_fetch_s = time.monotonic() - t_full
             finally:
                 self._fetching = self._progress = None
         if got is None:
@@ -361,11 +369,19 @@ class WeightFollower:
         if (self._blob is None or not 0 < behind < self.cfg.net.keep_versions or target.version < self._delta_from
                 or target.epoch != self._blob_epoch or len(self._blob) != target.size):
             return None
-        try:
-            delta, _ = await self._nursery_start(target, base)
-        except Unavailable:
-            # Deltas do not pay now (fp32 weights early in training) or our base is too old;
-            # either way full snapshots for a while, and no round trip per version to learn it.
+        # A delta is worth waiting for (the learner may still be cutting it) only as long as a
+        # full snapshot takes this peer to fetch.
+        with trio.move_on_after(max(DELTA_WAIT_MIN_S, self._full_fetch_s or FETCH_TIMEOUT_S)) as waited:
+            try:
+                delta, _ = await self._nursery_start(target, base)
+            except Unavailable:
+                # Deltas do not pay now (fp32 weights early in training) or our base is too old;
+                # either way full snapshots for a while, and no round trip per version to learn it.
+                self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
+                return None
+        if waited.cancelled_caught:
+            log.info("the delta for version %d took longer than a full snapshot does here (%.1fs): full snapshots "
+                     "for the next %d versions", target.version, self._full_fetch_s, DELTA_BACKOFF_VERSIONS)
             self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         out = self.decoded.create(target.version, target.size)
@@ -654,6 +670,6 @@ class WeightFollower:
                 await self.refresh_failed(exc)
 
     async def refresh_failed(self, exc: BaseException) -> None:
-        log.warning("weight refresh failed: %s; retrying", exc)
+        log.warning("weight refresh failed (%s: %s); retrying", type(exc).__name__, exc)
         await self.reconnect()
         await trio.sleep(1.0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -66,9 +67,11 @@ def encode_delta(
     *,
     level: int = DEFAULT_DELTA_LEVEL,
     threads: int | None = None,
+    check: Callable[[], None] | None = None,
 ) -> bytes:
     """The smaller of the sparse and the plain delta of `new` against `base` (same length); the
-    wire format of `protocol.weights.delta`."""
+    wire format of `protocol.weights.delta`. `check` is called before every chunk and may raise
+    to stop the encode (e.g. `trio.from_thread.check_cancelled`: a stop does not wait for it)."""
     if type(level) is not int or not 1 <= level <= zstandard.MAX_COMPRESSION_LEVEL:
         raise LocalProtocolError(f"zstd level must be an int in [1, {zstandard.MAX_COMPRESSION_LEVEL}], got {level!r}")
     n = len(memoryview(new).cast("B"))
@@ -80,7 +83,7 @@ def encode_delta(
         return wire.encode_delta(new, base, level=level)
     threads = worker_count() if threads is None else threads
     a, b = as_uint8(new), as_uint8(base)
-    plain, sparse = _scan(a, b, level, threads)
+    plain, sparse = _scan(a, b, level, threads, check)
     if sparse is not None:
         gaps, zz_lo, zz_hi = sparse
         delta = _encode_sparse(a, b, gaps, zz_lo, zz_hi, level, threads)
@@ -91,7 +94,7 @@ def encode_delta(
 
 
 def _scan(
-    a: torch.Tensor, b: torch.Tensor, level: int, threads: int
+    a: torch.Tensor, b: torch.Tensor, level: int, threads: int, check: Callable[[], None] | None = None
 ) -> tuple[bytes, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]:
     """One pass: the plain delta (streamed) and, while the sparse form is still possible, each
     changed lane's gap and zigzag difference planes."""
@@ -111,6 +114,8 @@ def _scan(
     k = 0
     last = -1  # lane index of the last changed lane so far
     for lo in range(0, n, CHUNK_BYTES):
+        if check is not None:
+            check()
         hi = min(lo + CHUNK_BYTES, n)
         x = torch.bitwise_xor(a[lo:hi], b[lo:hi], out=xor[: hi - lo])
         plain.append(cobj.compress(memoryview(scratch)[: hi - lo]))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -85,7 +88,7 @@ def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> No
         tried.append(learner.version)
         return estimate(blob, previous)
 
-    def no_encode(blob: bytes, previous: bytes) -> bytes:
+    def no_encode(blob: bytes, previous: bytes, **kwargs: object) -> bytes:
         raise AssertionError("cut a delta the estimate said would not pay")
 
     async def main() -> None:
@@ -111,10 +114,10 @@ def test_a_peer_asking_for_the_up_front_delta_while_it_is_cut_waits_for_that_enc
     encodes: list[tuple[int, int]] = []
     encode = publisher_module.encode_delta
 
-    def slow_counting_encode(blob: bytes, previous: bytes) -> bytes:
+    def slow_counting_encode(blob: bytes, previous: bytes, **kwargs: Any) -> bytes:
         encodes.append((len(blob), len(previous)))
         time.sleep(0.2)  # a worker thread: long enough for the peer's request to arrive meanwhile
-        return encode(blob, previous)
+        return encode(blob, previous, **kwargs)
 
     got: list[object] = []
 
@@ -141,3 +144,45 @@ def test_a_peer_asking_for_the_up_front_delta_while_it_is_cut_waits_for_that_enc
     assert len(encodes) == 1
     assert got[0] is not None and got[0] is got[1]
     assert learner.weights.deltas_offered == 1 and learner.weights.deltas_encoded == 1
+
+
+def test_a_version_is_fetchable_and_reported_before_its_up_front_delta_is_cut(learner: Learner) -> None:
+    """`nursery.start(publish)` returns (and the learner announces) once the full snapshot is
+    offered; the up-front delta is cut afterwards, and a stop does not wait for that encode."""
+    release = threading.Event()
+    encode = publisher_module.encode_delta
+
+    def blocked_encode(blob: bytes, previous: bytes, **kwargs: Any) -> bytes:
+        release.wait(30)
+        return encode(blob, previous, **kwargs)
+
+    def endless_encode(blob: bytes, previous: bytes, *, check: Callable[[], None], **kwargs: Any) -> bytes:
+        while True:  # an encode of weights far bigger than these, chunk after chunk
+            check()
+            time.sleep(0.01)
+
+    async def main() -> None:
+        weights = learner.weights
+        weights.offer(0, state_to_bytes(learner.policy.model))
+        async with trio.open_nursery() as nursery:
+            with trio.fail_after(10):
+                manifest = await nursery.start(weights.publish, 1, next_weights(learner, 1))
+            assert manifest.version == 1 and weights.published == 1 and (1, FULL) in weights.sources
+            assert (1, 0) not in weights.sources  # still being cut
+            release.set()
+            with trio.fail_after(10):
+                while (1, 0) not in weights.sources:
+                    await trio.sleep(0.01)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(publisher_module, "encode_delta", endless_encode)
+            weights._next_delta_try = 0  # as after a delta that paid
+            with trio.fail_after(10):
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(weights.publish, 2, next_weights(learner, 2))
+                    await trio.sleep(0.1)
+                    nursery.cancel_scope.cancel()  # the learner stops mid-encode
+        assert (2, FULL) in weights.sources and (2, 1) not in weights.sources
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(publisher_module, "encode_delta", blocked_encode)
+        trio.run(main)

@@ -69,7 +69,7 @@ def test_twenty_batches_without_reward_variance_make_no_version_and_nothing_stal
         assert summary["no_signal_steps"] == 20
         stages = summary["profile"]["stages"]
         assert stages["train_step"]["calls"] == 21 and stages["metrics"]["calls"] == 1
-        assert {"take", "audit", "snapshot", "manifest", "journal_write", "offer_and_delta", "announce"} <= stages.keys()
+        assert {"take", "audit", "snapshot", "manifest", "journal_write", "offer", "announce"} <= stages.keys()
         assert summary["rollouts_dropped"]["no_signal"] == 20 * GROUPS_PER_STEP * ROLLOUTS
 
     trio.run(go)

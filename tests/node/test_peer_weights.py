@@ -11,6 +11,7 @@ import trio
 
 from echo_node.config import RunConfig
 from echo_node.net.discovery import PeerAddr
+from echo_node.peer import weight_follower as follower_module
 from echo_node.peer.weight_follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from echo_node.weights.broadcast import DataServer, Source
 from protocol import Identity, seal
@@ -69,6 +70,52 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
     assert peer.deltas_used == 1
     # No delta for version 9: the peer falls back to the full snapshot and stops asking a while.
     assert results[1] is None and peer._delta_from == 9 + DELTA_BACKOFF_VERSIONS
+
+
+def test_a_delta_slower_than_a_full_snapshot_is_given_up_for_the_full_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner is still cutting the delta (its resolver has not answered): the peer waits
+    no longer than its last full snapshot took, then fetches the full one and asks only for
+    full snapshots a while (the cut is slower than its link)."""
+    monkeypatch.setattr(follower_module, "DELTA_WAIT_MIN_S", 0.3)
+    v7 = os.urandom(16 * PIECE)
+    v8 = bytes(reversed(v7))
+    full8 = build_manifest(run_id="run-1", version=8, payload=v8, piece_size=PIECE)
+    asked: list[tuple[int, int]] = []
+
+    async def cutting(version: int, base: int) -> None:
+        asked.append((version, base))
+        await trio.sleep_forever()
+
+    peers: list[WeightFollower] = []
+    waited: list[float] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner = DataServer(LEARNER, "run-1", resolve=cutting)
+            learner.register(8, Source(LEARNER, full8, seal(full8, LEARNER), v8, {PEER.peer_id}))
+            await nursery.start(learner.run)
+            peer_data = DataServer(PEER, "run-1")
+            await nursery.start(peer_data.run)
+            engine = SimpleNamespace(version=7)
+            session = SimpleNamespace(learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port,
+                                      engine=engine, spec=SimpleNamespace(epoch=0))
+            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
+            peers.append(peer)
+            peer._nursery = nursery
+            peer._blob, peer._blob_version, peer._blob_epoch = v7, 7, 0
+            peer._full_fetch_s = 0.1  # a fast link
+            t0 = trio.current_time()
+            with trio.fail_after(10):
+                await peer._fetch(Target(8, len(v8), full8.weights_sha256, 4, 0))
+            waited.append(trio.current_time() - t0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    peer = peers[0]
+    assert asked == [(8, 7)] and peer.deltas_used == 0
+    assert peer._blob_version == 8 and bytes(peer._blob) == v8  # type: ignore[arg-type]
+    assert peer._delta_from == 8 + DELTA_BACKOFF_VERSIONS
+    assert 0.3 <= waited[0] < 5
 
 
 def test_a_peer_keeps_its_versions_as_files_and_unlinks_what_it_no_longer_serves(tmp_path: Path) -> None:
