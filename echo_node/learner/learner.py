@@ -177,12 +177,12 @@ class Learner:
             on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
             ban_versions=cfg.verify.ban_versions, node=self.node, journal=journal, published=history.published,
         )
+        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
+        self.profile = Profile()
         # Every rl.publish_every-th version becomes fetchable (weights.published), from the data
         # server the publisher builds (it resolves the deltas peers ask for). A peer the data
         # channel caught sending a bad frame or piece, or asking without reading, is banned from
         # the run at once (no honest peer does either), rollouts and joins alike.
-        # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
-        self.profile = Profile()
         self.weights = WeightPublisher(
             identity, cfg.run_id, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions,
             profile=self.profile,

@@ -4,9 +4,9 @@ broadcast source on the data channel, full and, when it pays, as a delta.
 Rules:
 - Every published version is offered full, and announced as soon as it is. It is also offered
   as a delta against the previously published version (which most peers hold) when that saves
-  at least `DELTA_MIN_SAVING` of the bytes, cut after the announcement (`publish`); a peer that skipped versions asks for a delta against the
-  newest one it holds, cut on demand once and then served to (and relayed among) every peer that
-  asks.
+  at least `DELTA_MIN_SAVING` of the bytes, cut after the announcement (`publish`); a peer that
+  skipped versions asks for a delta against the newest one it holds, cut on demand once and
+  then served to (and relayed among) every peer that asks.
 - A delta is cut only when a sampled estimate (`estimate_delta_ratio`) says it may pay; after a
   miss, none is tried for `DELTA_RETRY_VERSIONS` versions, doubling after each further miss up
   to `DELTA_RETRY_MAX_VERSIONS`; a delta that pays resets the wait. (bf16 weights after an RL

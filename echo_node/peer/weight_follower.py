@@ -13,8 +13,8 @@ Rules: a version goes live only with every piece verified against the learner's 
 and the whole payload against the announced digest; a delta is asked for when the peer holds a
 base the learner still keeps, and waited for at most as long as the last full snapshot took to
 fetch (the learner may still be cutting it); after the learner said it has none, or was slower,
-only full snapshots for `DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to other peers (relayed)
-until it is `keep_versions` old.
+only full snapshots for `DELTA_BACKOFF_VERSIONS` versions. Each fetched version is served to
+other peers (relayed) until it is `keep_versions` old.
 
 Memory (docs/architecture.md, "Memory per parameter"): no weights are held as Python bytes.
 A payload is assembled, piece by piece as each verifies, in a mapping of the `payloads` store;
