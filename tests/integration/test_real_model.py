@@ -2,7 +2,7 @@
 learner and two rollout peers, as separate processes on loopback, with bf16 weights on the wire.
 
 What must hold: the run trains the model it was given (the summary names it and the dtype),
-every peer installs bf16 publications (half the fp32 bytes), the reward improves, and the
+every peer installs bf16 publications (half the fp32 bytes), held-out accuracy improves, and the
 save_pretrained export reloads with plain transformers and generates what the learner's
 weights generate. A peer whose model directory differs from the run's is refused at join in
 one line.
@@ -41,8 +41,12 @@ def test_tiny_qwen2_trains_in_a_swarm_with_bf16_on_the_wire(cluster: Cluster, ti
     run = "real-bf16"
     model_args = ("--model", str(tiny_model), "--dtype", "bfloat16")
     cluster.start_bootstrap()
+    # Held-out evaluations every 6 versions: one due while the last still runs is skipped, so a
+    # loaded machine still gets v0's and a later one.
+    (tmp_path / "learner.toml").write_text("[report]\neval_every = 6\n")
     learner, _ = cluster.start_learner(
-        run, *model_args, "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S), "--mode", "async"
+        run, *model_args, "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S), "--mode", "async",
+        "--config", str(tmp_path / "learner.toml"),
     )
     peers = [cluster.start_peer(f"peer{i}", run, "--model", str(tiny_model)) for i in range(2)]
     # A peer with another model (same architecture and tokenizer, another size) is refused.
@@ -58,9 +62,16 @@ def test_tiny_qwen2_trains_in_a_swarm_with_bf16_on_the_wire(cluster: Cluster, ti
     summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())
     assert (summary["model"], summary["dtype"]) == ("Qwen2ForCausalLM", "bfloat16")
     assert summary["versions"] == VERSIONS, f"{summary['versions']} versions within {DEADLINE_S} s"
-    train = [r for r in read_metrics(cluster.run_dir(run) / "metrics.jsonl") if r.get("event") == "train"]
-    gain = reward_gain(train)
-    assert gain > 0, (gain, summary["reward_first"], summary["reward_last"])
+    # Learning is judged on the held-out evaluation (greedy, 64 fixed prompts, v0 and the last): the
+    # warmed-up model's sampled reward rises within the first few versions and then plateaus, so
+    # the first quarter's mean holds the rise and the quarters' difference is noise (a fresh-clone
+    # run got -0.05 while held-out accuracy went from 0.58 to 0.94).
+    records = read_metrics(cluster.run_dir(run) / "metrics.jsonl")
+    evals = [r for r in records if r.get("event") == "eval"]
+    assert len(evals) >= 2 and evals[0]["version"] == 0, evals
+    gain = evals[-1]["eval_accuracy"] - evals[0]["eval_accuracy"]
+    train_gain = reward_gain([r for r in records if r.get("event") == "train"])
+    assert gain > 0, (gain, evals, train_gain)
 
     # Every install is a bf16 blob: half the bytes of the model's fp32 parameters (+ headers).
     fp32 = AutoModelForCausalLM.from_pretrained(tiny_model, local_files_only=True)
