@@ -371,17 +371,19 @@ class WeightFollower:
             return None
         # A delta is worth waiting for (the learner may still be cutting it) only as long as a
         # full snapshot takes this peer to fetch.
+        delta: memoryview | None = None
         with trio.move_on_after(max(DELTA_WAIT_MIN_S, self._full_fetch_s or FETCH_TIMEOUT_S)) as waited:
             try:
                 delta, _ = await self._nursery_start(target, base)
             except Unavailable:
-                # Deltas do not pay now (fp32 weights early in training) or our base is too old;
-                # either way full snapshots for a while, and no round trip per version to learn it.
-                self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
-                return None
-        if waited.cancelled_caught:
-            log.info("the delta for version %d took longer than a full snapshot does here (%.1fs): full snapshots "
-                     "for the next %d versions", target.version, self._full_fetch_s, DELTA_BACKOFF_VERSIONS)
+                pass
+        if delta is None:
+            # Unavailable: deltas do not pay now (fp32 weights early in training) or our base is
+            # too old; or slower than a full snapshot here. Either way full snapshots for a while,
+            # and no round trip per version to learn it again.
+            if waited.cancelled_caught:
+                log.info("the delta for version %d took longer than a full snapshot does here (%.1fs): full snapshots "
+                         "for the next %d versions", target.version, self._full_fetch_s, DELTA_BACKOFF_VERSIONS)
             self._delta_from = target.version + DELTA_BACKOFF_VERSIONS
             return None
         out = self.decoded.create(target.version, target.size)
