@@ -595,7 +595,7 @@ class Learner:
 
     def _ask(self) -> int:
         """Groups per peer for the version being published (protocol/capacity.py, rule 7): what
-        the learner trains until the next publication plus two updates' worth in reserve, less
+        the learner trains until the next publication plus one update's worth in reserve, less
         what it holds, split among the peers that deliver; at least one (the wire's floor)."""
         rl = self.cfg.rl
         need = groups_to_ask(mode=rl.mode, groups_per_step=rl.groups_per_step, kappa=self.capacity.kappa,

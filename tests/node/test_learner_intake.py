@@ -117,10 +117,10 @@ def test_demand_is_split_among_the_peers_that_deliver(learner: Learner) -> None:
         out.append(learner._ask())
         return out
 
-    # async, groups_per_step=8, κ=1, nothing buffered: this version's update and two in
-    # reserve, 24 for a lone peer, 6 each for four; a sybil's one group makes four and an eighth
-    # peers' worth (24 / 4.125 -> 6).
-    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [24, 6, 6, 24]
+    # async, groups_per_step=8, κ=1, nothing buffered: this version's update and one in
+    # reserve, 16 for a lone peer, 4 each for four; a sybil's one group makes four and an eighth
+    # peers' worth (16 / 4.125 -> 4).
+    assert trio.run(go, clock=trio.testing.MockClock(autojump_threshold=0)) == [16, 4, 4, 16]
 
 
 def test_a_pull_peer_whose_checked_groups_come_late_still_counts_in_the_split(learner: Learner) -> None:
@@ -155,7 +155,8 @@ def test_demand_counts_what_the_learner_holds(learner: Learner) -> None:
     cfg = learner.cfg.rl
     for n in range(cfg.groups_per_step + 3):
         assert learner.buffer.offer(make_group(version=learner.version, n=n), learner.version) is None
-    assert trio.run(lambda: _ask_now(learner)) == 2 * cfg.groups_per_step - 3
+    # κ = 1: one update and one in reserve, less the g + 3 held.
+    assert trio.run(lambda: _ask_now(learner)) == cfg.groups_per_step - 3
     for n in range(20):
         learner.buffer.offer(make_group(version=learner.version, n=100 + n), learner.version)
     assert trio.run(lambda: _ask_now(learner)) == 1
@@ -200,7 +201,7 @@ def test_a_deadline_between_take_and_step_loses_nothing(learner: Learner, tmp_pa
 
 def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """rl.publish_every = 2: three updates make versions 1..3, of which only 2 is snapshotted
-    and served; peers are told about version 2 and asked for two updates' worth per version."""
+    and served; peers are told about version 2 and asked for what two updates and the reserve need."""
     from echo_node.weights.broadcast import FULL
     from protocol.messages import StatusRequest
 
@@ -227,6 +228,6 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
     assert sorted(v for v, base in learner.weights.sources if base == FULL) == [0, 2]
     assert status.version == 2
     assert status.weights_sha256 == learner.weights.sources[(2, FULL)].store.manifest.weights_sha256
-    # 8 groups per update, 2 updates per version and two in reserve, less the 8 still buffered.
-    assert status.demand_groups == 24
+    # 8 groups per update, 2 updates per version and one in reserve, less the 8 still buffered.
+    assert status.demand_groups == 16
     assert learner.spec().current_version == 2

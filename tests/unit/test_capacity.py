@@ -466,13 +466,13 @@ def test_a_rejected_call_leaves_the_scheduler_as_it_was() -> None:
 
 
 def test_the_pool_is_asked_for_what_the_learner_will_train_less_what_it_holds() -> None:
-    """Rule 7: async asks for κ updates plus two in reserve, minus the admissible buffer (never
+    """Rule 7: async asks for κ updates plus one in reserve, minus the admissible buffer (never
     below 0); pull for one update whatever is buffered (nothing survives a version there)."""
     from protocol.capacity import RESERVE_UPDATES, groups_to_ask
 
-    assert RESERVE_UPDATES == 2
-    assert groups_to_ask(mode="async", groups_per_step=8, kappa=1, buffered=0) == 24
-    assert groups_to_ask(mode="async", groups_per_step=8, kappa=4, buffered=8) == 40
+    assert RESERVE_UPDATES == 1
+    assert groups_to_ask(mode="async", groups_per_step=8, kappa=1, buffered=0) == 16
+    assert groups_to_ask(mode="async", groups_per_step=8, kappa=4, buffered=8) == 32
     assert groups_to_ask(mode="async", groups_per_step=8, kappa=1, buffered=40) == 0
     assert groups_to_ask(mode="pull", groups_per_step=8, kappa=1, buffered=5) == 8
     for bad in ({"groups_per_step": 0}, {"kappa": 0}, {"buffered": -1}):
