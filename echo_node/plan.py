@@ -364,8 +364,10 @@ def _evaluate(
         who = "the whole pool gives" if len(chosen) == len(workers) else f"the chosen {len(chosen)} give"
         reason = (
             f"infeasible: {who} {mu_active:.4g}/s < target {target:.4g}/s; {target - mu_active:.4g} rollouts/s more are"
-            f" needed from {pool_name}, or a lower target: μ_min = κ·R/(κ·T_train − T_bcast) ="
-            f" {k}·{rollouts_per_update:g}/({k}·{t_train:g} − {t_bcast:.4g}) (R: --rollouts-per-update)"
+            f" needed from {pool_name}, or a lower target: "
+            + (f"μ_min = R/T_train = {rollouts_per_update:g}/{t_train:g}" if pipelined else
+               f"μ_min = κ·R/(κ·T_train − T_bcast) = {k}·{rollouts_per_update:g}/({k}·{t_train:g} − {t_bcast:.4g})")
+            + " (R: --rollouts-per-update)"
         )
     else:
         how = {
@@ -404,12 +406,16 @@ def plan_from_inputs(
     staleness: int,
     kappa: Kappa = "auto",
     workers: Sequence[Worker],
+    mode: Literal["async", "pull"] = "async",
 ) -> dict[str, Any]:
     """The plan before a run (see the module docstring for the T_bcast iteration).
 
     `model_bytes`: one published version (`safetensors_bytes` for a model directory);
     `learner_up_mbit`: the learner's uplink; `workers`: the candidates, each with a downlink
-    (`Worker.bandwidth`, bytes/s; `load_candidates` sets it), and an uplink if a `Candidate`.
+    (`Worker.bandwidth`, bytes/s; `load_candidates` sets it), and an uplink if a `Candidate`;
+    `mode`: the run's sync mode. Async peers generate on the weights they have while a version
+    downloads (`mu_min`'s `pipelined`), so there the broadcast costs staleness, not rollouts;
+    pull peers wait for it.
 
     Returns a JSON-ready dict:
       kappa, kappa_warning (str | None): κ used and why it is not the S − 1 asked for, if not;
@@ -425,6 +431,9 @@ def plan_from_inputs(
       rounds: iteration rounds (0 when T_bcast was measured); notes: assumptions made;
       inputs: the inputs, for the table and for whoever reads the JSON later.
     ValueError (one line) for an invalid input."""
+    if mode not in ("async", "pull"):
+        raise ValueError(f"mode must be async or pull, got {mode!r}")
+    pipelined = mode == "async"
     pool = list(workers)
     if not pool:
         raise ValueError("no candidate workers")
@@ -443,6 +452,7 @@ def plan_from_inputs(
         return _evaluate(
             pool, t_bcast=bound(t_bcast_of), t_train=t_train, rollouts_per_update=rollouts_per_update,
             staleness=staleness, kappa=kappa, fixed=fixed, pool_name="--candidates (more or faster workers)",
+            pipelined=pipelined,
             broadcast=lambda below: _bottleneck(model_bytes, learner_up_mbit * MBIT, t_bcast_of, below=below),
         )
 
@@ -481,6 +491,7 @@ def plan_from_inputs(
             "rollouts_per_update": rollouts_per_update,
             "staleness": staleness,
             "kappa": kappa,
+            "mode": mode,
             "candidates": len(pool),
         },
     }
