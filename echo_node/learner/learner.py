@@ -98,10 +98,14 @@ STATUS_PER_PEER = (50.0, 100.0)  # rate, burst
 STATUS_STRANGERS = (20.0, 40.0)
 
 
-# The end of a run is announced within END_ANNOUNCE_S (a stop never waits longer for it), and
-# the host stays up END_DRAIN_S after the publish so that the message leaves its queues.
+# The end of a run is announced within END_ANNOUNCE_S (a stop never waits longer for it): END_REPEATS
+# times, END_DRAIN_S apart, and the host stays up END_DRAIN_S after the last so that the message
+# leaves its queues. Gossip reaches only the subscribers the learner knows when it publishes: a
+# peer that joined in the last moments hears a repeat instead of looking for the learner for
+# `net.learner_outage_s`. A peer takes the first and ignores the rest (same epoch, same word).
 END_ANNOUNCE_S = 3.0
-END_DRAIN_S = 1.0
+END_DRAIN_S = 0.5
+END_REPEATS = 3
 
 # A journal write that fails (a full disk, descriptors gone for a moment) is retried after each
 # of these delays before the learner gives up and stops: ~15 s for an operator's alert to fire.
@@ -266,13 +270,16 @@ class Learner:
     async def _announce_end(self, reason: RunEndReason) -> None:
         """Tell the peers the run ended (RunEnded on the versions topic): "finished" when its
         budget is spent, "stopped" otherwise (a signal, an error: a restart resumes it). Gossip
-        is best effort; a peer that misses it finds the learner gone and looks for it as after
-        any outage. Bounded: a stop waits at most END_ANNOUNCE_S for it."""
+        is best effort, so it is said END_REPEATS times (late joiners); a peer that misses all
+        of them finds the learner gone and looks for it as after any outage. Bounded: a stop
+        waits at most END_ANNOUNCE_S for it."""
         ended = RunEnded(run_id=self.cfg.run_id, epoch=self.epoch, version=self.weights.published, reason=reason)
+        sealed = seal(ended, self.identity)
         with trio.move_on_after(END_ANNOUNCE_S):
             try:
-                await self.node.publish(self.versions_topic, seal(ended, self.identity))
-                await trio.sleep(END_DRAIN_S)  # py-libp2p sends from queues: let them drain before the host closes
+                for _ in range(END_REPEATS):
+                    await self.node.publish(self.versions_topic, sealed)
+                    await trio.sleep(END_DRAIN_S)  # py-libp2p sends from queues: let them drain before the host closes
             except Exception as exc:  # the host is already going: the peers will find it gone
                 log.warning("could not announce the end of the run: %s", exc)
                 return

@@ -531,9 +531,10 @@ class WeightFollower:
 
     def end(self, msg: RunEnded) -> bool:
         """Take note of the learner's end of run; False if it is an older epoch's (replayed or
-        late). "stopped": generate nothing (no learner would receive it) until a newer epoch's
-        status answer activates this peer again."""
-        if msg.epoch < self.epoch:
+        late), or the same word again (the learner says it more than once, for late joiners).
+        "stopped": generate nothing (no learner would receive it) until a newer epoch's status
+        answer activates this peer again."""
+        if msg.epoch < self.epoch or msg == self.ended:
             return False
         self.ended = msg
         if msg.reason == "stopped" and self.active:

@@ -1,0 +1,85 @@
+"""The learner says the end of its run more than once: a peer that subscribed late still hears it.
+
+Real libp2p hosts on loopback: the learner's own host and a peer's, with the peer's real weight
+follower judging the messages (the hostile cases, forged and replayed ends, are in
+tests/adversarial/test_run_end.py)."""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+import echo_node.learner.learner as learner_module
+from echo_node.config import RunConfig
+from echo_node.learner.learner import Learner
+from echo_node.net.discovery import PeerAddr
+from echo_node.net.p2p import P2PNode  # libp2p only via the adapter
+from echo_node.peer.weight_follower import WeightFollower
+from echo_node.topics import versions_topic
+from echo_node.weights.broadcast import DataServer
+from protocol import Identity
+from protocol.messages import RunEnded
+
+PEER = Identity.from_seed(b"\x52" * 32)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_peer_that_joined_after_the_first_word_hears_a_repeat_and_takes_it_once(
+    learner: Learner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Gossip reaches only the subscribers the learner knows when it publishes: the learner says
+    the end of its run END_REPEATS times, so a peer that subscribed after the first still stops
+    instead of looking for the learner for half an hour, and the follower takes the word once."""
+    # Wide margins for a loaded machine: three words 1.5 s apart, all within the bound.
+    monkeypatch.setattr(learner_module, "END_DRAIN_S", 1.5)
+    monkeypatch.setattr(learner_module, "END_ANNOUNCE_S", 30.0)
+    said: list[float] = []
+    publish = learner.node.publish
+
+    async def spy(topic: str, data: bytes) -> None:
+        said.append(trio.current_time())
+        await publish(topic, data)
+
+    learner.node.publish = spy  # type: ignore[method-assign]
+
+    async def main() -> None:
+        peer = P2PNode(PEER)
+        f = WeightFollower(
+            RunConfig(run_id=learner.cfg.run_id, runs_dir=tmp_path / "peer"), peer, DataServer(PEER, learner.cfg.run_id),
+            SimpleNamespace(engine=SimpleNamespace(version=-1), spec=SimpleNamespace(sync_mode="async", epoch=learner.epoch),
+                            learner=PeerAddr(learner.identity.peer_id, [])),  # type: ignore[arg-type]
+        )
+        taken: list[RunEnded] = []
+        end = f.end
+        f.end = lambda msg: (taken.append(msg) if end(msg) else None) is None  # type: ignore[method-assign]
+        topic = versions_topic(learner.cfg.run_id)
+        async with trio.open_nursery() as nursery:
+            for node in (learner.node, peer):
+                await nursery.start(node.run)
+            learner.report.open()
+            nursery.start_soon(learner._announce_end, "finished")
+            with trio.fail_after(30):
+                while not said:
+                    await trio.sleep(0.01)
+            # Only now does the peer subscribe and connect: the first word went to nobody.
+            await peer.subscribe(topic, f._validate_announce)
+            nursery.start_soon(f._follow_announcements)
+            await learner.node.connect(PeerAddr(peer.peer_id, peer.addrs))
+            with trio.fail_after(30):
+                while f.ended is None:
+                    await trio.sleep(0.05)
+                while len(said) < learner_module.END_REPEATS:
+                    await trio.sleep(0.05)
+            await trio.sleep(2.0)  # the last word arrives meanwhile
+            assert f.ended is not None and f.ended.reason == "finished" and f.ended.run_id == learner.cfg.run_id
+            assert len(taken) == 1, "the repeats are the same word: taken once"
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    learner.report.close()
+    del learner, publish, spy  # the host's sockets go with it, inside this test
+    gc.collect()
