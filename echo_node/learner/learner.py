@@ -327,8 +327,13 @@ class Learner:
         returns the weights of the version this start goes on from."""
         run_dir = self.cfg.run_dir
         floor = 0
+        members: list[str] = []
         if self.fresh:
-            floor = self.state.last_published() + 1
+            # Above S of everything published before: a rollout of the old weights, still on its
+            # way from a peer, is then stale here (a counted drop), never trained as if the new
+            # weights had made it, nor a spot-check failure of the peer that sent it.
+            floor = self.state.last_published() + 1 + self.cfg.rl.staleness
+            members = self.state.members()
             self._archive(run_dir)
         self.epoch = self.state.store.next_epoch()
         rep = self.cfg.report
@@ -341,6 +346,7 @@ class Learner:
         if self.resumed is None:
             self.trainer.version = floor
             self.state.history.last = floor - 1
+            self.state.rejoin(members)  # they stay members, as the bans stay (`_archive`)
         self.weights.open_store(run_dir / "versions")
         blob = self.resumed.blobs.pop(self.version, None) if self.resumed is not None else None
         if blob is not None:  # snapshotted and checked against its published digest by the resume

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -289,6 +289,32 @@ class RunState:
                 last = max(last, int(record[1]))
         return last
 
+    def members(self) -> list[str]:
+        """The peers the run's earlier incarnations admitted: the newest checkpoint's table and
+        the joins journaled after it, without loading anything (`--fresh` keeps them members)."""
+        states = self.store.states()
+        joined: dict[str, None] = {}
+        if states:
+            peers = states[0].get("peers")
+            listed = peers.get("joined", []) if isinstance(peers, dict) else []
+            joined.update((p, None) for p in listed if isinstance(p, str))
+        for record in replay_records(self.journal.directory, 0):
+            if record[0] == "join" and len(record) > 1 and isinstance(record[1], str):
+                joined[record[1]] = None
+        return list(joined)
+
+    def rejoin(self, peers: Iterable[str]) -> None:
+        """Make peers that had joined an earlier incarnation members again: their rollouts in
+        flight across the restart are judged as rollouts (stale, most of them: counted drops),
+        not refused as `not_joined`. A refusal costs their sender GossipSub score, and a few in
+        a row silenced an honest peer's rollouts at the gossip layer for minutes. Each re-joins
+        anyway when it sees the new epoch."""
+        for peer in peers:
+            try:
+                self.learner.peers.join(peer, 0.0)
+            except JoinRefused:
+                pass
+
     def resume(self) -> Resumed | None:
         """Load the newest usable checkpoint and replay the journal; None if the folder holds no
         run yet. ResumeRefused if its config trains differently."""
@@ -356,19 +382,10 @@ class RunState:
         peers.penalties.update(p.get("penalties", {}))
         peers.banned.update({k: float(v) for k, v in p.get("banned", {}).items() if float(v) > time.time()})
         peers.banned_until_version.update({k: int(v) for k, v in p.get("banned_until_version", {}).items()})
-        for peer in p.get("joined", []):
-            self._rejoin(peer)
+        self.rejoin(p.get("joined", []))
         ln.intake.tracker.restore(state["tracker"])
         ln.intake.lost_messages = int(state.get("lost_messages", 0))
         return int(state["journal_segment"])
-
-    def _rejoin(self, peer: str) -> None:
-        """A peer that had joined before the restart is a member again (its rollouts in flight
-        are not dropped as not_joined); it re-joins when it sees the new epoch anyway."""
-        try:
-            self.learner.peers.join(peer, 0.0)
-        except JoinRefused:
-            pass
 
     def _replay(self, resumed: Resumed, first_segment: int) -> None:
         buffer = self.learner.buffer

@@ -356,21 +356,41 @@ def test_a_resume_that_cannot_redo_continues_above_every_published_number(tmp_pa
     assert second.buffer.ledger.dropped.get("unpublished_version") == 8
 
 
-def test_fresh_starts_over_above_the_old_numbers(tmp_path: Path) -> None:
+def test_fresh_starts_over_above_the_old_numbers_and_keeps_the_members(tmp_path: Path) -> None:
+    """--fresh starts S above the last number published, so a rollout of the old weights still
+    on its way is stale (a counted drop), never trained as the new weights' nor a strike; the
+    peers that had joined stay members (as bans stay), so that rollout is not refused as
+    not_joined either: a refusal costs its sender GossipSub score, and a few in a row silenced
+    an honest peer's rollouts at the gossip layer for the whole run."""
     runs = tmp_path / "run"
     first = new_learner(runs)
 
     async def go() -> None:
         await start(first)
         await run_updates(first, 2)
+        first.state.checkpoint_now()  # as a stop does
+        first.state.journal.close()
 
     trio.run(go)
     fresh = new_learner(runs)
     fresh.fresh = True
-    trio.run(start, fresh)
-    assert fresh.resumed is None and fresh.version == 3 and fresh.buffer.ledger.received == 0
+    trio.run(lambda: start(fresh, peers=()))
+    staleness = fresh.cfg.rl.staleness
+    assert fresh.resumed is None and fresh.version == 3 + staleness and fresh.buffer.ledger.received == 0
     assert fresh.epoch == first.epoch + 1
     assert list((runs / "run-1" / "previous").iterdir()), "the old state was not kept aside"
+    assert {ALICE.peer_id, BOB.peer_id} <= set(fresh.peers.joined)
+    old = make_batch(identity=ALICE, seq=99, version=2)  # sampled on the old weights' version 2
+    envelope = seal(old, ALICE)
+
+    async def arrive() -> None:
+        assert fresh.intake.validate(ALICE.peer_id, ALICE.peer_id, envelope)
+        await fresh.intake.deliver(envelope, ALICE.peer_id)
+
+    trio.run(arrive)
+    fresh.state.journal.close()
+    assert fresh.buffer.ledger.dropped == {"stale": old.num_samples}
+    assert not fresh.peers.penalties and not fresh.peers.banned
 
 
 def test_resuming_with_another_training_config_is_refused(tmp_path: Path) -> None:
