@@ -350,28 +350,38 @@ class Generator:
         return prompts[: groups_that_fit(worst)]
 
     def weights_too_old(self) -> bool:
-        """async: whether a batch begun now would be `doomed` from its start: the peer waits for
-        newer weights (being fetched) instead of wasting them."""
+        """Whether a batch begun now would be `doomed` from its start: the peer waits for newer
+        weights (being fetched) instead of wasting them."""
         return self.doomed(self.engine.version)
 
     def doomed(self, began: int) -> bool:
-        """async: whether a batch begun on version `began` is stale however it ends. A rollout is
-        judged by its oldest token, and the learner's version is at least the newest it
-        announced, so weights older than that minus S make only stale rollouts. Read from the
-        generation thread between decoding steps too."""
+        """Whether a batch begun on version `began` cannot be admitted however it ends. Read from
+        the generation thread between decoding steps too.
+        - Any mode: `began` is above the newest version the learner announced. Only a learner
+          that restarted without its history (its new epoch numbers versions from below) does
+          that, and to it those tokens name versions it never published: `future_version`, a
+          ban of this peer. So weights of a lost history are never sampled from or sent.
+        - async: a rollout is judged by its oldest token, and the learner's version is at least
+          the newest it announced, so weights older than that minus S make only stale rollouts."""
         newest = self.follower.newest
-        return self.spec.sync_mode == "async" and newest is not None and began < newest.version - self.spec.staleness
+        if newest is None:
+            return False
+        if began > newest.version:
+            return True
+        return self.spec.sync_mode == "async" and began < newest.version - self.spec.staleness
 
     def discard(self, began: int, groups: int) -> None:
-        """A doomed batch is not sent (the learner would count it dropped as stale): counted
-        here, in the peer's metrics. Its seq is not used, so the learner sees no gap."""
+        """A doomed batch is not sent (the learner would drop it as stale, or ban this peer for a
+        version it never announced): counted here, in the peer's metrics. Its seq is not used,
+        so the learner sees no gap."""
         self.batches_doomed += 1
         self.groups_doomed += groups
         newest = self.follower.newest
-        log.debug("discarded a batch of %d groups begun on version %d: the learner announced %s", groups, began,
-                  None if newest is None else newest.version)
+        reason = "unannounced" if newest is not None and began > newest.version else "stale"
+        log.debug("discarded a batch of %d groups begun on version %d (%s): the learner announced %s", groups, began,
+                  reason, None if newest is None else newest.version)
         if self.publisher.metrics is not None:
-            self.publisher.metrics.write({"event": "discarded", "reason": "stale", "groups": groups, "version": began,
+            self.publisher.metrics.write({"event": "discarded", "reason": reason, "groups": groups, "version": began,
                                           "newest": None if newest is None else newest.version, "wall": time.time()})
 
     def track_version(self) -> None:

@@ -155,3 +155,21 @@ def test_only_the_learners_own_announcement_can_doom_a_batch() -> None:
     assert validate(learner.peer_id, learner.peer_id, seal(far, learner))
     peer.follower.offer(Target(far.version, far.size, far.sha256, far.demand_groups, far.epoch))
     assert peer.doomed(3)
+
+
+@pytest.mark.parametrize("mode", ["async", "pull"])
+def test_weights_of_a_lost_history_are_neither_sampled_from_nor_sent(mode: str) -> None:
+    """A learner that restarted without its history numbers its new epoch's versions from below.
+    To it, tokens of the old weights name versions it never published (`future_version`, a ban
+    of the peer), so a batch begun on them is discarded and no new one begins before the new
+    epoch's weights are in."""
+    peer = peer_on_version(1092, demand=6, mode=mode)
+    peer.spec.staleness = 4
+    assert not peer.doomed(1092)
+    peer.follower.offer(Target(5, 10, b"\5" * 32, 6, 1))  # epoch 1, versions from 5
+    assert peer.follower.newest is not None and peer.follower.newest.version == 5
+    assert peer.doomed(1092) and peer.weights_too_old()
+    peer.discard(1092, 8)
+    assert (peer.batches_doomed, peer.groups_doomed) == (1, 8)
+    peer.engine.version = 5
+    assert not peer.doomed(5) and not peer.weights_too_old()
