@@ -16,9 +16,13 @@ import trio
 import echo_node.learner.learner as learner_module
 from echo_node.config import RunConfig
 from echo_node.learner.learner import Learner
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.ml.tasks import get_task
+from echo_node.ml.tokenizer import CharTokenizer
 from echo_node.net.discovery import PeerAddr
 from echo_node.net.p2p import P2PNode  # libp2p only via the adapter
 from echo_node.peer.weight_follower import WeightFollower
+from echo_node.policy import Policy
 from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import DataServer
 from protocol import Identity
@@ -29,11 +33,17 @@ PEER = Identity.from_seed(b"\x52" * 32)
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_peer_that_joined_after_the_first_word_hears_a_repeat_and_takes_it_once(
-    learner: Learner, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Gossip reaches only the subscribers the learner knows when it publishes: the learner says
     the end of its run END_REPEATS times, so a peer that subscribed after the first still stops
     instead of looking for the learner for half an hour, and the follower takes the word once."""
+    # Built here, not by the `learner` fixture: the fixture would keep its host, and the host's
+    # sockets, alive past this test.
+    tok = CharTokenizer()
+    arch = tiny_llama_config(tok.vocab_size)
+    policy = Policy(build_model(arch), tok, get_task("addition"), {"kind": "embedded", **arch}, tok.to_dict())
+    learner = Learner(RunConfig(run_id="run-1", runs_dir=tmp_path), Identity.from_seed(b"\x01" * 32), policy)
     # Wide margins for a loaded machine: three words 1.5 s apart, all within the bound.
     monkeypatch.setattr(learner_module, "END_DRAIN_S", 1.5)
     monkeypatch.setattr(learner_module, "END_ANNOUNCE_S", 30.0)
