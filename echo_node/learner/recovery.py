@@ -424,7 +424,7 @@ class RunState:
         elif kind == "seen":
             tracker.observe(str(record[1]), int(record[2]))
         elif kind == "join":
-            self._rejoin(str(record[1]))
+            self.rejoin([str(record[1])])
         elif kind == "excuse":
             tracker.excuse_next_gap(str(record[1]))
         elif kind == "step":
