@@ -407,3 +407,28 @@ def test_resuming_with_another_training_config_is_refused(tmp_path: Path) -> Non
         trio.run(start, other)
     # Only the seed differs from the saved config; net, time budgets and threads may.
     assert CheckpointStore(runs / "run-1").list_valid()
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_peer_that_joined_after_the_last_checkpoint_is_still_a_member(tmp_path: Path, fresh: bool) -> None:
+    """Joins are journaled: a resume (or --fresh) after a crash knows a peer that joined since
+    the last checkpoint, so its rollouts in flight are not refused as not_joined."""
+    from protocol import Identity
+
+    carol = Identity.from_seed(b"\x63" * 32)
+    runs = tmp_path / "run"
+    first = new_learner(runs)
+
+    async def go() -> None:
+        await start(first)
+        await run_updates(first, 1)  # no checkpoint yet (every 3 versions)
+        first.state.journal.append(["join", carol.peer_id])  # what serving a join writes
+        await first._flush_journal()
+        first.state.journal.close()  # then the process dies
+
+    trio.run(go)
+    again = new_learner(runs)
+    again.fresh = fresh
+    trio.run(lambda: start(again, peers=()))
+    again.state.journal.close()
+    assert carol.peer_id in again.peers.joined
