@@ -165,6 +165,12 @@ class RLConfig:
     # the peer holding the most is dropped as "overload".
     buffer_groups: int = 256
     buffer_bytes: int = 64 << 20
+    # async: an update takes up to this share of groups_per_step more groups when more than a
+    # step's worth would otherwise expire before a later update could take them (a peer's
+    # batches begun on the same weights arrive and expire together): 11 % of the rollouts
+    # sampled went stale in benchmarks.utilization's async run without it, 4 % with 1.0. Such a
+    # step costs up to 1 + this share of a step's memory and time; 0 never enlarges a step.
+    rescue_share: float = 1.0
     # async: the learner publishes (snapshots, hashes, announces and serves) every k-th version
     # only. Versions still count every update, so staleness is measured as before; a peer's
     # weights are up to k - 1 versions older. Pull needs every version (k = 1), and k <= S
@@ -393,6 +399,8 @@ def validate(cfg: RunConfig) -> None:
             f"rl.publish_every = {rl.publish_every} needs async mode with staleness >= it (got mode "
             f"{rl.mode!r}, staleness {rl.staleness}): a peer's newest weights would be too old to train on"
         )
+    if not 0 <= rl.rescue_share <= 4:
+        raise ValueError(f"rl.rescue_share must be in 0..4, got {rl.rescue_share}")
     if rl.buffer_bytes < 1 << 20:
         raise ValueError(f"rl.buffer_bytes must be >= 1 MiB, got {rl.buffer_bytes}")
     v = cfg.verify

@@ -675,7 +675,9 @@ class Learner:
         with profile.stage("take"):
             unproven = self._unproven
             share = self.cfg.verify.unproven_share
-            groups = self.buffer.take(self.cfg.rl.groups_per_step, self.version, unproven=unproven, unproven_share=share)
+            rl = self.cfg.rl
+            groups = self.buffer.take(rl.groups_per_step, self.version, unproven=unproven, unproven_share=share,
+                                      rescue=math.floor(rl.rescue_share * rl.groups_per_step))
             origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
             weights = step_weights([unproven(o) for o in origins], self.cfg.rl.groups_per_step, share)
         with trio.CancelScope(shield=True):  # all or nothing (trainer.py)

@@ -180,26 +180,26 @@ class ReplayBuffer:
 
     def take(
         self, n_groups: int, current_version: int, *, unproven: Callable[[str], bool] = lambda origin: False,
-        unproven_share: float = 1.0,
+        unproven_share: float = 1.0, rescue: int = 0,
     ) -> list[RolloutGroup]:
-        """Pop up to `n_groups` admissible groups: those this update is the last chance for
-        first, then the freshest; stale ones are dropped.
+        """Pop up to `n_groups` admissible groups (up to `rescue` more to keep groups from
+        expiring): first the oldest, as many as must go now, then the freshest; stale ones are
+        dropped.
 
         Freshest = newest oldest-token version, then latest arrival: taken oldest first, a
         buffer that holds more than a step needs would make every step train at the full
-        staleness S. But a group skipped for fresher ones at its last admissible version is
-        dropped as stale after this update: volunteer work thrown away while it could still be
-        trained. So groups that expire with this update go first (async only: in pull mode
-        every group expires with its version).
+        staleness S. But a group skipped for fresher ones until it is too old is dropped as
+        stale: volunteer work thrown away while it could have been trained. So each update
+        first takes the oldest groups that later updates, `n_groups` each, could not all take
+        before they expire (earliest deadline first: the groups with at most d updates left,
+        this one included, must number at most n_groups·d). A peer's batches begun on the same
+        weights arrive together and expire together: when more must go now than `n_groups`,
+        the update takes up to `rescue` more rather than drop them (a larger step, averaged
+        over more tokens). Async only: in pull mode every group expires with its version.
         """
         self.evict_stale(current_version)
-        last_chance = current_version - self.staleness if self.mode == "async" else None
-
-        def rank(i: int) -> tuple[bool, int, int]:
-            v = self._groups[i].min_version
-            return (v == last_chance, v, i)
-
-        order = sorted(range(len(self._groups)), key=rank, reverse=True)
+        order, must = self._take_order(n_groups, current_version)
+        n_groups = max(n_groups, min(must, n_groups + max(0, rescue)))
         # First pass: at most `share` groups per origin, and `young_slots` of unproven origins
         # together; second: fill up from whatever is left, proven origins' groups first, so a
         # lone peer still fills a step.
@@ -225,6 +225,23 @@ class ReplayBuffer:
         for g in batch:
             self.bytes -= self._size[id(g)]  # no longer held here; forgotten when trained
         return batch
+
+    def _take_order(self, n_groups: int, current_version: int) -> tuple[list[int], int]:
+        """The buffered groups' indices in the order `take` prefers them, and how many of the
+        first must go now for none to expire (`take`'s rule): those, oldest first, then the
+        rest, freshest first."""
+        fresh = sorted(range(len(self._groups)), key=lambda i: (self._groups[i].min_version, i), reverse=True)
+        if self.mode != "async" or not fresh:
+            return fresh, 0
+        # Updates left to each group, this one included: 1 for a group this update is the last chance for.
+        left = {i: self._groups[i].min_version + self.staleness - current_version + 1 for i in fresh}
+        by_deadline = sorted(fresh, key=lambda i: (left[i], -i))
+        must = 0
+        for count, i in enumerate(by_deadline, start=1):  # `count` groups have at most left[i] updates left
+            must = max(must, count - n_groups * (left[i] - 1))
+        first = by_deadline[:must]
+        chosen = set(first)
+        return first + [i for i in fresh if i not in chosen], must
 
     def count_admissible(self, current_version: int) -> int:
         return sum(

@@ -170,3 +170,49 @@ def test_a_failed_step_is_counted_not_restored() -> None:
     buf.mark_failed(buf.take(2, 0), DropReason.TRAIN_ERROR)
     assert buf.ledger.dropped == {"train_error": 16} and len(buf) == 1
     buf.check()
+
+
+def test_groups_later_updates_could_not_fit_go_first_and_a_step_grows_to_keep_them() -> None:
+    """Earliest deadline first where it matters: with S = 6 and 8 groups a step, 24 groups begun
+    on one version with two updates left cannot all be trained by two updates of 8. The first
+    takes the oldest that must go now, freshest groups after; with `rescue` it takes up to that
+    many more rather than let them expire."""
+    def fill(buf: ReplayBuffer) -> None:
+        for n in range(24):
+            buf.offer(make_group(version=5, n=n), current_version=10)  # 2 updates left: v10, v11
+        for n in range(100, 108):
+            buf.offer(make_group(version=10, n=n), current_version=10)  # fresh
+
+    plain = ReplayBuffer(mode="async", staleness=6, capacity_groups=64)
+    fill(plain)
+    first = plain.take(8, current_version=10)
+    assert all(g.min_version == 5 for g in first)  # 24 - 8·1 = 16 must go now: a step holds 8
+    second = plain.take(8, current_version=11)
+    assert all(g.min_version == 5 for g in second)
+    plain.evict_stale(12)
+    assert plain.ledger.dropped == {"stale": 8 * 8}  # the third step's worth expired
+
+    rescued = ReplayBuffer(mode="async", staleness=6, capacity_groups=64)
+    fill(rescued)
+    first = rescued.take(8, current_version=10, rescue=8)
+    assert len(first) == 16 and all(g.min_version == 5 for g in first)
+    second = rescued.take(8, current_version=11, rescue=8)
+    assert len(second) == 8 and all(g.min_version == 5 for g in second)  # no more than must go
+    third = rescued.take(8, current_version=12, rescue=8)
+    assert ids(third) == list(range(107, 99, -1))
+    assert rescued.ledger.dropped == {}
+    rescued.mark_trained(first + second + third)
+    rescued.check()
+
+
+def test_a_rescued_step_keeps_each_origins_share() -> None:
+    """A larger step is no larger share for one peer: old groups of one origin cannot use the
+    rescue to fill a step while others have data (max_share holds of the step's new size)."""
+    buf = ReplayBuffer(mode="async", staleness=2, capacity_groups=100, max_share=0.5)
+    for n in range(12):
+        buf.offer(make_group(version=8, n=n), 10, "old")  # last chance: all 12 must go now
+    for n in range(20, 28):
+        buf.offer(make_group(version=10, n=n), 10, "fresh")
+    step = buf.take(4, 10, rescue=4)
+    assert len(step) == 8
+    assert sorted(buf.origin(g) for g in step) == ["fresh"] * 4 + ["old"] * 4
