@@ -167,9 +167,9 @@ class RLConfig:
     buffer_bytes: int = 64 << 20
     # async: an update takes up to this share of groups_per_step more groups when more than a
     # step's worth would otherwise expire before a later update could take them (a peer's
-    # batches begun on the same weights arrive and expire together): 11 % of the rollouts
-    # sampled went stale in benchmarks.utilization's async run without it, 4 % with 1.0. Such a
-    # step costs up to 1 + this share of a step's memory and time; 0 never enlarges a step.
+    # batches begun on the same weights arrive and expire together; measurements in
+    # benchmarks/results/measurements.md). Such a step costs up to 1 + this share of a step's
+    # memory and time; 0 never enlarges a step (a GPU sized to a step exactly).
     rescue_share: float = 1.0
     # async: the learner publishes (snapshots, hashes, announces and serves) every k-th version
     # only. Versions still count every update, so staleness is measured as before; a peer's

@@ -37,10 +37,9 @@ Rules (each is a test in tests/unit/test_capacity.py):
    learner trains on while the next batch is generated (a peer delivers a batch at a time, not
    a group at a time). It does not count the batches already in flight when the ask is made,
    which arrive on top of it, so every further update's worth of reserve is a surplus that
-   ages in the buffer: with two, 5.3 % of what the demo's peers sampled went stale; with one,
-   1.1 %, at the same updates/s. A fixed multiple of κ·G overshoots by that multiple whenever
-   the pool keeps up (a third went stale at 1.5); subtracting the buffer makes any overshoot
-   shrink the next ask.
+   ages in the buffer and goes stale. A fixed multiple of κ·G overshoots by that multiple
+   whenever the pool keeps up, and the overshoot is what goes stale; subtracting the buffer
+   makes any overshoot shrink the next ask.
 """
 
 from __future__ import annotations
