@@ -205,7 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollouts-per-update", type=_positive, default=64.0, metavar="R")
     p.add_argument("--staleness", type=_at_least(0), default=4, metavar="S")
     p.add_argument("--mode", choices=["async", "pull"], default=None,
-                   help="offline: the run's sync mode (default async, the learner's default; with --learner, its own)")
+                   help="the run's sync mode (default: async offline, the learner's default; with --learner, its own); "
+                        "pull publishes every version (κ = 1)")
     p.add_argument("--kappa", type=_publish_every, default=None, metavar="K|auto",
                    help="updates per publication: a number or auto (S - 1 when broadcasts are fast enough); "
                         "default: the learner's own with --learner, else auto")
@@ -608,6 +609,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     )
 
     kappa: int | Literal["auto"] | None = args.kappa
+    if args.mode == "pull":
+        if kappa not in (None, 1, "auto"):
+            raise ValueError(f"--mode pull publishes every version: --kappa must be 1, got {kappa}")
+        kappa = 1  # on-policy: every version is published and waited for
     if args.learner is not None:
         from echo_node.status import scrape
 
@@ -619,7 +624,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             "t_train": m["echo_t_train_seconds"], "t_bcast": m["echo_t_bcast_seconds"],
             "rollouts_per_update": m["echo_rollouts_per_update"], "staleness": int(m["echo_staleness_bound"]),
             "kappa": int(m["echo_kappa"]) if kappa is None else kappa,
-            "pipelined": args.mode == "async" if args.mode else bool(m.get("echo_pipelined", 0.0)),
+            "pipelined": args.mode != "pull" if args.mode else bool(m.get("echo_pipelined", 0.0)),
             "workers": {p: {"mu": w.get("mu", 0.0), "price": w.get("price", 0.0)} for p, w in m["workers"].items()},
         })
     else:
@@ -636,7 +641,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_from_inputs(
             model_bytes=size, learner_up_mbit=args.learner_up, t_train=args.t_train, rollouts_per_update=args.rollouts_per_update,
             staleness=args.staleness, kappa="auto" if kappa is None else kappa, workers=load_candidates(args.candidates),
-            mode=args.mode or "async",
+            pipelined=args.mode != "pull",
         )
     print(json.dumps(plan, allow_nan=False) if args.json else format_table(plan))
     return 0

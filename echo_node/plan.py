@@ -406,16 +406,16 @@ def plan_from_inputs(
     staleness: int,
     kappa: Kappa = "auto",
     workers: Sequence[Worker],
-    mode: Literal["async", "pull"] = "async",
+    pipelined: bool = True,
 ) -> dict[str, Any]:
     """The plan before a run (see the module docstring for the T_bcast iteration).
 
     `model_bytes`: one published version (`safetensors_bytes` for a model directory);
     `learner_up_mbit`: the learner's uplink; `workers`: the candidates, each with a downlink
     (`Worker.bandwidth`, bytes/s; `load_candidates` sets it), and an uplink if a `Candidate`;
-    `mode`: the run's sync mode. Async peers generate on the weights they have while a version
-    downloads (`mu_min`'s `pipelined`), so there the broadcast costs staleness, not rollouts;
-    pull peers wait for it.
+    `pipelined`: the peers generate on the weights they have while a version downloads (this
+    implementation's async mode; `mu_min`), so the broadcast costs staleness, not rollouts;
+    False: they wait for each version (ECHO-2's model; pull mode, with κ = 1).
 
     Returns a JSON-ready dict:
       kappa, kappa_warning (str | None): κ used and why it is not the S − 1 asked for, if not;
@@ -431,9 +431,6 @@ def plan_from_inputs(
       rounds: iteration rounds (0 when T_bcast was measured); notes: assumptions made;
       inputs: the inputs, for the table and for whoever reads the JSON later.
     ValueError (one line) for an invalid input."""
-    if mode not in ("async", "pull"):
-        raise ValueError(f"mode must be async or pull, got {mode!r}")
-    pipelined = mode == "async"
     pool = list(workers)
     if not pool:
         raise ValueError("no candidate workers")
@@ -491,7 +488,7 @@ def plan_from_inputs(
             "rollouts_per_update": rollouts_per_update,
             "staleness": staleness,
             "kappa": kappa,
-            "mode": mode,
+            "pipelined": pipelined,
             "candidates": len(pool),
         },
     }

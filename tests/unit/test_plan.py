@@ -52,7 +52,7 @@ def write(tmp_path: Path, text: str | bytes) -> Path:
 def example(tmp_path: Path, **overrides: object) -> dict:
     args: dict = dict(
         model_bytes=1e9, learner_up_mbit=1000, t_train=10, rollouts_per_update=4, staleness=3,
-        workers=load_candidates(write(tmp_path, CANDIDATES)), mode="pull",  # the paper's model: peers wait for weights
+        workers=load_candidates(write(tmp_path, CANDIDATES)), pipelined=False,  # ECHO-2's model: peers wait for weights
     )
     return plan_from_inputs(**{**args, **overrides})
 
@@ -90,17 +90,16 @@ def test_the_worked_example_end_to_end(tmp_path: Path) -> None:
 
 
 def test_async_mode_plans_for_peers_that_generate_while_weights_download(tmp_path: Path) -> None:
-    """async (the default, as the learner's): the broadcast costs staleness, not generation time,
-    so μ_min = R/T_train, and a broadcast slower than κ updates is no longer infeasible."""
-    plan = example(tmp_path, mode="async")
-    assert plan["mu_min"] == pytest.approx(4 / 10)  # pull: κ·R/(κ·T_train − T_bcast) = 8/12
-    assert plan["inputs"]["mode"] == "async"
-    slow = example(tmp_path, mode="async", learner_up_mbit=100)  # G/b0 = 80 s > κ·T_train = 20 s
+    """Pipelined (async, the default, as the learner's): the broadcast costs staleness, not
+    generation time, so μ_min = R/T_train, and a broadcast slower than κ updates is no longer
+    infeasible."""
+    plan = example(tmp_path, pipelined=True)
+    assert plan["mu_min"] == pytest.approx(4 / 10)  # waiting peers: κ·R/(κ·T_train − T_bcast) = 8/12
+    assert plan["inputs"]["pipelined"] is True
+    slow = example(tmp_path, pipelined=True, learner_up_mbit=100)  # G/b0 = 80 s > κ·T_train = 20 s
     assert slow["feasible"] is True and slow["mu_min"] == pytest.approx(0.4)
-    short = example(tmp_path, mode="async", rollouts_per_update=64)
+    short = example(tmp_path, pipelined=True, rollouts_per_update=64)
     assert "μ_min = R/T_train = 64/10" in short["reason"]
-    with pytest.raises(ValueError, match="mode must be async or pull"):
-        example(tmp_path, mode="sync")
 
 
 def test_the_iteration_settles_on_the_chosen_sets_own_bound(tmp_path: Path) -> None:
@@ -295,12 +294,18 @@ def test_the_plan_command_offline(tmp_path: Path) -> None:
         assert main([*args, "--json"]) == 0
     plan = json.loads(out.getvalue())
     assert plan["feasible"] and plan["kappa"] == 3 and "free" in plan["chosen"] and "dear" not in plan["chosen"]
-    assert plan["inputs"]["mode"] == "async" and plan["mu_min"] == pytest.approx(64 / 2)
+    assert plan["inputs"]["pipelined"] is True and plan["mu_min"] == pytest.approx(64 / 2)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main([*args, "--mode", "pull", "--json"]) == 0
     pull = json.loads(out.getvalue())
-    assert pull["inputs"]["mode"] == "pull" and pull["mu_min"] > plan["mu_min"]  # pull peers wait for each version
+    # Pull: every version published (κ = 1) and waited for: μ_min = R/(T_train − T_bcast).
+    assert pull["inputs"]["pipelined"] is False and pull["kappa"] == 1
+    assert pull["mu_min"] == pytest.approx(64 / (2 - pull["t_bcast_bound_s"]))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert main([*args, "--mode", "pull", "--kappa", "3"]) == 2
+    assert "--mode pull publishes every version: --kappa must be 1, got 3" in err.getvalue()
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         assert main(["plan", "--candidates", str(csv)]) == 2

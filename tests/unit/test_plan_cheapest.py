@@ -161,7 +161,7 @@ def test_a_hard_small_pool_falls_back_to_the_bounded_greedy(monkeypatch: pytest.
 def infeasible(**change: Any) -> dict[str, Any]:
     workers = [Candidate("a", 2, 1, bandwidth=1000 * MBIT, up=1000 * MBIT), Candidate("slow", 2, 1, bandwidth=10 * MBIT, up=MBIT)]
     args: dict[str, Any] = {"model_bytes": 1e9, "learner_up_mbit": 1000, "t_train": 10, "rollouts_per_update": 4,
-                            "staleness": 3, "workers": workers, "mode": "pull"}
+                            "staleness": 3, "workers": workers, "pipelined": False}
     plan = plan_from_inputs(**{**args, **change})
     assert plan["feasible"] is False
     return plan
