@@ -100,9 +100,11 @@ STATUS_STRANGERS = (20.0, 40.0)
 
 # The end of a run is announced within END_ANNOUNCE_S (a stop never waits longer for it): END_REPEATS
 # times, END_DRAIN_S apart, and the host stays up END_DRAIN_S after the last so that the message
-# leaves its queues. Gossip reaches only the subscribers the learner knows when it publishes: a
-# peer that joined in the last moments hears a repeat instead of looking for the learner for
-# `net.learner_outage_s`. A peer takes the first and ignores the rest (same epoch, same word).
+# leaves its queues. A publish pushes to the subscribers the learner knows at that moment; a
+# peer that subscribed later gets the word only through a heartbeat's lazy gossip, which offers
+# it to a few sampled peers. A repeat pushes it to every subscriber, so a peer that joined in the
+# last moments stops instead of looking for the learner for `net.learner_outage_s`. A peer takes
+# the first and ignores the rest (same epoch, same word).
 END_ANNOUNCE_S = 3.0
 END_DRAIN_S = 0.5
 END_REPEATS = 3
