@@ -304,8 +304,10 @@ def spot_rows(v: Verifier, batch: RolloutBatch, rows: int | None) -> DropReason 
 
 
 def test_a_forged_share_of_rows_is_caught_by_random_rows(model: torch.nn.Module) -> None:
-    """Rows are drawn at random, so forging half the rows of a batch is caught by a 4-row check
-    in at least 1 - 2^-4 of checks (here: every one of 12, or nearly)."""
+    """Rows are drawn at random (without replacement), so forging half the 64 rows of a batch is
+    caught by a 4-row check with probability 1 - C(32,4)/C(64,4) = 0.943. Over 64 checks, at
+    least 48 catch it unless the draw is not that random: an honest draw falls short with
+    probability 7e-8, one that always picks the same rows catches 0 or 64."""
     honest = sample_batch(model, groups=8, seq=9)
     forged_groups = tuple(
         replace(g, samples=tuple(replace(s, behaviour_logprobs=tuple(x - 2.0 for x in s.behaviour_logprobs)) if i % 2 else s
@@ -313,8 +315,9 @@ def test_a_forged_share_of_rows_is_caught_by_random_rows(model: torch.nn.Module)
         for g in honest.groups
     )
     batch = replace(honest, groups=forged_groups)
-    caught = sum(spot_rows(verifier(model), batch, 4) is DropReason.BAD_LOGPROBS for _ in range(12))
-    assert caught >= 10
+    checks = 64
+    caught = sum(spot_rows(verifier(model), batch, 4) is DropReason.BAD_LOGPROBS for _ in range(checks))
+    assert caught >= 48, f"{caught} of {checks} checks caught the forgery"
 
 
 def test_evidence_of_a_weak_bias_accumulates_across_checks(model: torch.nn.Module) -> None:
