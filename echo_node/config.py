@@ -20,7 +20,7 @@ from typing import Any, Literal
 from echo_node.ml import defaults as ml_defaults
 from protocol.addresses import AddressError, check_announce, check_data_host, parse_tcp_multiaddr
 from protocol.identity import is_valid_peer_id
-from protocol.limits import MAX_STALENESS, MAX_TEMPERATURE, MAX_TOKENS_PER_SEQUENCE
+from protocol.limits import MAX_STALENESS, MAX_TEMPERATURE, MAX_TOKENS_PER_SEQUENCE, REPAIR_KEEP
 from protocol.weights.overlay import DEFAULT_DEGREE, DEGREE_RANGE
 
 SyncMode = Literal["pull", "async"]
@@ -63,8 +63,9 @@ class NetConfig:
     provide_interval_s: float = 60.0
     # The learner asks publishers for missing sequence numbers this often.
     repair_interval_s: float = 2.0
-    # A rollout peer keeps this many of its last published messages to answer repair requests.
-    repair_history: int = 512
+    # A rollout peer keeps this many of its last published messages to answer repair requests
+    # (at least the wire's REPAIR_KEEP).
+    repair_history: int = REPAIR_KEEP
     # Weight versions each node keeps serving on the data channel (relaying, late joiners).
     keep_versions: int = 4
     # The learner takes at most this many joined peers; a join beyond it replaces the peer that
@@ -493,6 +494,9 @@ def validate_net(net: NetConfig) -> None:
         raise ValueError(f"net.allow_peers: {bad[0]!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
     if net.learner is not None and not is_valid_peer_id(net.learner):
         raise ValueError(f"net.learner {net.learner!r} is not a libp2p Ed25519 peer id (12D3KooW...)")
+    if net.repair_history < REPAIR_KEEP:
+        raise ValueError(f"net.repair_history must be >= {REPAIR_KEEP} (the wire's promise to answer repair for the last "
+                         f"{REPAIR_KEEP} batches), got {net.repair_history}")
     if not net.learner_outage_s > 0:
         raise ValueError(f"net.learner_outage_s must be > 0, got {net.learner_outage_s}")
     if net.max_peers < 1 or net.ban_after < 1 or not net.ban_s >= 0:

@@ -125,6 +125,12 @@ SHA256_BYTES: Final = 32
 # are small, so responders pack what fits (`pack_repair_response`) and requesters ask again.
 MAX_REPAIR_SEQS: Final = 256
 
+# A publisher answers repair for at least its last REPAIR_KEEP published seqs (wire.md § 8). A
+# seq it lists as unavailable although the requester had seen a seq less than REPAIR_KEEP / 2
+# above it was never published: the publisher *disowned* it (leaving out a slot it was assigned).
+# The margin covers a publisher that ran ahead of what the requester has seen.
+REPAIR_KEEP: Final = 512
+
 # SequenceTracker: how far behind a publisher's highest seq we still detect duplicates and gaps
 # (4096 bits of state per publisher), how many gaps we report per publisher, and how many
 # publishers we track before evicting the least recently seen.

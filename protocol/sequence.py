@@ -18,10 +18,13 @@ Rules:
   can cover): nothing from before can be asked for anyway.
 - Skips are counted: a publisher owes every seq in order (its prompts are assigned per seq,
   protocol/assignment.py), so a seq it never delivers is one it may have left out to avoid its
-  prompts. `skips` counts, per publisher, the seqs given up after repair and those a jump passed
-  over, against the seqs it delivered; a given-up seq that arrives after all is taken off. One
-  gap is excused (`excuse_next_gap`: the publisher rejoined after a restart, or this side
-  restarted): the next forward move then sets a new floor and costs nothing.
+  prompts. `skips` counts, per publisher, the seqs given up after repair, those a jump passed
+  over and those still owed when they fall out of the window, against the seqs it delivered; a
+  given-up seq that arrives after all is taken off. Of those, `disowned` counts the seqs the
+  publisher itself said it never published (the caller judges that from the repair answer):
+  an honest publisher has none, so they are kept apart and never taken off. One gap is excused
+  (`excuse_next_gap`: the publisher rejoined after a restart, or this side restarted): what is
+  owed at that moment is forgiven, and the next forward move sets a new floor and costs nothing.
 - `missing` reports seqs in [max(floor, highest - window + 1), highest] not yet seen and not given
   up, oldest first, at most `max_missing` of them. A given-up seq that arrives later is `NEW`.
 - At most `max_publishers` are tracked; observing one more evicts the least recently observed.
@@ -58,6 +61,7 @@ class _Publisher:
     delivered: int = 1
     skipped: int = 0
     excused: bool = False
+    disowned: int = 0
 
 
 class SequenceTracker:
@@ -104,6 +108,8 @@ class SequenceTracker:
             shift = seq - pub.highest
             excused, pub.excused = pub.excused, False
             pub.delivered += 1
+            if not excused:  # seqs still owed that this move pushes out of the window, unasked
+                pub.skipped += (self._owed(pub) >> max(0, self._window - shift)).bit_count()
             if shift >= self._window:
                 # Beyond the window nothing in between can be tracked or repaired: start over,
                 # counting what it passed over unless the gap was excused.
@@ -135,8 +141,7 @@ class SequenceTracker:
         pub = self._publishers.get(peer_id)
         if pub is None:
             return []
-        span = min(pub.highest - pub.floor + 1, self._window)  # bits at or above the floor
-        wanted = ~(pub.seen | pub.given_up) & ((1 << span) - 1)
+        wanted = self._owed(pub)
         out: list[int] = []
         while wanted and len(out) < self._max_missing:
             offset = wanted.bit_length() - 1  # the highest offset is the oldest seq
@@ -144,8 +149,9 @@ class SequenceTracker:
             wanted ^= 1 << offset
         return out
 
-    def mark_given_up(self, peer_id: str, seqs: Iterable[int]) -> None:
-        """Stop reporting these seqs as missing (repair failed or unavailable)."""
+    def mark_given_up(self, peer_id: str, seqs: Iterable[int], *, disowned: bool = False) -> None:
+        """Stop reporting these seqs as missing (repair failed or unavailable); `disowned`: the
+        publisher said it never published them."""
         pub = self._publishers.get(peer_id)
         if pub is None:
             return
@@ -155,6 +161,12 @@ class SequenceTracker:
                 bit = (1 << offset) & ~pub.seen & ~pub.given_up
                 pub.given_up |= bit
                 pub.skipped += bit != 0
+                pub.disowned += disowned and bit != 0
+
+    def disowned(self, peer_id: str) -> int:
+        """Seqs `peer_id` said it never published while tracked (module rules); 0 if not tracked."""
+        pub = self._publishers.get(peer_id)
+        return 0 if pub is None else pub.disowned
 
     def skips(self, peer_id: str) -> tuple[int, int]:
         """(seqs skipped, seqs delivered) by `peer_id` while tracked (module rules); (0, 0) if
@@ -163,11 +175,13 @@ class SequenceTracker:
         return (0, 0) if pub is None else (pub.skipped, pub.delivered)
 
     def excuse_next_gap(self, peer_id: str | None = None) -> None:
-        """The next forward move of `peer_id` (of every tracked publisher if None) sets a new
-        floor and counts no skips."""
+        """Forgive what `peer_id` (every tracked publisher if None) owes now; its next forward
+        move sets a new floor and counts no skips. (A restarted publisher no longer holds what it
+        published before, and cannot say which seqs those were.)"""
         for pid, pub in self._publishers.items():
             if peer_id is None or pid == peer_id:
                 pub.excused = True
+                pub.given_up |= self._owed(pub)
 
     def highest(self, peer_id: str) -> int | None:
         """The highest seq seen from `peer_id`, or None if not tracked."""
@@ -180,8 +194,9 @@ class SequenceTracker:
 
     def snapshot(self) -> list[list[object]]:
         """Every tracked publisher's state, least recently observed first, as JSON-able rows
-        [peer_id, floor, highest, seen, given_up, delivered, skipped] (bitmaps as hex strings)."""
-        return [[p, s.floor, s.highest, f"{s.seen:x}", f"{s.given_up:x}", s.delivered, s.skipped]
+        [peer_id, floor, highest, seen, given_up, delivered, skipped, disowned] (bitmaps as hex
+        strings)."""
+        return [[p, s.floor, s.highest, f"{s.seen:x}", f"{s.given_up:x}", s.delivered, s.skipped, s.disowned]
                 for p, s in self._publishers.items()]
 
     def restore(self, rows: Iterable[object]) -> None:
@@ -189,23 +204,31 @@ class SequenceTracker:
         this tracker could have produced. Replaces what was tracked."""
         restored: OrderedDict[str, _Publisher] = OrderedDict()
         for row in rows:
-            # Rows of 5 fields come from checkpoints written before skips were counted.
-            if not isinstance(row, (list, tuple)) or len(row) not in (5, 7):
+            # Rows of 5 fields come from checkpoints written before skips were counted, of 7
+            # from before disowned seqs were.
+            if not isinstance(row, (list, tuple)) or len(row) not in (5, 7, 8):
                 raise ValueError(f"not a tracker row: {row!r:.80}")
             peer_id, floor, highest, seen, given_up = row[:5]
-            delivered, skipped = row[5:] if len(row) == 7 else (1, 0)
+            delivered, skipped, disowned = (*row[5:], 0)[:3] if len(row) > 5 else (1, 0, 0)
             if not (isinstance(peer_id, str) and isinstance(floor, int) and isinstance(highest, int)
                     and isinstance(seen, str) and isinstance(given_up, str)
-                    and isinstance(delivered, int) and isinstance(skipped, int)):
+                    and isinstance(delivered, int) and isinstance(skipped, int) and isinstance(disowned, int)):
                 raise ValueError(f"not a tracker row: {row!r:.80}")
-            if not 0 <= floor <= highest <= MAX_SEQ or not 0 <= skipped <= MAX_SEQ or not 0 <= delivered <= MAX_SEQ:
-                raise ValueError(f"tracker row for {peer_id}: floor {floor}, highest {highest}, {delivered} delivered, {skipped} skipped")
+            if (not 0 <= floor <= highest <= MAX_SEQ or not 0 <= skipped <= MAX_SEQ or not 0 <= disowned <= MAX_SEQ
+                    or not 0 <= delivered <= MAX_SEQ):
+                raise ValueError(f"tracker row for {peer_id}: floor {floor}, highest {highest}, {delivered} delivered, "
+                                 f"{skipped} skipped, {disowned} disowned")
             restored[peer_id] = _Publisher(floor, highest, int(seen, 16) & self._mask, int(given_up, 16) & self._mask,
-                                           delivered, skipped)
+                                           delivered, skipped, disowned=disowned)
             restored.move_to_end(peer_id)
             while len(restored) > self._max_publishers:
                 restored.popitem(last=False)
         self._publishers = restored
+
+    def _owed(self, pub: _Publisher) -> int:
+        """Bits (offset from the highest) of the seqs at or above the floor neither seen nor given up."""
+        span = min(pub.highest - pub.floor + 1, self._window)
+        return ~(pub.seen | pub.given_up) & ((1 << span) - 1)
 
     def _admit(self, peer_id: str, seq: int) -> None:
         if len(self._publishers) >= self._max_publishers:

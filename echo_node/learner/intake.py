@@ -34,8 +34,12 @@ Rules:
   after repair or passed over by a jump are counted (`SequenceTracker.skips`); beyond
   SKIP_ALLOWANCE plus SKIP_SHARE of what it delivered, the publisher is caught as a `bad_prompt`
   forger. What that bounds: a publisher may leave out at most ~5 % of its slots for good (a
-  weak bias towards easier prompts), never the 80 % an unchecked one did. A rejoin (a restart of
-  the peer) and a restart of the learner each excuse one gap.
+  weak bias towards easier prompts), never the 80 % an unchecked one did. Seqs the publisher
+  itself lists as unavailable although they lie within the horizon every publisher keeps
+  (`DISOWN_HORIZON` below the highest the learner had seen when it asked) were never published:
+  more than DISOWN_ALLOWANCE of those is the same offence, so a publisher that answers repairs
+  gets no allowance to spend on choosing. A rejoin (a restart of the peer) and a restart of the
+  learner each forgive what is owed at that moment.
 
 Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
 reason, exactly once.
@@ -64,7 +68,7 @@ from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.limits import MAX_REPAIR_SEQS
+from protocol.limits import MAX_REPAIR_SEQS, REPAIR_KEEP
 from protocol.messages import RepairRequest, RepairResponse, RolloutBatch
 from protocol.sequence import Observation, SequenceTracker
 
@@ -104,6 +108,11 @@ BESIDE_WAITING = 4
 # in flight, repairs that time out) plus a share of the seqs it delivered.
 SKIP_ALLOWANCE = 256
 SKIP_SHARE = 0.05
+# Seqs a publisher may disown (say it never published, inside the horizon it must keep:
+# protocol/limits.py REPAIR_KEEP) before it is caught. An honest publisher disowns none; the
+# allowance only absorbs a peer that keeps fewer than the rule asks.
+DISOWN_ALLOWANCE = 8
+DISOWN_HORIZON = REPAIR_KEEP // 2
 # Refusals no honest peer earns: its claims did not survive the learner's checks.
 CHEATING = frozenset(
     {DropReason.BAD_REWARD, DropReason.BAD_PROMPT, DropReason.BAD_COMPLETION, DropReason.BAD_LOGPROBS, DropReason.BAD_SAMPLING}
@@ -419,10 +428,18 @@ class RolloutIntake:
         """Catch `peer_id` if it skipped more of its seqs than honest loss explains (module
         rules); True if it was caught now."""
         skipped, delivered = self.tracker.skips(peer_id)
-        if skipped <= SKIP_ALLOWANCE + SKIP_SHARE * delivered or self.peers.is_banned(peer_id):
+        disowned = self.tracker.disowned(peer_id)
+        if self.peers.is_banned(peer_id):
             return False
-        self._evidence = (f"it left out {skipped} of its sequence numbers and delivered {delivered}: the prompts of the "
-                          f"seqs it skipped were assigned to it (more than {SKIP_ALLOWANCE} + {SKIP_SHARE:.0%} is a choice)")
+        if disowned > DISOWN_ALLOWANCE:
+            self._evidence = (f"it said it never published {disowned} of its sequence numbers below seqs it delivered "
+                              f"(it delivered {delivered}): the prompts of those seqs were assigned to it, and leaving "
+                              f"them out chose its prompts")
+        elif skipped > SKIP_ALLOWANCE + SKIP_SHARE * delivered:
+            self._evidence = (f"it left out {skipped} of its sequence numbers and delivered {delivered}: the prompts of the "
+                              f"seqs it skipped were assigned to it (more than {SKIP_ALLOWANCE} + {SKIP_SHARE:.0%} is a choice)")
+        else:
+            return False
         self.caught(peer_id, DropReason.BAD_PROMPT)
         return True
 
@@ -701,6 +718,7 @@ class RolloutIntake:
     async def repair(self, peer_id: str, missing: list[int]) -> None:
         assert self.node is not None
         request = RepairRequest(run_id=self.run.run_id, peer_id=peer_id, seqs=tuple(missing[:MAX_REPAIR_SEQS]))
+        asked_below = self.tracker.highest(peer_id)
         try:
             with trio.fail_after(REPAIR_TIMEOUT_S):
                 response = await rpc.call(self.node, peer_id, rpc.REPAIR, request, RepairResponse)
@@ -726,7 +744,10 @@ class RolloutIntake:
                 return
             recovered += 1
         # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
-        # not fit in this response stay missing and are asked for on the next round.
+        # not fit in this response stay missing and are asked for on the next round. Within the
+        # horizon it keeps, "unavailable" means it never published the seq (module rules).
+        recent = [s for s in response.unavailable if asked_below is not None and asked_below - s < DISOWN_HORIZON]
+        self.tracker.mark_given_up(peer_id, recent, disowned=True)
         self.tracker.mark_given_up(peer_id, list(response.unavailable))
         self.lost_messages += len(response.unavailable)
         self.judge_skips(peer_id)

@@ -13,8 +13,8 @@ Services, each in the peer's nursery:
   seed the run assigns each batch (protocol/assignment.py), scores it, and hands each batch to
   the `RolloutPublisher`.
 - `RolloutPublisher`: one signed `RolloutBatch` per generation batch, under the sequence number
-  its prompts were assigned for; the last `net.repair_history`
-  are kept to answer the learner's gap-repair requests.
+  its prompts were assigned for; the last `net.repair_history` (at least the wire's
+  REPAIR_KEEP) are kept to answer the learner's gap-repair requests.
 
 In async mode a completion carries the versions of its tokens (weights swap in
 mid-generation, AReaL / PipelineRL): the learner judges it by its oldest token against S and
@@ -579,7 +579,10 @@ class RolloutPublisher:
         if request.peer_id != self.identity.peer_id:
             raise RemoteProtocolError(f"repair request for publisher {request.peer_id}, not this one")
         found = [self.history[s] for s in request.seqs if s in self.history]
-        unavailable = [s for s in request.seqs if s not in self.history]
+        # Seqs from before this process started are neither: it cannot tell which of them it
+        # published, and "unavailable" would say it never did (wire.md § 8). Its rejoin
+        # forgives them.
+        unavailable = [s for s in request.seqs if s not in self.history and s >= self.reservation.first]
         return pack_repair_response(found, unavailable=unavailable)
 
 

@@ -6,17 +6,22 @@ is caught like a prompt forger, while honest loss and restarts cost nothing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import trio
 import trio.testing
 
-from echo_node.learner.intake import REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
+from echo_node.config import RunConfig
+from echo_node.learner.intake import DISOWN_ALLOWANCE, REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
 from echo_node.learner.learner import Learner
+from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import Identity, seal
 from protocol.limits import SEQ_WINDOW
 from tests.factories import ALICE, MALLORY, learner_tasks, make_batch, new_learner
 from tests.factories import start_learner as start
+from tests.node.test_gap_repair import Link
 
 
 class Silent:
@@ -31,7 +36,11 @@ class Silent:
 
 
 def deliver(learner: Learner, who: Identity, seq: int) -> None:
-    batch, reason, _ = learner.intake.check(seal(make_batch(identity=who, seq=seq), who), who.peer_id)
+    deliver_sealed(learner, who, seal(make_batch(identity=who, seq=seq), who))
+
+
+def deliver_sealed(learner: Learner, who: Identity, sealed: bytes) -> None:
+    batch, reason, _ = learner.intake.check(sealed, who.peer_id)
     assert reason is None and batch is not None, reason
     learner.intake.ingest(batch, who.peer_id)
 
@@ -138,3 +147,101 @@ def test_a_restart_of_the_learner_counts_the_same_skips(tmp_path: Any) -> None:
     trio.run(start, second)
     second.report.close()
     assert second.intake.tracker.skips(ALICE.peer_id) == (0, 2)
+
+
+def publisher_of(learner: Learner, who: Identity, *, first: int) -> RolloutPublisher:
+    """The reference peer's publisher (and repair server) for `who`, as a process that started
+    at seq `first`."""
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=learner.cfg.runs_dir), who, node=None)
+    peer.reservation.first = first
+    return peer
+
+
+def repair_rounds(learner: Learner, peers: dict[str, RolloutPublisher], rounds: list[Callable[[], None]]) -> None:
+    """Each round publishes (gossip delivers what it chooses), then the learner asks every
+    publisher for what it misses; repairs are answered by the publishers' real handler (the
+    process `peers` holds at that moment)."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+
+            class Route:
+                async def open_stream(self, peer_id: str, protocol_id: str) -> Any:
+                    return await Link(nursery, peers[peer_id], learner.node.peer_id).open_stream(peer_id, protocol_id)
+
+                def penalize(self, peer_id: str, topic: str) -> None:
+                    pass
+
+            learner.intake.node = Route()  # type: ignore[assignment]
+            for publish in rounds:
+                publish()
+                for peer_id in peers:
+                    missing = learner.intake.tracker.missing(peer_id)
+                    if missing and not learner.peers.is_banned(peer_id):
+                        with trio.fail_after(REPAIR_TIMEOUT_S):
+                            await learner.intake.repair(peer_id, missing)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_publisher_that_disowns_the_seqs_it_left_out_is_caught_within_a_few_batches(learner: Learner) -> None:
+    """The reference repair server answers "unavailable" for a seq it never published. Within
+    the horizon every publisher keeps, that is a publisher saying it left the seq out: a skipper
+    that answers repairs gets DISOWN_ALLOWANCE of them, not SKIP_ALLOWANCE + 5 %. This one
+    likes one slot in five (benchmarks/attackers.py's slot_picker's rate)."""
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    mallory = publisher_of(learner, MALLORY, first=0)
+    delivered = []
+
+    def publish(r: int) -> None:
+        for seq in range(10 * r, 10 * r + 10):
+            if seq % 5 == 0 and not learner.peers.is_banned(MALLORY.peer_id):
+                mallory.history[seq] = sealed = seal(make_batch(identity=MALLORY, seq=seq), MALLORY)
+                deliver_sealed(learner, MALLORY, sealed)
+                delivered.append(seq)
+
+    repair_rounds(learner, {MALLORY.peer_id: mallory}, [partial(publish, r) for r in range(20)])
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    assert [c["reason"] for c in caught] == ["bad_prompt"] and "never published" in str(caught[0]["evidence"])
+    # 4 disowned per batch delivered: caught once more than DISOWN_ALLOWANCE are, one round late at most.
+    assert len(delivered) <= DISOWN_ALLOWANCE // 4 + 1 + 2, delivered
+    assert learner.buffer.ledger.dropped["purged"] > 0  # what it had buffered went with the ban
+
+
+def test_honest_loss_repaired_and_a_restarted_publisher_disown_nothing(learner: Learner) -> None:
+    """An honest publisher's messages lost in transit are in its history: repair recovers them.
+    After it restarts (a new process, empty history, seqs from a later base) it does not list
+    its old seqs as unavailable, and its rejoin forgives them: nothing is disowned, no strike."""
+    learner.peers.join(ALICE.peer_id, 0.0)
+    peers = {ALICE.peer_id: publisher_of(learner, ALICE, first=0)}
+
+    def publish(seqs: range) -> None:
+        for seq in seqs:
+            peers[ALICE.peer_id].history[seq] = sealed = seal(make_batch(identity=ALICE, seq=seq), ALICE)
+            if seq % 7 != 3:  # lost in transit: repair fetches it from the history
+                deliver_sealed(learner, ALICE, sealed)
+
+    def restart() -> None:
+        # Seq 59 was lost last (nothing above it had arrived, so it was not known to be
+        # missing); 60-69 were published, 60 and 69 delivered, then the process died: 59 and
+        # 61-68 are owed, and asked of the new process before its rejoin reaches the learner.
+        assert learner.intake.tracker.skips(ALICE.peer_id) == (0, 59)
+        publish(range(60, 61))
+        deliver_sealed(learner, ALICE, seal(make_batch(identity=ALICE, seq=69), ALICE))
+        peers[ALICE.peer_id] = publisher_of(learner, ALICE, first=200)
+        assert len(learner.intake.tracker.missing(ALICE.peer_id)) == 9
+
+    def rejoin() -> None:
+        assert learner.intake.tracker.skips(ALICE.peer_id) == (0, 61)  # nothing was counted
+        assert len(learner.intake.tracker.missing(ALICE.peer_id)) == 9
+        learner.intake.tracker.excuse_next_gap(ALICE.peer_id)  # what Learner._on_join does
+        publish(range(200, 210))
+
+    rounds: list[Callable[[], None]] = [partial(publish, range(10 * r, 10 * r + 10)) for r in range(6)]
+    rounds += [restart, rejoin] + [partial(publish, range(200 + 10 * r, 210 + 10 * r)) for r in range(1, 3)]
+    repair_rounds(learner, peers, rounds)
+    skipped, delivered = learner.intake.tracker.skips(ALICE.peer_id)
+    assert (skipped, learner.intake.tracker.disowned(ALICE.peer_id), delivered) == (0, 0, 91)
+    assert not learner.peers.is_banned(ALICE.peer_id) and not learner.peers.penalties

@@ -56,7 +56,9 @@ class Link:
 
 def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> None:
     peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=learner.cfg.runs_dir), ALICE, node=None)
-    # The publisher still holds seqs 11 and 13 of what it sent; 12 fell out of its history.
+    # The publisher (a process that began at seq 10) holds seqs 11 and 13 of what it sent; it
+    # never published 12 (so it disowns it: one of DISOWN_ALLOWANCE).
+    peer.reservation.first = 10
     sealed = {s: seal(make_batch(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
     peer.history.update({s: sealed[s] for s in (11, 13)})
 
@@ -78,7 +80,8 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> 
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert sorted(g.group_id for g in learner.buffer.take(10, 0)) == [f"g{s}000" for s in (10, 11, 13, 14)]
-    assert learner.intake.lost_messages == 1  # seq 12: the publisher no longer had it
+    assert learner.intake.lost_messages == 1  # seq 12: the publisher says it never published it
+    assert learner.intake.tracker.disowned(ALICE.peer_id) == 1 and not learner.peers.is_banned(ALICE.peer_id)
     assert learner.buffer.ledger.received == 32
 
 

@@ -130,8 +130,8 @@ def test_skips_count_given_up_seqs_and_jumps_against_what_was_delivered() -> Non
     assert t.skips("p") == (3, 4)
     assert t.observe("p", 5) is NEW  # a given-up seq that arrives after all is no skip
     assert t.skips("p") == (2, 5)
-    t.observe("p", 7 + 100)  # a jump beyond the window passes over 99 owed seqs
-    assert t.skips("p") == (101, 6) and t.missing("p") == []
+    t.observe("p", 7 + 100)  # a jump beyond the window passes over 99 owed seqs, and seq 6 was owed
+    assert t.skips("p") == (102, 6) and t.missing("p") == []
     assert t.skips("nobody") == (0, 0)
 
 
@@ -161,3 +161,44 @@ def test_skip_counts_survive_a_snapshot_and_old_rows_restore() -> None:
     assert u.skips("q") == (0, 1) and u.missing("q") == [4]
     with pytest.raises(ValueError):
         u.restore([["q", 3, 5, "5", "0", 1, -1]])
+
+
+def test_owed_seqs_that_leave_the_window_unasked_are_skips() -> None:
+    """Moving forward by less than the window pushes the oldest owed seqs out before repair asked
+    for them: counted, or a publisher could skip most of every window by stepping just short of
+    a jump."""
+    t = SequenceTracker(window=16, max_missing=2)
+    t.observe("p", 0)
+    t.observe("p", 10)  # 1-9 owed
+    assert t.skips("p") == (0, 2)
+    t.observe("p", 20)  # 1-4 leave the window (it holds 5-20)
+    assert t.skips("p") == (4, 3) and t.missing("p") == [5, 6]
+    t.excuse_next_gap("p")
+    t.observe("p", 30)  # excused: what left (5-14) was forgiven
+    assert t.skips("p") == (4, 4)
+
+
+def test_disowned_seqs_are_counted_apart_and_kept() -> None:
+    t = SequenceTracker(window=16)
+    for s in (0, 5):
+        t.observe("p", s)
+    t.mark_given_up("p", [1, 2], disowned=True)
+    t.mark_given_up("p", [1, 2, 3])  # the same seqs again count once; 3 is an ordinary give-up
+    assert t.skips("p") == (3, 2) and t.disowned("p") == 2 and t.disowned("q") == 0
+    u = SequenceTracker(window=16)
+    u.restore(t.snapshot())
+    assert u.disowned("p") == 2 and u.skips("p") == (3, 2)
+    u.restore([["q", 3, 5, "5", "0", 1, 0]])  # a row from before disowned seqs were counted
+    assert u.disowned("q") == 0
+    with pytest.raises(ValueError):
+        u.restore([["q", 3, 5, "5", "0", 1, 0, -1]])
+
+
+def test_an_excuse_forgives_what_is_owed_at_that_moment() -> None:
+    t = SequenceTracker(window=16)
+    for s in (0, 4):
+        t.observe("p", s)
+    t.excuse_next_gap("p")  # a restarted publisher cannot say which of 1-3 it published
+    assert t.missing("p") == [] and t.skips("p") == (0, 2)
+    t.mark_given_up("p", [1, 2, 3], disowned=True)  # a late answer to an earlier request
+    assert t.skips("p") == (0, 2) and t.disowned("p") == 0

@@ -128,3 +128,15 @@ def test_manifest_vector() -> None:
 @pytest.mark.parametrize("number", range(1, 16))
 def test_sections_are_numbered_in_order(number: int) -> None:
     assert section(number).startswith(f"## {number}. ")
+
+
+def test_the_repair_rules_numbers_are_the_codes() -> None:
+    """What a publisher must keep, and what leaving seqs out costs, as § 8 and § 15 state them."""
+    from echo_node.learner.intake import DISOWN_ALLOWANCE, DISOWN_HORIZON, SKIP_ALLOWANCE, SKIP_SHARE
+    from protocol.limits import REPAIR_KEEP
+
+    rule = section(8)
+    assert f"at least its last {REPAIR_KEEP} published frames (`REPAIR_KEEP`)" in rule
+    assert f"less than {DISOWN_HORIZON} below the highest seq" in rule
+    assert (f"more than {SKIP_ALLOWANCE} + {SKIP_SHARE:.0%} of its own seqs".replace("%", " %")
+            + f" (their prompts were assigned to it), or disowning more than {DISOWN_ALLOWANCE}") in section(15)
