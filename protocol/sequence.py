@@ -23,8 +23,11 @@ Rules:
   given-up seq that arrives after all is taken off. Of those, `disowned` counts the seqs the
   publisher itself said it never published (the caller judges that from the repair answer):
   an honest publisher has none, so they are kept apart and never taken off. One gap is excused
-  (`excuse_next_gap`: the publisher rejoined after a restart, or this side restarted): what is
-  owed at that moment is forgiven, and the next forward move sets a new floor and costs nothing.
+  (`excuse_next_gap`: the publisher rejoined after a restart, or this side restarted): the next
+  forward move then sets a new floor and costs nothing. `forgive_owed` gives up what is owed
+  now at no cost: for this side's restart only (what peers published meanwhile may have left
+  their histories, and the restored highest seqs are old), never for a publisher's own word,
+  which would let it launder its skips by rejoining.
 - `missing` reports seqs in [max(floor, highest - window + 1), highest] not yet seen and not given
   up, oldest first, at most `max_missing` of them. A given-up seq that arrives later is `NEW`.
 - At most `max_publishers` are tracked; observing one more evicts the least recently observed.
@@ -175,13 +178,16 @@ class SequenceTracker:
         return (0, 0) if pub is None else (pub.skipped, pub.delivered)
 
     def excuse_next_gap(self, peer_id: str | None = None) -> None:
-        """Forgive what `peer_id` (every tracked publisher if None) owes now; its next forward
-        move sets a new floor and counts no skips. (A restarted publisher no longer holds what it
-        published before, and cannot say which seqs those were.)"""
+        """The next forward move of `peer_id` (of every tracked publisher if None) sets a new
+        floor and counts no skips."""
         for pid, pub in self._publishers.items():
             if peer_id is None or pid == peer_id:
                 pub.excused = True
-                pub.given_up |= self._owed(pub)
+
+    def forgive_owed(self) -> None:
+        """Give up every seq owed now, counting no skips (module rules: this side's restart)."""
+        for pub in self._publishers.values():
+            pub.given_up |= self._owed(pub)
 
     def highest(self, peer_id: str) -> int | None:
         """The highest seq seen from `peer_id`, or None if not tracked."""

@@ -38,8 +38,9 @@ Rules:
   itself lists as unavailable although they lie within the horizon every publisher keeps
   (`DISOWN_HORIZON` below the highest the learner had seen when it asked) were never published:
   more than DISOWN_ALLOWANCE of those is the same offence, so a publisher that answers repairs
-  gets no allowance to spend on choosing. A rejoin (a restart of the peer) and a restart of the
-  learner each forgive what is owed at that moment.
+  gets no allowance to spend on choosing. A seq left out of an answer that had room for more
+  is given up (a skip, not disowned: a restarted peer leaves out its earlier process's seqs). A
+  rejoin (a restart of the peer) and a restart of the learner each excuse one gap.
 
 Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
 reason, exactly once.
@@ -68,7 +69,7 @@ from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.limits import MAX_REPAIR_SEQS, REPAIR_KEEP
+from protocol.limits import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, MAX_REPAIR_SEQS, REPAIR_KEEP
 from protocol.messages import RepairRequest, RepairResponse, RolloutBatch
 from protocol.sequence import Observation, SequenceTracker
 
@@ -729,7 +730,7 @@ class RolloutIntake:
             self.lost_messages += len(missing)
             self.judge_skips(peer_id)
             return
-        recovered = 0
+        recovered: set[int] = set()
         for envelope in response.envelopes:
             batch, reason, n = self.check(envelope, peer_id)
             if reason is not None or batch is None:
@@ -742,16 +743,20 @@ class RolloutIntake:
             await self.admit(batch, peer_id)
             if self.peers.is_banned(peer_id):
                 return
-            recovered += 1
+            recovered.add(batch.seq)
         # What the publisher no longer has is gone for good; stop asking for it. Seqs that did
         # not fit in this response stay missing and are asked for on the next round. Within the
         # horizon it keeps, "unavailable" means it never published the seq (module rules).
         recent = [s for s in response.unavailable if asked_below is not None and asked_below - s < DISOWN_HORIZON]
         self.tracker.mark_given_up(peer_id, recent, disowned=True)
         self.tracker.mark_given_up(peer_id, list(response.unavailable))
+        if _had_room(response):  # what it left out was not for want of space
+            left_out = (set(request.seqs) - recovered - set(response.unavailable)).intersection(self.tracker.missing(peer_id))
+            self.tracker.mark_given_up(peer_id, left_out)
+            self.lost_messages += len(left_out)
         self.lost_messages += len(response.unavailable)
         self.judge_skips(peer_id)
-        log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, recovered, len(missing))
+        log.info("gap repair from %s: %d of %d missing messages recovered", peer_id, len(recovered), len(missing))
 
     # -- demand ----------------------------------------------------------------------------------
 
@@ -761,3 +766,9 @@ class RolloutIntake:
         with slack. Asking too much costs stale drops; asking too little idles the learner, so
         the split errs towards asking too much."""
         return max(1, math.ceil(per_version * slack / self.peers.effective_peers(trio.current_time())))
+
+
+def _had_room(response: RepairResponse) -> bool:
+    """Whether `response` had room for one more frame of any size a rollout message may have."""
+    used = 64 + 9 * len(response.unavailable) + sum(len(e) + 5 for e in response.envelopes)
+    return len(response.envelopes) < MAX_REPAIR_SEQS and used + MAX_FRAME_BYTES + 5 <= MAX_MESSAGE_BYTES

@@ -363,8 +363,10 @@ class Learner:
         self.buffer.evict_stale(self.version)
         self.state.journal.flush()
         if self.resumed is not None:
-            # Peers went on publishing while no learner listened: the gaps that left are not theirs.
+            # Peers went on publishing while no learner listened: the gaps that left are not
+            # theirs, and what was owed before may since have left their histories.
             self.intake.tracker.excuse_next_gap()
+            self.intake.tracker.forgive_owed()
             for version, old in sorted(self.resumed.blobs.items()):
                 if version < self.version:  # still admissible: served, and spot-checkable
                     self._offer(version, old)
