@@ -565,9 +565,9 @@ class RolloutIntake:
         `check_rate` 1): then it waits beside for the checker (one batch per publisher besides
         the one being checked, BESIDE_WAITING in all), so a newcomer past probation cannot slip
         batches past the checks by sending them while the checker is busy with others. A batch of
-        an unproven publisher (`Verifier.proven`) that finds no room to wait is dropped as
-        `unchecked`: every batch of such a publisher is checked (the budget does not excuse
-        one either, `Verifier.plan`) or not trained."""
+        a publisher still earning trust (`Verifier.earning`) that finds no room to wait is
+        dropped as `unchecked`: every batch of such a publisher that is chosen is checked (the
+        budget does not excuse one either, `Verifier.plan`) or not trained."""
         if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
@@ -584,7 +584,7 @@ class RolloutIntake:
                 self._beside_by[origin] += 1
                 self._beside.start_soon(self._check_beside, batch, origin, plan)
                 return
-            if not self.verify.proven(origin):
+            if self.verify.earning(origin):
                 # Never trained unchecked: dropped, counted, its seq delivered (not a skip).
                 self.verify.stats.unproven_dropped += 1
                 self.ingest(batch, origin, take=False)

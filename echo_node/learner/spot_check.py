@@ -78,16 +78,19 @@ Budget: checks cost CPU seconds (of the checking thread) and may take `verify.bu
 learner's wall time since it started. A batch chosen for a check gets as many rows as the
 credit left affords at the measured cost per row, at least `min_rows`; a batch chosen while the
 credit does not afford `min_rows` is not checked (`over_budget`), unless its publisher is on
-probation or not proven yet: then `min_rows` rows are checked whatever the credit, so a newcomer's first update
-waits for a small check, never a whole batch's. Rows are drawn uniformly at random (the
+probation or still earning trust (`earning`: not proven, or checked above `spot_rate`): then
+`min_rows` rows are checked whatever the credit, so a newcomer's first update waits for a small
+check, never a whole batch's, and a publisher honest until proven meets a check on its first
+lie however busy the checker is kept. Rows are drawn uniformly at random (the
 publisher cannot tell which), so a forger who forges a share f of its rows is caught per checked
 batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
 checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
-of its is judged exactly). Until then every batch of it is checked: the budget does not excuse
-one (it gets `min_rows` rows whatever the credit), and the intake drops one that finds no room
-to wait for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
+of its is judged exactly). Until then every batch of it is checked, and until its check rate
+is down to `spot_rate` every batch chosen for a check is: the budget does not excuse one (it
+gets `min_rows` rows whatever the credit), and the intake drops one that finds no room to wait
+for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
 less in a step (`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust
 over; noise evidence is kept.
 
@@ -200,7 +203,7 @@ class VerifyStats:
     over_budget: int = 0
     # ... and chosen while the checker was busy with another (checks run beside the intake).
     checker_busy: int = 0
-    # ... and batches of unproven publishers dropped for it (never trained unchecked).
+    # ... and batches of publishers still earning trust dropped for it (never trained unchecked).
     unproven_dropped: int = 0
     # Checks of a peer on a pair never measured that left its dtype's envelope (warned, passed).
     excursions: int = 0
@@ -430,7 +433,7 @@ class Verifier:
             return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows), probation=True)
         if self._rng.random() >= self.check_rate(peer):
             return None
-        if not self.proven(peer):  # never unchecked (module docstring, unproven publishers)
+        if self.earning(peer):  # never unchecked (module docstring, unproven publishers)
             return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows))
         rows = self._affordable_rows(batch.num_samples, floor=0)
         if rows < min(self.cfg.min_rows, batch.num_samples):
@@ -446,6 +449,13 @@ class Verifier:
         trust_tokens / spot_rate tokens of checks, and its lies then still meet spot_rate."""
         passed = self._trusted_tokens.get(peer_id, 0)
         return max(self.cfg.spot_rate, min(1.0, self.cfg.trust_tokens / max(1, passed)))
+
+    def earning(self, peer_id: str) -> bool:
+        """Whether `peer_id` is still earning trust: not proven, or checked above `spot_rate`. A
+        batch of such a publisher chosen for a check is checked or dropped, never trained
+        unchecked (module docstring): its next batch may be its first lie, and an attacker can
+        keep the checker busy or its budget spent with Sybils on probation."""
+        return not self.proven(peer_id) or self.check_rate(peer_id) > self.cfg.spot_rate
 
     def proven(self, peer_id: str) -> bool:
         """Whether `peer_id`'s checked work proved it (module docstring, unproven publishers):

@@ -120,6 +120,31 @@ def test_no_credit_never_excuses_an_unproven_publishers_batch(model: torch.nn.Mo
     assert not v.proven(ALICE.peer_id)
 
 
+def test_no_credit_never_excuses_a_chosen_batch_until_trust_is_earned_in_full(model: torch.nn.Module,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Honest until proven, lying after (benchmarks.verification's `rotating`): proven by 4,096
+    tokens that passed, it is still checked on nearly every batch, and a chosen batch gets the
+    smallest check with no credit left (an attacker's Sybils on probation can spend it); only
+    once its check rate is down to `spot_rate` may an unaffordable batch go unchecked."""
+    from echo_node.learner import spot_check as verify_module
+
+    v = Verifier(VerifyConfig(spot_rate=0.1, probation_batches=0, budget=0.05, min_rows=2), run_id=RUN, tokenizer=TOKENIZER,
+                 task=TASK, model=model, temperature=1.0, keep_versions=4)
+    batch = sample_batch(model, groups=8)
+    clock = [1000.0]
+    monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(v._rng, "random", lambda: 0.0)  # every batch is chosen
+    v._budget_from = clock[0]
+    v._cost_per_row = 1.0  # no credit for a single row
+    v.plan(batch)  # (first sight: it becomes a suspect, trust at zero)
+    v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens
+    assert v.proven(ALICE.peer_id) and v.earning(ALICE.peer_id) and v.check_rate(ALICE.peer_id) == 1.0
+    plan = v.plan(batch)
+    assert plan is not None and plan.rows == 2 and v.stats.over_budget == 0
+    v._trusted_tokens[ALICE.peer_id] = int(v.cfg.trust_tokens / v.cfg.spot_rate)
+    assert not v.earning(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 1
+
+
 @pytest.mark.parametrize("identities", [1, 3, 64])
 def test_unproven_publishers_share_one_quota_of_a_step_however_many_identities(identities: int) -> None:
     """Sybils do not multiply the quota: all unproven groups of a step weigh share x N together;
