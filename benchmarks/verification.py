@@ -22,10 +22,11 @@ the final checkpoint):
   `share_of_train_time`.
 
 `slot_picker` (adaptive, not in the default classes) answers honestly but only the seqs whose
-prompts it likes, leaving the rest out. The intake counts the seqs it can never repair and
-catches it past SKIP_ALLOWANCE + 5 % of what it delivered: the target is that it is caught;
-until then its batches are honest answers to prompts it chose, about SKIP_ALLOWANCE / 4 of them
-for a picker that likes one slot in five (`trained_share` is reported, not judged).
+prompts it likes, leaving the rest out; its repair server (the reference one) lists the seqs it
+left out as unavailable. Within the horizon every publisher keeps, that disowns them, and the
+intake catches it past DISOWN_ALLOWANCE (8) of those: about 3 batches for a picker that likes
+one slot in five. Until then its batches are honest answers to prompts it chose
+(`trained_share` is reported, not judged).
 
 `stale_1`, `stale_5`, `tempered`, `greedy` (adaptive, not in the default classes) pass checks 4
 and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the

@@ -166,6 +166,11 @@ class SequenceTracker:
                 pub.skipped += bit != 0
                 pub.disowned += disowned and bit != 0
 
+    def owed(self, peer_id: str) -> int:
+        """How many seqs `peer_id` owes now (missing, not given up; `missing` lists the oldest)."""
+        pub = self._publishers.get(peer_id)
+        return 0 if pub is None else self._owed(pub).bit_count()
+
     def disowned(self, peer_id: str) -> int:
         """Seqs `peer_id` said it never published while tracked (module rules); 0 if not tracked."""
         pub = self._publishers.get(peer_id)

@@ -361,6 +361,7 @@ class RolloutIntake:
         self._unchecked_by: Counter[str] = Counter()
         self._in_flight: Counter[str] = Counter()
         self._repairing: set[str] = set()
+        self._owing = trio.Event()  # a publisher owes more than DISOWN_ALLOWANCE seqs (`repair_loop`)
         self._repair_slots = trio.CapacityLimiter(REPAIRS_AT_ONCE)
         # Bans outlive the process (echo_node/learner/banlog.py); `ban_log.run` writes them.
         self.ban_log = BanLog(bans_path) if bans_path is not None else None
@@ -655,6 +656,8 @@ class RolloutIntake:
         if self.judge_skips(origin):  # a jump over seqs it owed
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
+        if self.tracker.owed(origin) > DISOWN_ALLOWANCE and origin not in self._repairing:
+            self._owing.set()
         if self.journal is not None:
             self.journal.append(["seen", origin, batch.seq])
         if not take:
@@ -700,9 +703,14 @@ class RolloutIntake:
     # -- gap repair ------------------------------------------------------------------------------
 
     async def repair_loop(self, interval_s: float) -> None:
+        """A repair round every `interval_s`, and at once when a publisher owes more seqs than
+        DISOWN_ALLOWANCE: a publisher that leaves most of its seqs out then answers for them
+        before its next few batches, not a whole interval of them later."""
         async with trio.open_nursery() as nursery:
             while True:
-                await trio.sleep(interval_s)
+                with trio.move_on_after(interval_s):
+                    await self._owing.wait()
+                self._owing = trio.Event()
                 for peer_id in list(self.peers.joined):
                     missing = self.tracker.missing(peer_id)
                     if missing and peer_id not in self._repairing:

@@ -78,17 +78,17 @@ Budget: checks cost CPU seconds (of the checking thread) and may take `verify.bu
 learner's wall time since it started. A batch chosen for a check gets as many rows as the
 credit left affords at the measured cost per row, at least `min_rows`; a batch chosen while the
 credit does not afford `min_rows` is not checked (`over_budget`), unless its publisher is on
-probation or still earning trust (`earning`: not proven, or checked above `spot_rate`): then
-`min_rows` rows are checked whatever the credit, so a newcomer's first update waits for a small
-check, never a whole batch's, and a publisher honest until proven meets a check on its first
-lie however busy the checker is kept. Rows are drawn uniformly at random (the
+probation or still earning trust (`earning`: not proven, or checked with a chance above
+EARNING_RATE): then `min_rows` rows are checked whatever the credit, so a newcomer's first
+update waits for a small check, never a whole batch's, and a publisher honest until proven
+meets a check on its first lie however busy the checker is kept. Rows are drawn uniformly at random (the
 publisher cannot tell which), so a forger who forges a share f of its rows is caught per checked
 batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
 checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
 of its is judged exactly). Until then every batch of it is checked, and until its check rate
-is down to `spot_rate` every batch chosen for a check is: the budget does not excuse one (it
+is down to EARNING_RATE every batch chosen for a check is: the budget does not excuse one (it
 gets `min_rows` rows whatever the credit), and the intake drops one that finds no room to wait
 for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
 less in a step (`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust
@@ -168,6 +168,11 @@ NOISE_ULP = 2.0**-11
 NOISE_SUBNORMAL = 2.0**-24
 # The measured cost per checked row follows new checks with this weight (they vary with length).
 COST_EWMA = 0.3
+# A publisher checked with more than this chance (fewer than twice `trust_tokens` of its tokens
+# passed) is still earning trust (`Verifier.earning`): its batches chosen for a check are checked
+# whatever the budget. Below it, the budget rules again: checking every chosen batch until the
+# rate reaches `spot_rate` costs several times the budget on a young swarm.
+EARNING_RATE = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -451,11 +456,13 @@ class Verifier:
         return max(self.cfg.spot_rate, min(1.0, self.cfg.trust_tokens / max(1, passed)))
 
     def earning(self, peer_id: str) -> bool:
-        """Whether `peer_id` is still earning trust: not proven, or checked above `spot_rate`. A
-        batch of such a publisher chosen for a check is checked or dropped, never trained
-        unchecked (module docstring): its next batch may be its first lie, and an attacker can
-        keep the checker busy or its budget spent with Sybils on probation."""
-        return not self.proven(peer_id) or self.check_rate(peer_id) > self.cfg.spot_rate
+        """Whether `peer_id` is still earning trust: not proven, or checked with a chance above
+        EARNING_RATE (and above `spot_rate`). A batch of such a publisher chosen for a
+        check is checked or dropped, never trained unchecked (module docstring): its next batch
+        may be its first lie, and an attacker can keep the checker busy or its budget spent
+        with Sybils on probation."""
+        rate = self.check_rate(peer_id)
+        return not self.proven(peer_id) or rate > max(EARNING_RATE, self.cfg.spot_rate)
 
     def proven(self, peer_id: str) -> bool:
         """Whether `peer_id`'s checked work proved it (module docstring, unproven publishers):

@@ -266,3 +266,31 @@ def test_a_skipper_that_leaves_its_skipped_seqs_out_of_answers_is_charged_for_th
     repair_rounds(learner, {MALLORY.peer_id: mallory}, [partial(publish, r) for r in range(3)])
     assert learner.intake.tracker.skips(MALLORY.peer_id) == (4 * 5, 6) and learner.intake.tracker.missing(MALLORY.peer_id) == []
     assert learner.intake.tracker.disowned(MALLORY.peer_id) == 0 and learner.intake.lost_messages == 20
+
+
+def test_a_publisher_owing_many_seqs_is_asked_at_once_not_at_the_next_round(learner: Learner) -> None:
+    """The repair loop wakes when a publisher owes more than DISOWN_ALLOWANCE seqs: a skipper
+    answers for them (and is caught) within its next batches, not a whole interval later."""
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    mallory = publisher_of(learner, MALLORY, first=0)
+
+    async def main() -> float:
+        async with trio.open_nursery() as nursery:
+            learner.intake.node = Link(nursery, mallory, learner.node.peer_id)  # type: ignore[assignment]
+            nursery.start_soon(learner.intake.repair_loop, 60.0)
+            await trio.sleep(1.0)
+            start = trio.current_time()
+            for seq in range(0, 200, 5):
+                mallory.history[seq] = sealed = seal(make_batch(identity=MALLORY, seq=seq), MALLORY)
+                deliver_sealed(learner, MALLORY, sealed)
+                await trio.sleep(0.1)  # (a batch every 0.1 s)
+                if learner.peers.is_banned(MALLORY.peer_id):
+                    nursery.cancel_scope.cancel()
+                    return trio.current_time() - start
+        raise AssertionError("never caught")
+
+    elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert [c["reason"] for c in caught] == ["bad_prompt"]
+    assert elapsed <= 0.5, elapsed  # its 3rd-5th batch, against a 60 s interval

@@ -20,7 +20,7 @@ import trio
 from echo_node.config import VerifyConfig
 from echo_node.learner.intake import BESIDE_WAITING
 from echo_node.learner.replay import ReplayBuffer, step_weights
-from echo_node.learner.spot_check import Verifier
+from echo_node.learner.spot_check import EARNING_RATE, Verifier
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import build_model, tiny_llama_config
 from protocol import seal
@@ -125,7 +125,7 @@ def test_no_credit_never_excuses_a_chosen_batch_until_trust_is_earned_in_full(mo
     """Honest until proven, lying after (benchmarks.verification's `rotating`): proven by 4,096
     tokens that passed, it is still checked on nearly every batch, and a chosen batch gets the
     smallest check with no credit left (an attacker's Sybils on probation can spend it); only
-    once its check rate is down to `spot_rate` may an unaffordable batch go unchecked."""
+    once its check rate is down to EARNING_RATE may an unaffordable batch go unchecked."""
     from echo_node.learner import spot_check as verify_module
 
     v = Verifier(VerifyConfig(spot_rate=0.1, probation_batches=0, budget=0.05, min_rows=2), run_id=RUN, tokenizer=TOKENIZER,
@@ -141,8 +141,11 @@ def test_no_credit_never_excuses_a_chosen_batch_until_trust_is_earned_in_full(mo
     assert v.proven(ALICE.peer_id) and v.earning(ALICE.peer_id) and v.check_rate(ALICE.peer_id) == 1.0
     plan = v.plan(batch)
     assert plan is not None and plan.rows == 2 and v.stats.over_budget == 0
-    v._trusted_tokens[ALICE.peer_id] = int(v.cfg.trust_tokens / v.cfg.spot_rate)
-    assert not v.earning(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 1
+    v._trusted_tokens[ALICE.peer_id] = 2 * v.cfg.trust_tokens - 1
+    assert v.earning(ALICE.peer_id) and v.plan(batch) is not None
+    v._trusted_tokens[ALICE.peer_id] = 2 * v.cfg.trust_tokens
+    assert v.check_rate(ALICE.peer_id) == EARNING_RATE and not v.earning(ALICE.peer_id)
+    assert v.plan(batch) is None and v.stats.over_budget == 1
 
 
 @pytest.mark.parametrize("identities", [1, 3, 64])

@@ -172,7 +172,7 @@ def test_owed_seqs_that_leave_the_window_unasked_are_skips() -> None:
     t.observe("p", 10)  # 1-9 owed
     assert t.skips("p") == (0, 2)
     t.observe("p", 20)  # 1-4 leave the window (it holds 5-20)
-    assert t.skips("p") == (4, 3) and t.missing("p") == [5, 6]
+    assert t.skips("p") == (4, 3) and t.missing("p") == [5, 6] and t.owed("p") == 14 and t.owed("q") == 0
     t.excuse_next_gap("p")
     t.observe("p", 30)  # excused: what left (5-14) was forgiven
     assert t.skips("p") == (4, 4)
