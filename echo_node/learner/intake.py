@@ -562,13 +562,13 @@ class RolloutIntake:
         `consume`'s nursery, so other peers' batches go on reaching the buffer meanwhile (the
         learner waited behind each check before); the batch is ingested when its check passed.
         One such check at a time: a batch chosen while one runs is not checked (`checker_busy`,
-        like a check the budget cannot afford), unless its publisher is young (no trust earned:
-        `check_rate` 1): then it waits beside for the checker (one batch per publisher besides
-        the one being checked, BESIDE_WAITING in all), so a newcomer past probation cannot slip
-        batches past the checks by sending them while the checker is busy with others. A batch of
-        a publisher still earning trust (`Verifier.earning`) that finds no room to wait is
-        dropped as `unchecked`: every batch of such a publisher that is chosen is checked (the
-        budget does not excuse one either, `Verifier.plan`) or not trained."""
+        like a check the budget cannot afford), unless its publisher is still earning trust
+        (`Verifier.earning`): then it waits beside for the checker (one batch per publisher
+        besides the one being checked, BESIDE_WAITING in all), so a newcomer past probation
+        cannot slip batches past the checks by sending them while the checker is busy with
+        others, and one that finds no room to wait is dropped as `unchecked`: every batch of
+        such a publisher that is chosen is checked (the budget does not excuse one either,
+        `Verifier.plan`) or not trained."""
         if self.peers.is_banned(origin):  # caught on a batch validated after this one, or queued before it
             self.buffer.reject(DropReason.BANNED, batch.num_samples)
             return
@@ -577,15 +577,15 @@ class RolloutIntake:
         plan = self.verify.plan(batch) if self.verify is not None else None
         if plan is not None and not plan.probation and self._beside is not None:
             assert self.verify is not None
-            young = self.verify.check_rate(origin) >= 1.0
+            earning = self.verify.earning(origin)
             if not self._beside_checks or (
-                young and self._beside_by[origin] < 2 and self._beside_checks <= BESIDE_WAITING
+                earning and self._beside_by[origin] < 2 and self._beside_checks <= BESIDE_WAITING
             ):
                 self._beside_checks += 1
                 self._beside_by[origin] += 1
                 self._beside.start_soon(self._check_beside, batch, origin, plan)
                 return
-            if self.verify.earning(origin):
+            if earning:
                 # Never trained unchecked: dropped, counted, its seq delivered (not a skip).
                 self.verify.stats.unproven_dropped += 1
                 self.ingest(batch, origin, take=False)
