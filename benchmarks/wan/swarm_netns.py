@@ -137,9 +137,11 @@ class NetnsSwarm:
         raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
 
     def stop_learner(self, timeout: float = 60) -> dict[str, Any]:
-        """SIGINT, as Ctrl-C: the learner writes its summary and exits."""
+        """SIGTERM, as a service manager stops it: the learner writes its summary and exits, as on
+        Ctrl-C. Not SIGINT: a benchmark started as a background job (`cmd &` in a script) has
+        SIGINT ignored, its children inherit that, and the learner would never stop."""
         proc = self.procs["learner"]
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
