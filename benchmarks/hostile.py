@@ -4,7 +4,7 @@ Per attack class a fresh loopback swarm (the real `echo-node` binary: bootstrap,
 mode, `--peers` honest rollout peers) warms up until every honest peer had rollouts accepted and
 the learner published a few versions; then the attacker(s) run for `--seconds` inside this
 process, on the real libp2p adapter (`echo_node.net.P2PNode`) and the real data channel, and
-the swarm is stopped (peers SIGTERM, learner SIGINT: it writes its summary). The `clean` class
+the swarm is stopped (SIGTERM; the learner writes its summary). The `clean` class
 is the same swarm with no attacker: the baseline.
 
 Attack classes:
@@ -46,7 +46,7 @@ Attack classes:
 
 Measured per class:
 - `alive`: every honest process (learner, peers) still running at the end of the window, and
-  each one's exit code after the stop (learner: 130 on SIGINT with its summary written);
+  each one's exit code after the stop (learner: 143 on SIGTERM with its summary written);
 - `learner_rss_mb`: VmRSS of the learner at the start of the window, the max sampled every
   0.25 s during it and 3 s after, and the growth (max - start);
 - `honest_rate`: honest rollouts trained per second in the window (train records of
@@ -1265,7 +1265,7 @@ def run_class(name: str, seconds: float, peers: int, root: Path) -> dict[str, An
         codes = hs.stop()
     out["alive_at_end"] = alive
     out["exit_codes"] = codes
-    # Learner: 130 is its answer to the SIGINT stop (summary written); peers: answer to SIGTERM.
+    # 143 (or -SIGTERM) is every role's answer to the SIGTERM stop (the learner's summary written).
     out["all_alive"] = bool(alive) and all(alive.values())
     summary_path = hs.run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else None

@@ -218,7 +218,7 @@ def run_swarm(root: Path, model_dir: Path, dtype: str, args: argparse.Namespace,
         sampler.sample()
         for p in peers:
             _stop(swarm, p, signal.SIGTERM, 30)
-        _stop(swarm, learner, signal.SIGINT, LEARNER_STOP_S)
+        _stop(swarm, learner, signal.SIGTERM, LEARNER_STOP_S)
         learner_rc = learner.proc.returncode
     finally:
         sampler.stop()

@@ -17,7 +17,7 @@ a warm-up (every peer had rollouts accepted, the learner at version >= 3) comes 
 After the window, no more churn: if the last learner restart has not trained yet, up to 60 s more
 for its first update (`window_extended_s`); then at least 10 s and at most 30 s until every live
 peer installed weights in its current incarnation (`settle_s`), so that the end state is measured
-on settled peers. Then every peer gets SIGTERM, the learner SIGINT (it writes summary.json), the
+on settled peers. Then every peer gets SIGTERM, the learner too (it writes summary.json), the
 bootstrap SIGTERM.
 Every incarnation has its own name (learner-1, learner-2, peer2-r0, peer2-r1, ...) so each one's
 stdout (<name>.out) and stderr (<name>.log) are kept.
@@ -853,7 +853,7 @@ class Soak:
     # -- stopping ---------------------------------------------------------------------------
 
     def stop(self) -> dict[str, Any]:
-        """Peers SIGTERM (a stopped one SIGCONT first), the learner SIGINT (summary.json), the
+        """Peers SIGTERM (a stopped one SIGCONT first), the learner SIGTERM (summary.json), the
         bootstrap SIGTERM; each waited for, then SIGKILLed past its grace. Only our own pids."""
         out: dict[str, Any] = {}
         self.state_at_stop = {
@@ -868,7 +868,7 @@ class Soak:
         for inc in live_peers:
             self._reap(inc, deadline, out)
         if self.learner is not None and self.learner.alive():
-            self.learner.child.proc.send_signal(signal.SIGINT)
+            self.learner.child.proc.send_signal(signal.SIGTERM)
             self._reap(self.learner, time.monotonic() + LEARNER_STOP_GRACE_S, out)
         if self.boot is not None and self.boot.alive():
             self.boot.child.proc.send_signal(signal.SIGTERM)

@@ -1,8 +1,8 @@
 """A swarm of real `echo-node` processes on loopback for benchmarks: bootstrap, learner, peers.
 
 Every process is pinned (oversubscribing the two cores is the largest slowdown here:
-docs/platform.md) and stopped by `Swarm.stop_all` (peers, then the learner with SIGINT so it
-writes its summary).
+docs/platform.md) and stopped by `Swarm.stop_all` (peers, then the learner, with SIGTERM: it
+writes its summary as on Ctrl-C, and SIGINT is ignored by a benchmark run as a background job).
 """
 
 from __future__ import annotations

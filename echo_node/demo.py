@@ -82,11 +82,13 @@ class Swarm:
             child.proc.wait()
 
     def stop_all(self) -> None:
-        # Peers first, then the learner (SIGINT: it finishes its ledger and checkpoint), then
-        # the bootstrap.
+        # Peers first, then the learner (it finishes its ledger and checkpoint), then the
+        # bootstrap. SIGTERM, which every role takes as it takes Ctrl-C: a demo started in the
+        # background of a script has SIGINT ignored, its children inherit that, and a learner
+        # sent SIGINT would be killed at the grace period without its summary.
         order = sorted(self.children, key=lambda c: {"learner": 1, "bootstrap": 2}.get(c.name, 0))
         for child in order:
-            self.stop(child, signal.SIGINT if child.name == "learner" else signal.SIGTERM)
+            self.stop(child, signal.SIGTERM)
 
 
 def _wait_line(child: Child, predicate: Any, timeout: float, what: str) -> str:
