@@ -81,9 +81,9 @@ credit does not afford `min_rows` is not checked (`over_budget`), unless its pub
 probation or still earning trust (`earning`: not proven, or checked with a chance above
 EARNING_RATE): then `min_rows` rows are checked whatever the credit, so a newcomer's first
 update waits for a small check, never a whole batch's, and a publisher honest until proven
-meets a check on its first lie however busy the checker is kept. Rows are drawn uniformly at random (the
-publisher cannot tell which), so a forger who forges a share f of its rows is caught per checked
-batch with chance at least 1 - (1 - f)^rows.
+meets a check on its first lie however busy the checker is kept. Rows are drawn uniformly at
+random (the publisher cannot tell which), so a forger who forges a share f of its rows is
+caught per checked batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
 checks, or once check 6 proved that it draws the assigned noise (from then on every checked token

@@ -580,8 +580,8 @@ class RolloutPublisher:
             raise RemoteProtocolError(f"repair request for publisher {request.peer_id}, not this one")
         found = [self.history[s] for s in request.seqs if s in self.history]
         # Seqs from before this process started are neither: it cannot tell which of them it
-        # published, and "unavailable" would say it never did (wire.md § 8). Its rejoin
-        # forgives them.
+        # published, and "unavailable" would say it never did (wire.md § 8). Left out, they are
+        # given up as lost in the restart, within the learner's skip allowance.
         unavailable = [s for s in request.seqs if s not in self.history and s >= self.reservation.first]
         return pack_repair_response(found, unavailable=unavailable)
 
