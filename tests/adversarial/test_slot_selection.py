@@ -1,8 +1,10 @@
 """A publisher that chooses its own prompts by leaving out the seqs whose assigned prompts it
 dislikes (protocol/assignment.py: every seq's prompts are fixed, so skipping is the only choice
 it has). The learner counts skipped seqs (gaps that repair never recovers, jumps over owed seqs)
-against those delivered (echo_node/learner/intake.py): beyond SKIP_ALLOWANCE + SKIP_SHARE the publisher
-is caught like a prompt forger, while honest loss and restarts cost nothing."""
+against those delivered (echo_node/learner/intake.py): beyond SKIP_ALLOWANCE + SKIP_SHARE the
+publisher is caught like a prompt forger, and beyond DISOWN_ALLOWANCE seqs it says it never
+published (repair's "unavailable" within the horizon every publisher keeps), while honest loss
+and restarts cost nothing."""
 
 from __future__ import annotations
 
