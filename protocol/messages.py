@@ -105,6 +105,7 @@ __all__ = [
     "kind_of",
     "pack_groups",
     "pack_repair_response",
+    "repair_response_had_room",
     "worst_group_bytes",
 ]
 
@@ -544,6 +545,19 @@ def kind_of(message: object) -> str:
     return kind
 
 
+# What `pack_repair_response` reserves: the envelope array, schema and kind (< 64 B) with two array
+# headers; each unavailable int (<= 9 B); each frame's bin header (<= 5 B).
+_REPAIR_FIXED, _REPAIR_PER_SEQ, _REPAIR_PER_FRAME = 64, 9, 5
+
+
+def repair_response_had_room(response: RepairResponse, *, frame_bytes: int, max_bytes: int = MAX_MESSAGE_BYTES) -> bool:
+    """Whether `pack_repair_response` would have fit one more frame of `frame_bytes` into
+    `response`: if so, what it left out was not left out for want of space."""
+    used = _REPAIR_FIXED + _REPAIR_PER_SEQ * len(response.unavailable) + sum(
+        len(e) + _REPAIR_PER_FRAME for e in response.envelopes)
+    return len(response.envelopes) < MAX_REPAIR_SEQS and used + frame_bytes + _REPAIR_PER_FRAME <= max_bytes
+
+
 def pack_repair_response(
     frames: Iterable[bytes],
     *,
@@ -555,13 +569,11 @@ def pack_repair_response(
     Frames that do not fit are left out; the requester still sees those seqs missing and asks
     again, so a large backlog drains over several round trips instead of one oversize message.
     """
-    # Fixed overhead: envelope array/schema/kind (< 64 B), two array headers, the unavailable ints
-    # (<= 9 B each); per frame a bin header of <= 5 B.
     missing = tuple(unavailable)
-    budget = max_bytes - 64 - 9 * len(missing)
+    budget = max_bytes - _REPAIR_FIXED - _REPAIR_PER_SEQ * len(missing)
     chosen: list[bytes] = []
     for frame in frames:
-        cost = len(frame) + 5
+        cost = len(frame) + _REPAIR_PER_FRAME
         if cost > budget or len(chosen) == MAX_REPAIR_SEQS:
             break
         chosen.append(frame)

@@ -69,8 +69,8 @@ from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
-from protocol.limits import MAX_FRAME_BYTES, MAX_MESSAGE_BYTES, MAX_REPAIR_SEQS, REPAIR_KEEP
-from protocol.messages import RepairRequest, RepairResponse, RolloutBatch
+from protocol.limits import MAX_FRAME_BYTES, MAX_REPAIR_SEQS, REPAIR_KEEP
+from protocol.messages import RepairRequest, RepairResponse, RolloutBatch, repair_response_had_room
 from protocol.sequence import Observation, SequenceTracker
 
 log = logging.getLogger(__name__)
@@ -756,9 +756,10 @@ class RolloutIntake:
         # not fit in this response stay missing and are asked for on the next round. Within the
         # horizon it keeps, "unavailable" means it never published the seq (module rules).
         recent = [s for s in response.unavailable if asked_below is not None and asked_below - s < DISOWN_HORIZON]
+        older = [s for s in response.unavailable if asked_below is None or asked_below - s >= DISOWN_HORIZON]
         self.tracker.mark_given_up(peer_id, recent, disowned=True)
-        self.tracker.mark_given_up(peer_id, list(response.unavailable))
-        if _had_room(response):  # what it left out was not for want of space
+        self.tracker.mark_given_up(peer_id, older)
+        if repair_response_had_room(response, frame_bytes=MAX_FRAME_BYTES):  # not left out for want of space
             left_out = (set(request.seqs) - recovered - set(response.unavailable)).intersection(self.tracker.missing(peer_id))
             self.tracker.mark_given_up(peer_id, left_out)
             self.lost_messages += len(left_out)
@@ -775,8 +776,3 @@ class RolloutIntake:
         the split errs towards asking too much."""
         return max(1, math.ceil(per_version * slack / self.peers.effective_peers(trio.current_time())))
 
-
-def _had_room(response: RepairResponse) -> bool:
-    """Whether `response` had room for one more frame of any size a rollout message may have."""
-    used = 64 + 9 * len(response.unavailable) + sum(len(e) + 5 for e in response.envelopes)
-    return len(response.envelopes) < MAX_REPAIR_SEQS and used + MAX_FRAME_BYTES + 5 <= MAX_MESSAGE_BYTES
