@@ -18,9 +18,11 @@ import trio.testing
 from echo_node.config import RunConfig
 from echo_node.learner.intake import DISOWN_ALLOWANCE, REPAIR_TIMEOUT_S, SKIP_ALLOWANCE, SKIP_SHARE
 from echo_node.learner.learner import Learner
+from echo_node.net import rpc
 from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import Identity, seal
-from protocol.limits import SEQ_WINDOW
+from protocol.limits import MAX_FRAME_BYTES, MAX_REPAIR_SEQS, MAX_SEQ, SEQ_WINDOW
+from protocol.messages import RepairResponse, pack_repair_response, repair_response_had_room
 from tests.factories import ALICE, MALLORY, learner_tasks, make_batch, new_learner
 from tests.factories import start_learner as start
 from tests.node.test_gap_repair import Link
@@ -296,3 +298,87 @@ def test_a_publisher_owing_many_seqs_is_asked_at_once_not_at_the_next_round(lear
     elapsed = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert [c["reason"] for c in caught] == ["bad_prompt"]
     assert elapsed <= 0.5, elapsed  # its 3rd-5th batch, against a 60 s interval
+
+
+class Answering:
+    """A publisher's repair server that answers every request with `response`, whatever it asks."""
+
+    def __init__(self, response: RepairResponse) -> None:
+        self.response = response
+
+    async def serve_repair(self, stream: Any, *, learner: str) -> None:
+        async def answer(request: Any, remote: str) -> RepairResponse:
+            return self.response
+
+        await rpc.serve_one(stream, answer, on_bad=lambda p, e: None)
+
+
+def in_trio(fn: Callable[[], Any]) -> Any:
+    """`fn()` inside a trio run (delivering a batch reads trio's clock)."""
+
+    async def main() -> Any:
+        return fn()
+
+    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def repair_once(learner: Learner, server: Any, missing: list[int]) -> None:
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner.intake.node = Link(nursery, server, learner.node.peer_id)  # type: ignore[assignment]
+            with trio.fail_after(REPAIR_TIMEOUT_S + 1):
+                await learner.intake.repair(MALLORY.peer_id, missing)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_repair_answer_charges_nothing_but_the_responders_own_owed_seqs(learner: Learner) -> None:
+    """`unavailable` naming seqs that were not asked, were delivered, lie below the floor, above
+    the highest, or at the largest seq the wire allows, counts nothing; seqs far below the
+    highest are skips, not disowned. (Whatever a hostile answer says, it can only charge the
+    responder, and only for what it owes.)"""
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    in_trio(lambda: [deliver(learner, MALLORY, seq) for seq in (1000, 1400, 1500)])
+    assert learner.intake.tracker.owed(MALLORY.peer_id) == 399 + 99  # 1001-1399, 1401-1499
+    asked = [1001, 1002, 1450, 1451]
+    noise = [5, 999, 1000, 1400, 1500, 1501, MAX_SEQ]  # below the floor, delivered, above the highest, the largest
+    repair_once(learner, Answering(RepairResponse(envelopes=(), unavailable=(*noise, *asked))), asked)
+    # 1001, 1002: 498-499 below the highest it had (1500): lost, not disowned; 1450, 1451: disowned.
+    assert learner.intake.tracker.skips(MALLORY.peer_id) == (4, 3)
+    assert learner.intake.tracker.disowned(MALLORY.peer_id) == 2
+    assert not learner.peers.is_banned(MALLORY.peer_id)
+
+
+def test_a_full_answer_keeps_its_left_out_seqs_owed_and_a_padded_one_does_not_hide_them(learner: Learner) -> None:
+    """What a full answer leaves out is asked again (it did not fit); an answer with room that
+    leaves seqs out gives them up as lost. Padding an answer with copies of delivered batches
+    to look full only keeps its seqs owed: asked again, and counted when they leave the window."""
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    sealed = {s: seal(make_batch(identity=MALLORY, seq=s), MALLORY) for s in (0, 10)}
+    in_trio(lambda: [deliver_sealed(learner, MALLORY, sealed[s]) for s in (0, 10)])
+    asked = learner.intake.tracker.missing(MALLORY.peer_id)
+    assert asked == list(range(1, 10))
+    padding = pack_repair_response([sealed[0]] * MAX_REPAIR_SEQS)  # as full as it gets: duplicates
+    assert not repair_response_had_room(padding, frame_bytes=MAX_FRAME_BYTES)
+    repair_once(learner, Answering(padding), asked)
+    assert learner.intake.tracker.missing(MALLORY.peer_id) == asked and learner.intake.tracker.skips(MALLORY.peer_id) == (0, 2)
+    repair_once(learner, Answering(RepairResponse(envelopes=(sealed[10],), unavailable=())), asked)
+    assert learner.intake.tracker.missing(MALLORY.peer_id) == [] and learner.intake.tracker.skips(MALLORY.peer_id) == (9, 2)
+    assert learner.intake.tracker.disowned(MALLORY.peer_id) == 0
+
+
+def test_a_responder_that_never_answers_disowns_nothing(learner: Learner) -> None:
+    """A repair that times out gives its seqs up as lost (the 256 + 5 % allowance), never as
+    disowned: an honest peer the learner cannot reach looks the same."""
+    learner.peers.join(MALLORY.peer_id, 0.0)
+
+    async def main() -> float:
+        for seq in (0, 20):
+            deliver(learner, MALLORY, seq)
+        learner.intake.node = Silent()
+        start = trio.current_time()
+        await learner.intake.repair(MALLORY.peer_id, learner.intake.tracker.missing(MALLORY.peer_id))
+        return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == REPAIR_TIMEOUT_S
+    assert learner.intake.tracker.skips(MALLORY.peer_id) == (19, 2) and learner.intake.tracker.disowned(MALLORY.peer_id) == 0
