@@ -33,7 +33,10 @@ How `Receiver` and `Source` are mirrored, event by event:
   `more`). On every piece a link finishes sending,
   the pull is refilled too (`Link.on_sent`). The backlog the pull sees is the longest relay
   queue among this receiver's links (counted per link, kept in a histogram so the maximum is
-  O(1)).
+  O(1)). A link holding more than LAGGARD_PIECES is pushed no new first copies, as live. The
+  live rule that leaves laggards out of the backlog (a minority of links behind for
+  LAGGARD_HOLD_S) is not mirrored: a member's uplink here sends its pushes in order, so its
+  links keep pace with each other, and nobody reads slowly.
 - After every frame, and at `SourcePull.wake_at`, the run loop's body runs while the version
   is incomplete: refill the pull; if `repair_due`, poll the swarm and send its `get`s (a
   `Cancel` sends nothing, as in `Receiver._repair`).
@@ -62,6 +65,7 @@ from echo_node.weights.broadcast import (
     DATA_BAN_S,
     DRAIN_S,
     ENDGAME_QUIET_S,
+    LAGGARD_PIECES,
     LINK_QUEUE_MIN_BYTES,
     LINK_QUEUE_PIECES,
     SOURCE_PIPELINE,
@@ -306,7 +310,10 @@ class SimReceiver:
             if not self.relaying:
                 bc.relayers.append(self)
             self.relaying.append(index)
-            self.push((index,), bc.relay_order(self))
+            dests = bc.relay_order(self)
+            if self.links.longest > LAGGARD_PIECES:  # (`Receiver._on_piece`: laggards are pushed no more)
+                dests = [d for d in dests if self.links.count.get(d.id, 0) <= LAGGARD_PIECES]
+            self.push((index,), dests)
         if new and self.count == bc.num_pieces:
             self.done_at = now
             bc.member_done(self)

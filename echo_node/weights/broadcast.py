@@ -35,7 +35,9 @@ frame to a newcomer starts with the newcomer's own entry, which tells it which s
 Every piece is hash-checked against the manifest before it is stored, used or relayed; a peer
 that sends a bad piece or a bad frame, or asks without reading, is cut and banned from this
 node's data channel for every version. A link whose peer stops reading is cut after
-`LINK_STALL_S` without progress, so its queue no longer holds back our pull. A receiver's decisions about the source (when to ask it,
+`LINK_STALL_S` without progress, so its queue no longer holds back our pull; one that reads, but
+too slowly to keep up while most of our links do, is a laggard (`LAGGARD_HOLD_S`): it holds the
+pull for a bounded time and is pushed at most LAGGARD_PIECES. A receiver's decisions about the source (when to ask it,
 what to relay, when to repair) are `protocol.weights.relay.SourcePull`'s; which piece to ask of whom is
 `PieceSwarm`'s.
 """
@@ -104,6 +106,23 @@ SOURCE_PIPELINE = 2
 # ... and only while its relay queue drains within this many seconds at its measured uplink rate
 # (SourcePull rule 1: a slow uplink with many links takes fewer pieces).
 DRAIN_S = 2.0
+# Laggards. The pull waits for the longest relay queue, so one neighbour that reads slowly (a
+# peer trickling on purpose just above LINK_STALL_S's rate, or a saturated downlink) would hold
+# every peer linked to it, and through them the swarm, to its pace. A link whose queue has not
+# emptied for LAGGARD_HOLD_S while it holds BACKLOG_PIECES or more, and fewer than half of our
+# links hold that much, is left out of the pull's backlog and drain time until its queue
+# empties. A slow uplink of our own fills all links alike, so it never makes laggards; each
+# laggard still holds the pull for LAGGARD_HOLD_S per time it empties (a bounded delay). Not
+# shorter: on symmetric links a few honest links fall behind for a second or so (their peers'
+# downlinks are full), and pulling past them lengthened the broadcast's tail. The loop looks
+# again every LAGGARD_CHECK_S while a link holds BACKLOG_PIECES: a trickler may let no frame
+# leave for seconds, and a frame leaving is what wakes the pull. A link holding more than
+# LAGGARD_PIECES is pushed no new first copies until it drains below that (its peer repairs
+# what it misses), so a laggard costs bounded memory, not a queue of this peer's whole share of
+# the version; honest links behind for a while stay under it.
+LAGGARD_HOLD_S = 2.0
+LAGGARD_CHECK_S = 0.05
+LAGGARD_PIECES = 64
 SEND_BUFFER_BYTES = 256 * 1024
 # Reads on a data link: at least MIN_READ_BYTES (as cheap as a tiny read), more when the frame
 # in progress needs it (a 256 KiB piece in one go on loopback), never above MAX_READ_BYTES. Not
@@ -194,6 +213,7 @@ class Link:
         self.queued_pieces = 0
         self.queued_bytes = 0
         self.stalled = False
+        self.behind_since: float | None = None  # since when pieces have been queued without a break
         self.last_active = trio.current_time()
         if isinstance(stream, trio.SocketStream):
             if notsent_lowat is not None:
@@ -214,6 +234,8 @@ class Link:
 
     def send_packed(self, is_piece: bool, data: bytes, tag: object = None) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
+        if is_piece and not self.queued_pieces:
+            self.behind_since = trio.current_time()
         self.queued_pieces += is_piece
         self.queued_bytes += len(data)
         self._send.send_nowait((is_piece, data, tag))
@@ -238,6 +260,8 @@ class Link:
             if is_piece:
                 self.queued_pieces -= 1
                 self.stats.bytes_up += len(data)
+                if not self.queued_pieces:
+                    self.behind_since = None
             if (is_piece or tag is not None) and self.on_sent is not None:
                 self.on_sent(tag)
 
@@ -714,7 +738,7 @@ class Receiver:
             self.relaying.append(index)
             frame = encode_frame(Piece(index, data))
             for other in list(self.links.values()):
-                if other.remote != self.source_id:
+                if other.remote != self.source_id and other.queued_pieces <= LAGGARD_PIECES:
                     other.send_packed(True, frame)
         if new and self.store.complete:
             self.done.set()
@@ -726,7 +750,7 @@ class Receiver:
         source = self.links.get(self.source_id)
         if source is None:
             return
-        relays = [link for link in self.links.values() if link is not source]
+        relays = self._pacing([link for link in self.links.values() if link is not source])
         backlog = max((link.queued_pieces for link in relays), default=0)
         queued = sum(link.queued_bytes for link in relays)
         if self._relay_busy_since is not None:  # the uplink is measured over busy time only
@@ -747,6 +771,16 @@ class Receiver:
         for _ in range(0 if self.store.complete else self.pull.mores(backlog, drain_s, now)):
             source.send(More())
 
+    @staticmethod
+    def _pacing(relays: list[Link]) -> list[Link]:
+        """The relay links the pull waits for: all but the laggards (LAGGARD_HOLD_S)."""
+        holding = sum(link.queued_pieces >= BACKLOG_PIECES for link in relays)
+        if not holding or 2 * holding >= len(relays):
+            return relays
+        since = trio.current_time() - LAGGARD_HOLD_S
+        return [link for link in relays if link.queued_pieces < BACKLOG_PIECES
+                or link.behind_since is None or link.behind_since > since]
+
     # -- the download loop --------------------------------------------------------------------
 
     async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None) -> memoryview:
@@ -764,7 +798,10 @@ class Receiver:
             if self.pull.repair_due(now):
                 self._repair(now)
             self._wake = trio.Event()
-            with trio.move_on_at(self.pull.wake_at(now, self.swarm.next_deadline())):
+            at = self.pull.wake_at(now, self.swarm.next_deadline())
+            if any(link.queued_pieces >= BACKLOG_PIECES for link in self.links.values()):
+                at = min(at, now + LAGGARD_CHECK_S)  # a link holding the pull may turn laggard
+            with trio.move_on_at(at):
                 await self._wake.wait()
         return self.store.payload()
 

@@ -13,8 +13,10 @@ import pytest
 import trio
 import trio.testing
 
+from echo_node.weights import broadcast
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
+    LAGGARD_PIECES,
     LINK_IDLE_S,
     LINK_STALL_S,
     DataServer,
@@ -28,6 +30,7 @@ from echo_node.weights.broadcast import (
     fetch_version,
     open_version,
     probe,
+    tcp_connect,
 )
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
@@ -254,6 +257,7 @@ def test_a_freed_relay_backlog_reopens_the_pull_from_the_source() -> None:
     class FakeLink:
         def __init__(self, remote: str, queued: int = 0) -> None:
             self.remote, self.queued_pieces, self.queued_bytes = remote, queued, queued * PIECE
+            self.behind_since: float | None = None
 
         def send(self, *frame: object) -> None:
             sent.append((self.remote, frame))
@@ -522,3 +526,103 @@ def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at
     assert all(results[p.peer_id] == PAYLOAD for p in PEERS[:2])
     assert len(received) == len(set(received)) <= MANIFEST.num_pieces  # each piece once at most
     assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)
+
+
+class Trickle(trio.abc.Stream):
+    """A stream that reads at most `rate` bytes a second: a peer that takes what is pushed to it
+    just fast enough not to be cut as stalled (LINK_STALL_S)."""
+
+    def __init__(self, stream: trio.abc.Stream, rate: float) -> None:
+        self.stream, self.rate = stream, rate
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.stream.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.stream.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        n = min(max_bytes or 4096, 4096)
+        await trio.sleep(n / self.rate)
+        return await self.stream.receive_some(n)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> None:
+    """A member that dials every honest peer and reads what they push at 500 KB/s. Its link is
+    soon the longest queue of each of them; counted in the pull rule (no `next` while any link
+    holds BACKLOG_PIECES), it held the whole swarm near its pace (a 16 MiB version took the
+    others 1.3-5.1 s instead of 0.5 s on loopback, or the learner sent 2.4 copies directly). A
+    link that stays behind for LAGGARD_HOLD_S while most links keep up is a laggard: left out of
+    the rule and pushed nothing more past LAGGARD_PIECES. Checked: the honest peers go on asking
+    the source while the trickler's link holds BACKLOG_PIECES or more, and its queue stays
+    bounded."""
+    piece = 64 * 1024
+    payload = os.urandom(256 * piece)
+    manifest = build_manifest(run_id="run-1", version=7, payload=payload, piece_size=piece)
+    honest, trickler = PEERS, Identity.from_seed(b"\x2f" * 32)
+    relays: dict[str, tuple[str, int]] = {}  # the trickler is not listed: it dials the others
+    source = Source(LEARNER, manifest, seal(manifest, LEARNER), payload, {p.peer_id for p in [*honest, trickler]}, relays)
+    source.gate = trio.Event()
+    results: dict[str, bytes] = {}
+    asked_past_laggard = 0
+    longest = 0
+    original = Receiver._refill_source
+
+    def refill(self: Receiver, sent: object = None) -> None:
+        nonlocal asked_past_laggard, longest
+        link = self.links.get(trickler.peer_id)
+        held = link is not None and self.identity.peer_id != trickler.peer_id and link.queued_pieces >= BACKLOG_PIECES
+        before = self.pull.outstanding
+        original(self, sent)
+        if held:
+            assert link is not None
+            longest = max(longest, link.queued_pieces)
+            asked_past_laggard += self.pull.outstanding > before
+
+    async def slow(host: str, port: int) -> trio.abc.Stream:
+        return Trickle(await tcp_connect(host, port), 500_000)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner, servers = await serve_version(nursery, source, [*honest, trickler])
+            for p in honest:
+                relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
+
+            async def fetch(p: Identity, connect: object = tcp_connect) -> None:
+                async with trio.open_nursery() as links:
+                    _, data, _ = await fetch_version(
+                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port,
+                        version=7, connect=connect,  # type: ignore[arg-type]
+                    )
+                    results[p.peer_id] = bytes(data)
+                    await trio.sleep_forever()  # serve the others until all honest ones are done
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as inner:
+                    for p in honest:
+                        inner.start_soon(fetch, p)
+                    inner.start_soon(fetch, trickler, slow)
+                    while len(source.swarm) < len(honest) + 1:
+                        await trio.sleep(0.001)
+                    source.gate.set()
+                    while len(results) < len(honest):
+                        await trio.sleep(0.01)
+                    inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    Receiver._refill_source = refill  # type: ignore[method-assign]
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            # Shorter than the default, so the rule shows within this small version's download.
+            patch.setattr(broadcast, "LAGGARD_HOLD_S", 0.5)
+            trio.run(main)
+    finally:
+        Receiver._refill_source = original  # type: ignore[method-assign]
+    assert all(results[p.peer_id] == payload for p in honest)
+    assert asked_past_laggard > 0  # the trickler's queue did not stop the pull
+    # What its link holds: LAGGARD_PIECES and a piece, plus what the peer relayed before the link
+    # was up (sent to a late link at once) and its answers to repair; never the whole version.
+    assert longest <= 2 * LAGGARD_PIECES < manifest.num_pieces

@@ -140,3 +140,15 @@ def test_the_repair_rules_numbers_are_the_codes() -> None:
     assert f"less than {DISOWN_HORIZON} below the highest seq" in rule
     assert (f"more than {SKIP_ALLOWANCE} + {SKIP_SHARE:.0%} of its own seqs".replace("%", " %")
             + f" (their prompts were assigned to it), or disowning more than {DISOWN_ALLOWANCE}") in section(15)
+
+
+def test_the_data_channels_constants_are_the_codes() -> None:
+    """Every row of the constants table that names echo_node/weights/broadcast.py states its
+    values as the code has them."""
+    from echo_node.weights import broadcast
+
+    rows = re.findall(r"^\| (`[A-Z_]+`(?: / `[A-Z_]+`)*) \| ([^|]+) \| broadcast\.py \|$", DOC, re.MULTILINE)
+    assert len(rows) >= 3
+    for names, values in rows:
+        for name, value in zip(re.findall(r"`([A-Z_]+)`", names), values.split(" / "), strict=True):
+            assert getattr(broadcast, name) == float(value.replace(",", "")), name
