@@ -13,6 +13,7 @@ import pytest
 import trio
 import trio.testing
 
+from benchmarks.trickle import Trickle
 from echo_node.weights import broadcast
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
@@ -526,28 +527,6 @@ def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at
     assert all(results[p.peer_id] == PAYLOAD for p in PEERS[:2])
     assert len(received) == len(set(received)) <= MANIFEST.num_pieces  # each piece once at most
     assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)
-
-
-class Trickle(trio.abc.Stream):
-    """A stream that reads at most `rate` bytes a second: a peer that takes what is pushed to it
-    just fast enough not to be cut as stalled (LINK_STALL_S)."""
-
-    def __init__(self, stream: trio.abc.Stream, rate: float) -> None:
-        self.stream, self.rate = stream, rate
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        await self.stream.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.stream.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        n = min(max_bytes or 4096, 4096)
-        await trio.sleep(n / self.rate)
-        return await self.stream.receive_some(n)
-
-    async def aclose(self) -> None:
-        await self.stream.aclose()
 
 
 def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> None:
