@@ -74,14 +74,21 @@ A version whose weights the learner no longer keeps cannot be spot-checked; such
 counted (`unverifiable_tokens`), not failed. A batch is signed by its publisher, so one failed
 group fails the batch; the intake then bans the publisher and purges its buffered groups.
 
-Budget: checks cost CPU seconds (of the checking thread) and may take `verify.budget` of the
-learner's wall time since it started. A batch chosen for a check gets as many rows as the
+Budget: checks cost CPU seconds (of the checking thread), and the checks the budget chooses may
+take `verify.budget` of the learner's wall time since it started. A batch chosen for a check gets as many rows as the
 credit left affords at the measured cost per row, at least `min_rows`; a batch chosen while the
 credit does not afford `min_rows` is not checked (`over_budget`), unless its publisher is on
 probation or still earning trust (`earning`: not proven, or checked with a chance above
 EARNING_RATE): then `min_rows` rows are checked whatever the credit, so a newcomer's first
 update waits for a small check, never a whole batch's, and a publisher honest until proven
-meets a check on its first lie however busy the checker is kept. Rows are drawn uniformly at
+meets a check on its first lie however busy the checker is kept. Those checks are not refused
+for want of credit, so they spend only the credit there is: charged in full, Sybils on
+probation drove the credit below zero, and every proven publisher's chosen batch then went
+unchecked for 1/budget seconds per CPU-second their checks cost (20 s at 5 %), long after the
+Sybils were gone. Not charged at all, the budget's own checks kept the checker so busy that
+honest newcomers' batches found no room to wait and were dropped (`unchecked`, 96 rollouts in
+a 40 s demo). What stays possible: a flood of fresh identities that lasts keeps the credit at
+zero while it lasts. Rows are drawn uniformly at
 random (the publisher cannot tell which), so a forger who forges a share f of its rows is
 caught per checked batch with chance at least 1 - (1 - f)^rows.
 
@@ -188,6 +195,10 @@ class SpotPlan:
     groups: list[int]
     rows: int | None = None
     probation: bool = False  # the publisher is on probation: its batch waits for this check
+    # The budget chose this check and pays for it in full; probation's and an earning
+    # publisher's checks are not refused for want of credit, and spend only the credit there is
+    # (module docstring, Budget).
+    budgeted: bool = False
 
 
 @dataclass(slots=True)
@@ -308,8 +319,10 @@ class Verifier:
         # Peer -> completion tokens of its that passed spot checks (`check_rate`).
         self._trusted_tokens: OrderedDict[str, int] = OrderedDict()
         self._rng = random.SystemRandom()  # peers must not predict which batches are checked
-        # The budget: since the first plan, checks may have spent `cfg.budget` of the wall time.
+        # The budget: since the first plan, checks may have spent `cfg.budget` of the wall time;
+        # `_budgeted_s`: CPU seconds charged to it (`spot`).
         self._budget_from: float | None = None
+        self._budgeted_s = 0.0
         self._cost_per_row: float | None = None
         # Publisher -> excursions beyond its dtype's envelope (warned at powers of two).
         self._warned: OrderedDict[str, int] = OrderedDict()
@@ -444,7 +457,7 @@ class Verifier:
         if rows < min(self.cfg.min_rows, batch.num_samples):
             self.stats.over_budget += 1
             return None
-        return SpotPlan(everything, rows)
+        return SpotPlan(everything, rows, budgeted=True)
 
     def check_rate(self, peer_id: str) -> float:
         """The chance a batch of `peer_id` past probation is checked: `trust_tokens` over the
@@ -474,10 +487,10 @@ class Verifier:
         return self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
 
     def credit_s(self) -> float:
-        """CPU seconds the budget still allows checks to spend now."""
+        """CPU seconds the budget still allows the checks it chooses to spend now."""
         if self._budget_from is None:
             return 0.0
-        return self.cfg.budget * (time.monotonic() - self._budget_from) - self.stats.spot_s
+        return self.cfg.budget * (time.monotonic() - self._budget_from) - self._budgeted_s
 
     def _affordable_rows(self, total: int, *, floor: int) -> int:
         if self._cost_per_row is None:  # nothing measured yet: the smallest check
@@ -485,9 +498,10 @@ class Verifier:
         affordable = int(self.credit_s() / self._cost_per_row)
         return min(total, max(floor, affordable))
 
-    def spot(self, batch: RolloutBatch, indices: list[int], *, rows: int | None = None) -> Failure | None:
+    def spot(self, batch: RolloutBatch, indices: list[int], *, rows: int | None = None, budgeted: bool = False) -> Failure | None:
         """Checks 4-5 on groups `indices` of `batch`, on `rows` of their rows drawn at random
-        (None: all of them) (worker thread)."""
+        (None: all of them) (worker thread); `budgeted`: the budget chose it and pays for it
+        (`SpotPlan.budgeted`)."""
         t0 = time.thread_time()
         # Each sample's row in the engine call that sampled the batch: group k's are the rows
         # after the samples of groups 0..k-1 (echo_node/ml/rollout.py).
@@ -505,6 +519,9 @@ class Verifier:
         finally:
             spent = time.thread_time() - t0
             self.stats.spot_s += spent
+            # What the budget chose, it pays in full; a check it cannot refuse spends only the
+            # credit there is (module docstring, Budget).
+            self._budgeted_s += spent if budgeted else min(spent, max(0.0, self.credit_s()))
             per_row = spent / max(1, len(candidates))
             self._cost_per_row = per_row if self._cost_per_row is None else (
                 (1 - COST_EWMA) * self._cost_per_row + COST_EWMA * per_row)

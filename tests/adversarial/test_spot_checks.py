@@ -167,7 +167,7 @@ def test_probation_checks_everything_then_the_rate_falls_with_the_tokens_that_pa
     assert v.check_rate(ALICE.peer_id) == pytest.approx(0.5)
     passes(4)
     assert v.check_rate(ALICE.peer_id) == 0.25  # the floor: spot_rate
-    v.stats.spot_s = 0.0  # the checks above spent the budget's credit; the budget is another test's
+    v._budgeted_s = 0.0  # the checks above spent the budget's credit; the budget is another test's
     later = [planned() for _ in range(400)]
     assert set(later) == {0, 8} and 0.18 < later.count(8) / 400 < 0.32  # whole batches, at the spot rate
     v.suspect(ALICE.peer_id)  # e.g. after a refused message
@@ -290,7 +290,7 @@ def test_spot_checks_stay_within_their_budget(model: torch.nn.Module, monkeypatc
     again = v.plan(batch)
     assert again is not None and again.rows == 2  # probation: the smallest check anyway
     assert v._cost_per_row is not None
-    clock[0] += (v.stats.spot_s + 10 * v._cost_per_row) / 0.05  # credit for ~10 rows
+    clock[0] += (v._budgeted_s + 10 * v._cost_per_row) / 0.05  # credit for ~10 rows
     rows = v.plan(batch)
     assert rows is not None and rows.rows is not None and 8 <= rows.rows <= 12
     clock[0] += 1e6  # plenty: the whole batch

@@ -173,7 +173,7 @@ def test_a_check_past_probation_runs_beside_the_intake(tmp_path: Path) -> None:
     verifier._rng = SimpleNamespace(random=lambda: 0.0)  # type: ignore[assignment]  # every batch is chosen
     release, checking = threading.Event(), threading.Event()
 
-    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None, budgeted: bool = False) -> None:
         if batch.peer_id == held.peer_id:
             checking.set()
             assert release.wait(30)
@@ -221,7 +221,7 @@ def test_a_young_peers_batch_waits_for_a_busy_checker(tmp_path: Path) -> None:
     release, checking = threading.Event(), threading.Event()
     checked: list[str] = []
 
-    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None, budgeted: bool = False) -> None:
         if batch.peer_id == held.peer_id:
             checking.set()
             assert release.wait(30)

@@ -23,7 +23,7 @@ from echo_node.learner.replay import ReplayBuffer, step_weights
 from echo_node.learner.spot_check import EARNING_RATE, Verifier
 from echo_node.ml.grpo import PolicyOptimizer, TrainGroup
 from echo_node.ml.model import build_model, tiny_llama_config
-from protocol import seal
+from protocol import Identity, seal
 from tests.adversarial.test_unchecked_backlog import ATTACKERS, checking_learner
 from tests.factories import ALICE, TASK, TOKENIZER, make_batch, make_group
 from tests.sampling import RUN, sample_batch, tiny_model
@@ -46,7 +46,7 @@ def test_an_unproven_publishers_batch_is_checked_or_dropped_never_trained_unchec
     release, checking = threading.Event(), threading.Event()
     checked: list[tuple[str, int]] = []
 
-    def spot(batch: Any, indices: list[int], *, rows: int | None = None) -> None:
+    def spot(batch: Any, indices: list[int], *, rows: int | None = None, budgeted: bool = False) -> None:
         if batch.peer_id == held.peer_id:
             checking.set()
             assert release.wait(30)
@@ -146,6 +146,38 @@ def test_no_credit_never_excuses_a_chosen_batch_until_trust_is_earned_in_full(mo
     v._trusted_tokens[ALICE.peer_id] = 2 * v.cfg.trust_tokens
     assert v.check_rate(ALICE.peer_id) == EARNING_RATE and not v.earning(ALICE.peer_id)
     assert v.plan(batch) is None and v.stats.over_budget == 1
+
+
+def test_sybils_on_probation_do_not_spend_the_budget_of_proven_publishers(model: torch.nn.Module,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checks the budget cannot refuse (probation, a publisher still earning trust) spend only the
+    credit there is. Charged in full, fresh identities each checked on probation drove the
+    credit below zero, and every chosen batch of a proven publisher then went unchecked
+    (`over_budget`) for 1/budget seconds per CPU-second their checks cost, long after they were
+    gone: Sybils bought a proven liar time without checks. The budget's own checks still spend it."""
+    from echo_node.learner import spot_check as verify_module
+
+    v = Verifier(VerifyConfig(spot_rate=1.0, probation_batches=1, budget=0.05, min_rows=2), run_id=RUN, tokenizer=TOKENIZER,
+                 task=TASK, model=model, temperature=1.0, keep_versions=4)
+    clock = [1000.0]
+    monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])
+    for i in range(3):
+        sybil = sample_batch(model, identity=Identity.from_seed(bytes([0x40 + i]) * 32), groups=2)
+        plan = v.plan(sybil)
+        assert plan is not None and plan.probation and not plan.budgeted
+        assert v.spot(sybil, plan.groups, rows=plan.rows, budgeted=plan.budgeted) is None
+    assert v.stats.spot_s > 0 and v._cost_per_row is not None
+    assert v.credit_s() == 0.0  # spent down to nothing, not below
+    clock[0] += 4 * v._cost_per_row / 0.05  # credit for about four rows, far less than the Sybils cost
+    assert v.credit_s() > 3 * v._cost_per_row
+    v._probation[ALICE.peer_id] = 0
+    v._trusted_tokens[ALICE.peer_id] = 1 << 30  # proven long ago: checked as the budget allows
+    batch = sample_batch(model, groups=2)
+    plan = v.plan(batch)
+    assert plan is not None and plan.budgeted and plan.rows is not None and plan.rows >= 2 and v.stats.over_budget == 0
+    before = v.credit_s()
+    assert v.spot(batch, plan.groups, rows=plan.rows, budgeted=plan.budgeted) is None
+    assert v.credit_s() < before  # what the budget chose, it paid for
 
 
 @pytest.mark.parametrize("identities", [1, 3, 64])
