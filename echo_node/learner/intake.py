@@ -612,7 +612,8 @@ class RolloutIntake:
         publisher was banned meanwhile (the batch is counted either way)."""
         assert self.verify is not None
         async with self._spot_lock:
-            failure = await trio.to_thread.run_sync(partial(self.verify.spot, batch, plan.groups, rows=plan.rows, budgeted=plan.budgeted))
+            check = partial(self.verify.spot, batch, plan.groups, rows=plan.rows, budgeted=plan.budgeted)
+            failure = await trio.to_thread.run_sync(check)
         if failure is not None:
             self.buffer.reject(failure.reason, batch.num_samples)
             if not self.peers.is_banned(origin):

@@ -75,22 +75,21 @@ counted (`unverifiable_tokens`), not failed. A batch is signed by its publisher,
 group fails the batch; the intake then bans the publisher and purges its buffered groups.
 
 Budget: checks cost CPU seconds (of the checking thread), and the checks the budget chooses may
-take `verify.budget` of the learner's wall time since it started. A batch chosen for a check gets as many rows as the
-credit left affords at the measured cost per row, at least `min_rows`; a batch chosen while the
-credit does not afford `min_rows` is not checked (`over_budget`), unless its publisher is on
-probation or still earning trust (`earning`: not proven, or checked with a chance above
-EARNING_RATE): then `min_rows` rows are checked whatever the credit, so a newcomer's first
-update waits for a small check, never a whole batch's, and a publisher honest until proven
-meets a check on its first lie however busy the checker is kept. Those checks are not refused
-for want of credit, so they spend only the credit there is: charged in full, Sybils on
-probation drove the credit below zero, and every proven publisher's chosen batch then went
+take `verify.budget` of the learner's wall time since it started. A batch chosen for a check
+gets as many rows as the credit left affords at the measured cost per row, at least `min_rows`;
+a batch chosen while the credit does not afford `min_rows` is not checked (`over_budget`),
+unless its publisher is on probation or still earning trust (`earning`: not proven, or checked
+with a chance above EARNING_RATE): then `min_rows` rows are checked whatever the credit, so a
+newcomer's first update waits for a small check, never a whole batch's, and a publisher honest
+until proven meets a check on its first lie however busy the checker is kept. Those checks are
+not refused for want of credit, so they spend only the credit there is: charged in full, Sybils
+on probation drove the credit below zero, and every proven publisher's chosen batch then went
 unchecked for 1/budget seconds per CPU-second their checks cost (20 s at 5 %), long after the
 Sybils were gone. Not charged at all, the budget's own checks kept the checker so busy that
-honest newcomers' batches found no room to wait and were dropped (`unchecked`, 96 rollouts in
-a 40 s demo). What stays possible: a flood of fresh identities that lasts keeps the credit at
-zero while it lasts. Rows are drawn uniformly at
-random (the publisher cannot tell which), so a forger who forges a share f of its rows is
-caught per checked batch with chance at least 1 - (1 - f)^rows.
+honest newcomers' batches found no room to wait and were dropped (`unchecked`). What stays
+possible: a flood of fresh identities keeps the credit at zero while it lasts. Rows are drawn
+uniformly at random (the publisher cannot tell which), so a forger who forges a share f of its
+rows is caught per checked batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
 checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
