@@ -118,8 +118,9 @@ DRAIN_S = 2.0
 # again every LAGGARD_CHECK_S while a link holds BACKLOG_PIECES: a trickler may let no frame
 # leave for seconds, and a frame leaving is what wakes the pull. A link holding more than
 # LAGGARD_PIECES is pushed no new first copies until it drains below that (its peer repairs
-# what it misses), so a laggard costs bounded memory, not a queue of this peer's whole share of
-# the version; honest links behind for a while stay under it.
+# what it misses), so a laggard's queue does not grow with every piece this peer relays; honest
+# links behind for a while stay under it. (Not bounded by it: a link that comes up late is
+# sent everything relayed so far at once, `_run_link`.)
 LAGGARD_HOLD_S = 2.0
 LAGGARD_CHECK_S = 0.05
 LAGGARD_PIECES = 64
