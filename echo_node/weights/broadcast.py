@@ -119,8 +119,10 @@ DRAIN_S = 2.0
 # leave for seconds, and a frame leaving is what wakes the pull. A link holding more than
 # LAGGARD_PIECES is pushed no new first copies until it drains below that (its peer repairs
 # what it misses), so a laggard's queue does not grow with every piece this peer relays; honest
-# links behind for a while stay under it. (Not bounded by it: a link that comes up late is
-# sent everything relayed so far at once, `_run_link`.)
+# links behind for a while stay under it. A link that comes up late is sent what this peer
+# relayed before it under the same bound: up to LAGGARD_PIECES at once, the rest one piece per
+# piece that leaves (`Receiver._catch_up`), so a member that dials late and reads slowly on
+# purpose holds at most that much of our memory, not our whole relay share of the version.
 LAGGARD_HOLD_S = 2.0
 LAGGARD_CHECK_S = 0.05
 LAGGARD_PIECES = 64
@@ -194,8 +196,9 @@ class Link:
     never interleave.
 
     Bounds: what the remote makes us queue by asking (`answer`) is capped at `queue_cap` bytes
-    (LinkOverflow past it); what we push on our own (relays) is at most one copy of each piece of
-    the version per link. A link idle both ways for LINK_IDLE_S ends; one whose queued bytes make
+    (LinkOverflow past it), counted apart from what we push on our own (relays: at most one copy
+    of each piece of the version per link, and never more than LAGGARD_PIECES and one queued at
+    once, `Receiver`). A link idle both ways for LINK_IDLE_S ends; one whose queued bytes make
     no progress for LINK_STALL_S is cut (`stalled`). `on_sent` hears the tag of every frame
     that left that is a piece or was queued with a tag."""
 
@@ -210,9 +213,10 @@ class Link:
         self.num_pieces = num_pieces
         self.from_source = from_source
         self.queue_cap = max(LINK_QUEUE_MIN_BYTES, LINK_QUEUE_PIECES * piece_size)
-        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes, object]](math.inf)
+        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes, object, bool]](math.inf)
         self.queued_pieces = 0
         self.queued_bytes = 0
+        self.asked_bytes = 0  # of queued_bytes, those the remote asked for (`answer`)
         self.stalled = False
         self.behind_since: float | None = None  # since when pieces have been queued without a break
         self.last_active = trio.current_time()
@@ -228,21 +232,23 @@ class Link:
         self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame), tag)
 
     def answer(self, frame: Frame, tag: object = None) -> None:
-        """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks."""
-        if self.queued_bytes > self.queue_cap:
-            raise LinkOverflow(f"{self.remote} asks without reading ({self.queued_bytes} bytes queued)")
-        self.send(frame, tag)
+        """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks.
+        Only answers count: our own pushes queued ahead of them are no fault of a slow reader."""
+        if self.asked_bytes > self.queue_cap:
+            raise LinkOverflow(f"{self.remote} asks without reading ({self.asked_bytes} bytes queued)")
+        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame), tag, asked=True)
 
-    def send_packed(self, is_piece: bool, data: bytes, tag: object = None) -> None:
+    def send_packed(self, is_piece: bool, data: bytes, tag: object = None, *, asked: bool = False) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
         if is_piece and not self.queued_pieces:
             self.behind_since = trio.current_time()
         self.queued_pieces += is_piece
         self.queued_bytes += len(data)
-        self._send.send_nowait((is_piece, data, tag))
+        self.asked_bytes += asked * len(data)
+        self._send.send_nowait((is_piece, data, tag, asked))
 
     async def sender(self) -> None:
-        async for is_piece, data, tag in self._queue:
+        async for is_piece, data, tag, asked in self._queue:
             view = memoryview(data)
             try:
                 for start in range(0, len(view), SEND_CHUNK):
@@ -258,6 +264,7 @@ class Link:
             except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
             self.queued_bytes -= len(data)
+            self.asked_bytes -= asked * len(data)
             if is_piece:
                 self.queued_pieces -= 1
                 self.stats.bytes_up += len(data)
@@ -663,20 +670,27 @@ class Receiver:
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
         m = self.manifest
+        from_source = remote == self.source_id
+        # What this peer relayed before the link existed: the remote missed those pushes.
+        missed = deque(() if from_source else self.relaying)
+
+        def sent(tag: object) -> None:
+            self._catch_up(link, missed)
+            self._refill_source(tag)
+
         try:
-            link = Link(stream, remote, self.stats, on_sent=self._refill_source, num_pieces=m.num_pieces,
-                        piece_size=m.piece_size, from_source=remote == self.source_id)
+            link = Link(stream, remote, self.stats, on_sent=sent, num_pieces=m.num_pieces,
+                        piece_size=m.piece_size, from_source=from_source)
         except LINK_ERRORS:
             return  # gone before the first byte
         self.links[remote] = link
         try:
             async with stream, trio.open_nursery() as nursery:
                 nursery.start_soon(link.sender)
-                if remote == self.source_id:
+                if from_source:
                     self._refill_source()
                 else:
-                    for index in self.relaying:  # what this peer missed before the link existed
-                        link.send(Piece(index, self.store.get(index)))  # type: ignore[arg-type]
+                    self._catch_up(link, missed)
                 try:
                     async with aclosing(link.frames()) as frames:
                         async for frame in frames:
@@ -695,6 +709,14 @@ class Receiver:
             self.links.pop(remote, None)
             self.swarm.peer_gone(remote, trio.current_time())
             self._wake.set()
+
+    def _catch_up(self, link: Link, missed: deque[int]) -> None:
+        """Queue pieces the link missed while its queue holds fewer than LAGGARD_PIECES; called
+        again as each frame leaves, so a late link is sent them all at the pace it reads. (New
+        first copies may still take the last place, `_on_piece`: they come first.)"""
+        while missed and link.queued_pieces < LAGGARD_PIECES:
+            index = missed.popleft()
+            link.send(Piece(index, self.store.get(index)))  # type: ignore[arg-type]
 
     # -- frames ------------------------------------------------------------------------------
 

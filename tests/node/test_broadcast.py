@@ -602,6 +602,97 @@ def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> Non
         Receiver._refill_source = original  # type: ignore[method-assign]
     assert all(results[p.peer_id] == payload for p in honest)
     assert asked_past_laggard > 0  # the trickler's queue did not stop the pull
-    # What its link holds: LAGGARD_PIECES and a piece, plus what the peer relayed before the link
-    # was up (sent to a late link at once) and its answers to repair; never the whole version.
-    assert longest <= 2 * LAGGARD_PIECES < manifest.num_pieces
+    # What its link holds: LAGGARD_PIECES and a piece, plus answers to its repairs (a reference
+    # fetcher keeps at most 4 `get`s in flight per link); never the whole version.
+    assert longest <= LAGGARD_PIECES + 1 + 4 < manifest.num_pieces
+
+
+def test_a_link_bans_a_remote_that_asks_without_reading_but_not_for_our_own_pushes() -> None:
+    """`answer` refuses to queue past `queue_cap` bytes of answers: a remote that asks faster than
+    it reads is cut (LinkOverflow, a ban). Pushes queued on our own account do not count: an
+    honest peer behind on a busy link, which asks for a piece it lacks, is not banned for the
+    pieces we chose to send it."""
+    piece = 64 * 1024
+    data = bytes(piece)
+
+    async def main() -> None:
+        ours, _theirs = trio.testing.memory_stream_pair()  # the remote reads nothing; no sender runs
+        link = Link(ours, PEERS[0].peer_id, broadcast.Stats(), num_pieces=1024, piece_size=piece)
+        for index in range(LAGGARD_PIECES):  # 4 MiB of pushes, past the 1 MiB cap
+            link.send(Piece(index, data))
+        assert link.queued_bytes > link.queue_cap
+        asked = 0
+        with pytest.raises(broadcast.LinkOverflow):
+            while True:
+                link.answer(Piece(asked, data))
+                asked += 1
+        frame = len(broadcast.encode_frame(Piece(0, data)))
+        assert link.asked_bytes == asked * frame and link.asked_bytes - frame <= link.queue_cap < link.asked_bytes
+
+    trio.run(main)
+
+
+def test_a_member_that_dials_late_and_reads_slowly_is_caught_up_at_its_pace() -> None:
+    """A link that comes up after a peer relayed its share of the version missed those pushes.
+    Sent them all at once, each encoded anew, a member that dials late on purpose and reads slowly
+    held the peer's whole relay share in its memory (and with N such members, N copies). Checked:
+    each honest peer's queue to the late member stays within LAGGARD_PIECES and a piece (plus
+    answers to its repairs) though it relayed more than that, and the late member still ends with
+    the whole version, caught up as it reads."""
+    piece = 16 * 1024
+    payload = os.urandom(512 * piece)
+    manifest = build_manifest(run_id="run-1", version=7, payload=payload, piece_size=piece)
+    honest, late = PEERS, Identity.from_seed(b"\x2e" * 32)
+    relays: dict[str, tuple[str, int]] = {}  # the late member is not listed: it dials the others
+    source = Source(LEARNER, manifest, seal(manifest, LEARNER), payload, {p.peer_id for p in [*honest, late]}, relays)
+    results: dict[str, bytes] = {}
+    relayed: dict[str, int] = {}
+    longest = 0
+    original = Receiver._refill_source
+
+    def refill(self: Receiver, sent: object = None) -> None:
+        nonlocal longest
+        link = self.links.get(late.peer_id)
+        if link is not None and self.identity.peer_id != late.peer_id:
+            longest = max(longest, link.queued_pieces)
+            relayed[self.identity.peer_id] = len(self.relaying)
+        original(self, sent)
+
+    async def slow(host: str, port: int) -> trio.abc.Stream:
+        return Trickle(await tcp_connect(host, port), 2_000_000)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner, servers = await serve_version(nursery, source, [*honest, late])
+            for p in honest:
+                relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
+
+            async def fetch(p: Identity, connect: object = tcp_connect) -> None:
+                async with trio.open_nursery() as links:
+                    _, data, _ = await fetch_version(
+                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port,
+                        version=7, connect=connect,  # type: ignore[arg-type]
+                    )
+                    results[p.peer_id] = bytes(data)
+                    await trio.sleep_forever()  # serve the others until all are done
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as inner:
+                    for p in honest:
+                        inner.start_soon(fetch, p)
+                    while len(results) < len(honest):
+                        await trio.sleep(0.01)
+                    inner.start_soon(fetch, late, slow)
+                    while len(results) < len(honest) + 1:
+                        await trio.sleep(0.01)
+                    inner.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    Receiver._refill_source = refill  # type: ignore[method-assign]
+    try:
+        trio.run(main)
+    finally:
+        Receiver._refill_source = original  # type: ignore[method-assign]
+    assert all(data == payload for data in results.values()) and len(results) == len(honest) + 1
+    assert len(relayed) == len(honest) and min(relayed.values()) > LAGGARD_PIECES + 5  # a share to catch up on
+    assert longest <= LAGGARD_PIECES + 1 + 4
