@@ -529,6 +529,22 @@ def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at
     assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)
 
 
+async def fetch_and_serve(server: DataServer, learner: DataServer, results: dict[str, bytes], rate: float = 0) -> None:
+    """Fetch version 7 through `server` (reading at `rate` B/s, 0: as fast as it comes), record it
+    in `results`, then serve the others until cancelled."""
+
+    async def connect(host: str, port: int) -> trio.abc.Stream:
+        stream = await tcp_connect(host, port)
+        return Trickle(stream, rate) if rate else stream
+
+    async with trio.open_nursery() as links:
+        _, data, _ = await fetch_version(
+            server, links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port, version=7, connect=connect,
+        )
+        results[server.identity.peer_id] = bytes(data)
+        await trio.sleep_forever()
+
+
 def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> None:
     """A member that dials every honest peer and reads what they push at 500 KB/s. Its link is
     soon the longest queue of each of them; counted in the pull rule (no `next` while any link
@@ -561,29 +577,17 @@ def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> Non
             longest = max(longest, link.queued_pieces)
             asked_past_laggard += self.pull.outstanding > before
 
-    async def slow(host: str, port: int) -> trio.abc.Stream:
-        return Trickle(await tcp_connect(host, port), 500_000)
-
     async def main() -> None:
         async with trio.open_nursery() as nursery:
             learner, servers = await serve_version(nursery, source, [*honest, trickler])
             for p in honest:
                 relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
 
-            async def fetch(p: Identity, connect: object = tcp_connect) -> None:
-                async with trio.open_nursery() as links:
-                    _, data, _ = await fetch_version(
-                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port,
-                        version=7, connect=connect,  # type: ignore[arg-type]
-                    )
-                    results[p.peer_id] = bytes(data)
-                    await trio.sleep_forever()  # serve the others until all honest ones are done
-
             with trio.fail_after(60):
                 async with trio.open_nursery() as inner:
                     for p in honest:
-                        inner.start_soon(fetch, p)
-                    inner.start_soon(fetch, trickler, slow)
+                        inner.start_soon(fetch_and_serve, servers[p.peer_id], learner, results)
+                    inner.start_soon(fetch_and_serve, servers[trickler.peer_id], learner, results, 500_000)
                     while len(source.swarm) < len(honest) + 1:
                         await trio.sleep(0.001)
                     source.gate.set()
@@ -650,16 +654,13 @@ def test_a_member_that_dials_late_and_reads_slowly_is_caught_up_at_its_pace() ->
     longest = 0
     original = Receiver._refill_source
 
-    def refill(self: Receiver, sent: object = None) -> None:
+    def refill(self: Receiver, _sent: object = None) -> None:
         nonlocal longest
         link = self.links.get(late.peer_id)
         if link is not None and self.identity.peer_id != late.peer_id:
             longest = max(longest, link.queued_pieces)
             relayed[self.identity.peer_id] = len(self.relaying)
-        original(self, sent)
-
-    async def slow(host: str, port: int) -> trio.abc.Stream:
-        return Trickle(await tcp_connect(host, port), 2_000_000)
+        original(self, _sent)
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
@@ -667,22 +668,13 @@ def test_a_member_that_dials_late_and_reads_slowly_is_caught_up_at_its_pace() ->
             for p in honest:
                 relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
 
-            async def fetch(p: Identity, connect: object = tcp_connect) -> None:
-                async with trio.open_nursery() as links:
-                    _, data, _ = await fetch_version(
-                        servers[p.peer_id], links, learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port,
-                        version=7, connect=connect,  # type: ignore[arg-type]
-                    )
-                    results[p.peer_id] = bytes(data)
-                    await trio.sleep_forever()  # serve the others until all are done
-
             with trio.fail_after(60):
                 async with trio.open_nursery() as inner:
                     for p in honest:
-                        inner.start_soon(fetch, p)
+                        inner.start_soon(fetch_and_serve, servers[p.peer_id], learner, results)
                     while len(results) < len(honest):
                         await trio.sleep(0.01)
-                    inner.start_soon(fetch, late, slow)
+                    inner.start_soon(fetch_and_serve, servers[late.peer_id], learner, results, 2_000_000)
                     while len(results) < len(honest) + 1:
                         await trio.sleep(0.01)
                     inner.cancel_scope.cancel()
