@@ -31,6 +31,7 @@ import torch
 from transformers import PreTrainedModel
 
 from echo_node.config import RunConfig, TaskConfig
+from echo_node.envs import is_env_id
 from echo_node.ml import defaults
 from echo_node.ml.device import DTYPES, dtype_name, resolve_device, resolve_dtype
 from echo_node.ml.engine import Engine, TorchEngine
@@ -129,6 +130,10 @@ def learner_policy(cfg: RunConfig) -> Policy:
 def peer_task(task_id: str, own: TaskConfig, *, chat: bool = False) -> Task:
     """The run's task as this peer builds it (see the module rules); `chat`: the run's prompts
     go through the chat template (its tokenizer spec says so)."""
+    if is_env_id(task_id):
+        # A run of episodes has no task of its own: the peer plays the environment the id names
+        # (echo_node/envs: `peer_env` checks it); the policy carries the default task, unused.
+        return build_task(TaskConfig(chat=chat))
     name = task_id.split("@", 1)[0]
     if own.dataset is None and name in TASKS:
         task = build_task(TaskConfig(name=name, chat=chat))

@@ -161,6 +161,9 @@ METRICS: dict[str, _Spec] = {
     "rollouts_published": _Spec("echo_rollouts_published", "counter", "Rollouts the peer published."),
     "active": _Spec("echo_active", "gauge", "1 if the peer is in the active set, else 0."),
     "price_per_hour": _Spec("echo_price_per_hour", "gauge", "The peer's hourly price."),
+    "episode_groups_dropped": _Spec(
+        "echo_episode_groups_dropped", "counter", "Episode groups the peer's environment ended (errors, timeouts)."
+    ),
     # Both.
     "rollouts_accepted": _Spec("echo_rollouts_accepted", "counter", "Rollouts the learner accepted."),
     "bytes_up": _Spec("echo_bytes_up", "counter", "Bytes sent."),

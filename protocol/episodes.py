@@ -170,6 +170,11 @@ class EpisodeGroup(WireMessage):
     def num_tokens(self) -> int:
         return sum(e.num_tokens for e in self.episodes)
 
+    @property
+    def num_rollouts(self) -> int:
+        """What the learner's ledger counts of the group: its episodes (one rollout each)."""
+        return len(self.episodes)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class EpisodeBatch(WireMessage):
@@ -194,6 +199,11 @@ class EpisodeBatch(WireMessage):
     @property
     def max_version(self) -> int:
         return max(g.max_version for g in self.groups)
+
+    @property
+    def num_samples(self) -> int:
+        """Rollouts in the batch, as `RolloutBatch.num_samples` counts them: its episodes."""
+        return sum(len(g.episodes) for g in self.groups)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

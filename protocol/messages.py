@@ -255,6 +255,11 @@ class RolloutGroup(WireMessage):
     def num_tokens(self) -> int:
         return sum(len(s.completion_ids) for s in self.samples)
 
+    @property
+    def num_rollouts(self) -> int:
+        """What the learner's ledger counts of the group: its samples."""
+        return len(self.samples)
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutBatch(WireMessage):

@@ -54,10 +54,14 @@ __all__ = [
     "Step",
     "ToolCall",
     "ToolEnv",
+    "is_env_id",
     "load_env",
+    "peer_env",
 ]
 
 MAX_ENV_ID = 256
+# A run spec's `task` that names an environment (`env_id`) begins so.
+ENV_PREFIX = "env:"
 # An observation's content is at most this many characters (an environment that answers more
 # is failing: its episode ends as env_error).
 MAX_CONTENT_CHARS = 16384
@@ -214,7 +218,32 @@ def env_id(name: str, options: Mapping[str, Any], budgets: Budgets, source: str 
          "source": source},
         sort_keys=True, separators=(",", ":"),
     ).encode()
-    return f"env:{name.replace(':', '.')}@{hashlib.sha256(blob).hexdigest()[:32]}"
+    return f"{ENV_PREFIX}{name.replace(':', '.')}@{hashlib.sha256(blob).hexdigest()[:32]}"
+
+
+def is_env_id(task_id: str) -> bool:
+    """Whether a run spec's `task` names an environment (a run of episodes), not a task."""
+    return task_id.startswith(ENV_PREFIX)
+
+
+def peer_env(task_id: str, cfg: RunConfig) -> EnvSpec | None:
+    """The environment a joining peer plays for a run spec's `task` (None: the run has none),
+    built from the peer's own `[env]`, which must give the same id. ValueError, in one line with
+    the remedy, when it cannot."""
+    if not is_env_id(task_id):
+        return None
+    if cfg.env.name is None:
+        raise ValueError(f"this run plays the environment {task_id!r}: set [env] (name, options, budgets) as its learner does")
+    try:
+        spec = load_env(cfg)
+    except EnvError as exc:
+        raise ValueError(f"this run plays the environment {task_id!r}, and this peer's [env] does not load: {exc}") from None
+    if spec.env_id != task_id:
+        raise ValueError(
+            f"this run plays the environment {task_id!r}, this peer's [env] gives {spec.env_id!r}: use the run's "
+            "[env] table (name, options, budgets) and the same plug-in code"
+        )
+    return spec
 
 
 def probe_transcript(factory: Callable[[], Env], seed: int, actions: Sequence[str]) -> list[object]:

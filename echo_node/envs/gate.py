@@ -8,7 +8,7 @@ publisher lies, as for rollout batches):
 2. Every group has the run's group size (bad_group), token ids in the vocabulary
    (out_of_vocab), and episodes within the run's budgets (too_long).
 3. Versions: no token newer than the learner's current version (future_version: a forged
-   per-turn version); the group began on one version, the tag of every episode's first token
+   per-turn version) or of a version it never published (unpublished_version); the group began on one version, the tag of every episode's first token
    (bad_episode otherwise), which the staleness rule judges (stale: no blame).
 4. The re-run (echo_node/envs/verify.py, every episode of the batch at once) with the seed of
    the group's slot: the first 8 bytes of the slot digest of (run, publisher, version, seq,
@@ -21,6 +21,7 @@ staleness and the learner's own environment failures do not.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo_node.envs import EnvSpec
@@ -63,11 +64,20 @@ class EpisodeGate:
     mode: str = "async"
 
     def check(self, frame: bytes, origin: str, *, current_version: int) -> Admission:
+        """Every check, 1 to 4, on one signed frame from `origin`."""
         try:
             batch, _ = open_envelope(frame, expected_kind=EpisodeBatch, expected_sender=origin)
         except RemoteProtocolError as exc:
             return Admission(drop=exc.reason, detail=str(exc))
         assert isinstance(batch, EpisodeBatch)
+        return self.judge(batch, current_version=current_version) or self.rerun(batch, origin)
+
+    def judge(
+        self, batch: EpisodeBatch, *, current_version: int, published: Callable[[int], bool] | None = None
+    ) -> Admission | None:
+        """Checks 2 and 3 (cheap: the gossip validator runs them): None if they pass.
+        `published(v)`: whether the learner published version v (no token can have been sampled
+        from one it did not: `unpublished_version`)."""
         if batch.run_id != self.run_id:
             return Admission(drop=DropReason.WRONG_RUN, detail=batch.run_id, batch=batch)
         starts: list[int] = []
@@ -84,6 +94,10 @@ class EpisodeGate:
                     return Admission(drop=DropReason.TOO_LONG, detail=where + over, batch=batch)
             if g.max_version > current_version:
                 return Admission(drop=DropReason.FUTURE_VERSION, detail=f"{where}version {g.max_version} > {current_version}", batch=batch)
+            if published is not None:
+                unpublished = sorted({v for e in g.episodes for t in e.model_turns for v in t.versions if not published(v)})
+                if unpublished:
+                    return Admission(drop=DropReason.UNPUBLISHED_VERSION, detail=f"{where}version {unpublished[0]}", batch=batch)
             start = group_version([e.first_version for e in g.episodes])
             if start is None:
                 return Admission(drop=DropReason.BAD_EPISODE, detail=f"{where}its episodes begin on different versions", batch=batch)
@@ -92,9 +106,15 @@ class EpisodeGate:
             why = admissible(start, current_version, self.staleness, self.mode)
             if why is not None:
                 return Admission(drop=why, detail=f"began on version {start}", batch=batch)
-        out: list[TrainGroup] = []
-        seeds = [prompt_draw(self.run_id, origin, start, batch.seq, i) for i, start in enumerate(starts)]
+        return None
+
+    def rerun(self, batch: EpisodeBatch, origin: str) -> Admission:
+        """Check 4, on a batch `judge` passed: the environment re-run on every episode (as long
+        as the environment takes: the learner runs it beside its loop, in a worker thread)."""
+        starts = [group_version([e.first_version for e in g.episodes]) for g in batch.groups]
+        seeds = [prompt_draw(self.run_id, origin, start or 0, batch.seq, i) for i, start in enumerate(starts)]
         verdicts = verify_groups(self.spec, self.fmt, list(zip(batch.groups, seeds)))
+        out: list[TrainGroup] = []
         for i, (g, verdict) in enumerate(zip(batch.groups, verdicts)):
             if verdict.bad is not None:
                 return Admission(drop=DropReason.BAD_EPISODE, detail=f"group {i}: {verdict.bad}", batch=batch)

@@ -60,6 +60,7 @@ from typing import Any, Protocol
 
 import trio
 
+from echo_node.envs.gate import EpisodeGate
 from echo_node.learner.banlog import BanLog
 from echo_node.learner.journal import Journal
 from echo_node.learner.replay import ReplayBuffer
@@ -70,7 +71,8 @@ from protocol.drops import DropReason
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_FRAME_BYTES, MAX_REPAIR_SEQS, REPAIR_KEEP
-from protocol.messages import RepairRequest, RepairResponse, RolloutBatch, repair_response_had_room
+from protocol.episodes import EpisodeBatch
+from protocol.messages import RepairRequest, RepairResponse, RolloutBatch, RolloutGroup, repair_response_had_room
 from protocol.sequence import Observation, SequenceTracker
 
 log = logging.getLogger(__name__)
@@ -116,8 +118,11 @@ DISOWN_ALLOWANCE = 8
 DISOWN_HORIZON = REPAIR_KEEP // 2
 # Refusals no honest peer earns: its claims did not survive the learner's checks.
 CHEATING = frozenset(
-    {DropReason.BAD_REWARD, DropReason.BAD_PROMPT, DropReason.BAD_COMPLETION, DropReason.BAD_LOGPROBS, DropReason.BAD_SAMPLING}
+    {DropReason.BAD_REWARD, DropReason.BAD_PROMPT, DropReason.BAD_COMPLETION, DropReason.BAD_LOGPROBS, DropReason.BAD_SAMPLING,
+     DropReason.BAD_EPISODE}
 )
+# What a run's peers publish: rollout batches, or episode batches in a run with an environment.
+Batch = RolloutBatch | EpisodeBatch
 
 
 class JoinRefused(Exception):
@@ -276,9 +281,11 @@ class PeerBook:
             self.banned_until_version[peer] = until_version
 
 
-def held_numbers(batch: RolloutBatch) -> int:
+def held_numbers(batch: Batch) -> int:
     """The numbers a decoded batch keeps: prompt ids, and per sample its ids, log-probs and
-    token versions."""
+    token versions (per episode, as many per token: an environment token's id counts the same)."""
+    if isinstance(batch, EpisodeBatch):
+        return sum(len(g.prompt_ids) + sum(3 * e.num_tokens for e in g.episodes) for g in batch.groups)
     return sum(len(g.prompt_ids) + sum(3 * len(x.completion_ids) for x in g.samples) for g in batch.groups)
 
 
@@ -314,10 +321,13 @@ class RolloutIntake:
         node: Gossip | None = None,
         journal: Journal | None = None,
         published: Callable[[int], bool] | None = None,
+        episodes: EpisodeGate | None = None,
     ) -> None:
         """`node`: the gossip node penalties and repair requests go to (None: neither);
         `journal`: the learner's write-ahead journal (new seqs are journaled, so a restart
-        rebuilds the tracker); `published`: which version numbers the learner published."""
+        rebuilds the tracker); `published`: which version numbers the learner published;
+        `episodes`: the run's environment gate (echo_node/envs/gate.py): its peers publish
+        episode batches, and nothing else is taken."""
         self.run = run
         self.buffer = buffer
         self.peers = peers
@@ -345,6 +355,7 @@ class RolloutIntake:
         self.tracker = SequenceTracker()
         self.journal = journal
         self.published = published
+        self.episodes = episodes
         # The learner's version when the tracker last forgot a publisher (see the module rules).
         self._forgot_at = -1
         # Messages seen missing from a publisher's sequence and never recovered by repair. They
@@ -352,7 +363,7 @@ class RolloutIntake:
         self.lost_messages = 0
         self.arrived = trio.Event()
         # Batches the gossip validator verified, by their bytes, for the consumer to take.
-        self._checked: OrderedDict[bytes, RolloutBatch] = OrderedDict()
+        self._checked: OrderedDict[bytes, Batch] = OrderedDict()
         # Batches let into the subscription queue (`queue_admits`): their bytes -> (publisher,
         # what each copy holds, copies queued); totals; and per publisher the ones queued or
         # being checked.
@@ -370,7 +381,7 @@ class RolloutIntake:
 
     # -- checks ----------------------------------------------------------------------------------
 
-    def check(self, data: bytes, origin: str) -> tuple[RolloutBatch | None, DropReason | None, int]:
+    def check(self, data: bytes, origin: str) -> tuple[Batch | None, DropReason | None, int]:
         """Verify and judge one message from `origin`: (batch, None, rollouts) to take it, or
         (batch or None, reason, rollouts to count as dropped)."""
         if self.peers.is_banned(origin):
@@ -378,11 +389,14 @@ class RolloutIntake:
         if origin not in self.peers.joined:
             log.info("dropped a rollout message from %s, which has not joined the run", origin)
             return None, DropReason.NOT_JOINED, 1
+        kind = RolloutBatch if self.episodes is None else EpisodeBatch
         try:
-            batch, _ = open_envelope(data, expected_kind=RolloutBatch, expected_sender=origin)
+            batch, _ = open_envelope(data, expected_kind=kind, expected_sender=origin)
         except RemoteProtocolError as exc:
             log.warning("rejected a rollout message from %s: %s", origin, exc)
             return None, exc.reason, 1
+        if isinstance(batch, EpisodeBatch):
+            return self._check_episodes(batch, origin)
         assert isinstance(batch, RolloutBatch)
         n = batch.num_samples
         reason = judge_batch(batch, run=self.run, current_version=self.version(), published=self.published)
@@ -400,6 +414,22 @@ class RolloutIntake:
             self.peers.batches[origin] += 1
             return batch, failure.reason, n
         return batch, None, n
+
+    def _check_episodes(self, batch: EpisodeBatch, origin: str) -> tuple[Batch, DropReason | None, int]:
+        """`check`'s cheap part for an episode batch (the gate's checks 2-3); the re-run of the
+        environment comes in the consumer (`admit`)."""
+        assert self.episodes is not None
+        n = batch.num_samples
+        refused = self.episodes.judge(batch, current_version=self.version(), published=self.published)
+        if refused is None or refused.drop is DropReason.STALE:
+            # Staleness is the buffer's to judge (`ReplayBuffer.offer`), as for rollout batches:
+            # no strike, and in pull mode the work still counts in the demand split.
+            return batch, None, n
+        assert refused.drop is not None
+        log.warning("rejected %d episodes from %s: %s (%s)", n, origin, refused.drop, refused.detail)
+        self._evidence = f"{refused.drop} on arrival: {refused.detail}"
+        self.peers.batches[origin] += 1
+        return batch, refused.drop, n
 
     def validate(self, forwarder: str, origin: str, data: bytes) -> bool:
         """The gossip validator: True passes the message on (to other subscribers and to
@@ -554,7 +584,7 @@ class RolloutIntake:
                 return
         await self.admit(batch, origin)
 
-    async def admit(self, batch: RolloutBatch, origin: str) -> None:
+    async def admit(self, batch: Batch, origin: str) -> None:
         """Spot-check what `batch`'s publisher's turn calls for, then ingest it.
 
         A probation check holds the intake until it is done (a newcomer's batches are all
@@ -574,6 +604,9 @@ class RolloutIntake:
             return
         # Batches judged per peer, in the order judged: a refused one when refused, a passed one here.
         self.peers.batches[origin] += 1
+        if isinstance(batch, EpisodeBatch):
+            await self._admit_episodes(batch, origin)
+            return
         plan = self.verify.plan(batch) if self.verify is not None else None
         if plan is not None and not plan.probation and self._beside is not None:
             assert self.verify is not None
@@ -594,6 +627,30 @@ class RolloutIntake:
             plan = None
         if plan is None or await self._passes(batch, origin, plan):
             self.ingest(batch, origin)
+
+    async def _admit_episodes(self, batch: EpisodeBatch, origin: str) -> None:
+        """Every episode batch is checked in full: the environment re-run on its actions
+        (echo_node/envs/verify.py) is the check, and no sample of batches would do, since one
+        fabricated observation is the whole lie. In a worker thread under the spot lock, holding
+        the intake like a probation check. A forgery gets its publisher caught; the environment
+        failing on the learner drops the batch with nobody blamed (its seq was delivered)."""
+        assert self.episodes is not None
+        async with self._spot_lock:
+            verdict = await trio.to_thread.run_sync(self.episodes.rerun, batch, origin)
+        if verdict.drop is DropReason.BAD_EPISODE:
+            self.buffer.reject(verdict.drop, batch.num_samples)
+            if not self.peers.is_banned(origin):
+                self._evidence = verdict.detail
+                self.caught(origin, verdict.drop)
+            return
+        if self.peers.is_banned(origin):  # caught while its batch was being re-run
+            self.buffer.reject(DropReason.BANNED, batch.num_samples)
+            return
+        if verdict.drop is not None:
+            log.info("dropped %d episodes of %s: %s (%s)", batch.num_samples, origin, verdict.drop, verdict.detail)
+            self.ingest(batch, origin, take=False, drop=verdict.drop)
+            return
+        self.ingest(batch, origin)
 
     async def _check_beside(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> None:
         try:
@@ -625,20 +682,20 @@ class RolloutIntake:
             return False
         return True
 
-    def ingest(self, batch: RolloutBatch, origin: str, *, take: bool = True) -> None:
-        """Observe `batch`'s seq and buffer its groups (`take`), or drop them as `unchecked`."""
+    def ingest(self, batch: Batch, origin: str, *, take: bool = True, drop: DropReason = DropReason.UNCHECKED) -> None:
+        """Observe `batch`'s seq and buffer its groups (`take`), or drop them as `drop`."""
         # The seq and the fate of the batch's groups are journaled as one: a restart that knows
         # the seq arrived knows what became of it (else gap repair asks for it again).
         if self.journal is None:
-            self._ingest(batch, origin, take)
+            self._ingest(batch, origin, take, drop)
             return
         self.journal.begin()
         try:
-            self._ingest(batch, origin, take)
+            self._ingest(batch, origin, take, drop)
         finally:
             self.journal.commit()
 
-    def _ingest(self, batch: RolloutBatch, origin: str, take: bool = True) -> None:
+    def _ingest(self, batch: Batch, origin: str, take: bool = True, drop: DropReason = DropReason.UNCHECKED) -> None:
         current = self.version()
         known = origin in self.tracker
         if not known and batch.max_version <= self._forgot_at:
@@ -662,7 +719,7 @@ class RolloutIntake:
         if self.journal is not None:
             self.journal.append(["seen", origin, batch.seq])
         if not take:
-            self.buffer.reject(DropReason.UNCHECKED, batch.num_samples)
+            self.buffer.reject(drop, batch.num_samples)
             return
         # Groups that count as the peer's work in the demand split (`PeerBook.contributed`):
         # those accepted, and in pull mode also those that passed every check but came after
@@ -671,10 +728,15 @@ class RolloutIntake:
         # too late: starved for good while it samples exactly as asked.
         taken = worked = 0
         for group in batch.groups:
-            first, strike = self.copies.first_sender(group, origin) if self.copies is not None else (origin, False)
+            # Episodes are not copied from another publisher: their seeds are the publisher's own
+            # slots, and the re-run holds every observation to them.
+            if self.copies is not None and isinstance(group, RolloutGroup):
+                first, strike = self.copies.first_sender(group, origin)
+            else:
+                first, strike = origin, False
             if first != origin:
                 log.info("dropped a group of %s: %s sent the same prompt and completions first", origin, first)
-                self.buffer.reject(DropReason.COPIED, len(group.samples))
+                self.buffer.reject(DropReason.COPIED, group.num_rollouts)
                 if strike:
                     self.penalize(origin, f"copied {COPIES_PER_STRIKE} groups others sent first that honest sampling would "
                                           "hardly give twice")
@@ -685,8 +747,8 @@ class RolloutIntake:
                 continue
             if not self.peers.accepted[origin]:
                 self.on_first_accept(origin)
-            self.peers.accepted[origin] += len(group.samples)
-            self.on_accept(origin, group.min_version, len(group.samples))
+            self.peers.accepted[origin] += group.num_rollouts
+            self.on_accept(origin, group.min_version, group.num_rollouts)
             taken += 1
             self.arrived.set()
         if taken + worked:

@@ -20,8 +20,10 @@ Rules:
   segment passes `max_segment_bytes`. Old segments are deleted with the checkpoints that need them.
 
 Records (msgpack arrays; `gid` is the journal's serial number of a buffered group):
-    ["admit", gid, origin, group]          a group entered the buffer (group: RolloutGroup wire)
-    ["carry", gid, origin, group]          a group still buffered when this segment began
+    ["admit", gid, origin, group(, kind)]  a group entered the buffer (group: its wire form; kind
+                                           "episode" for an EpisodeGroup, absent for a
+                                           RolloutGroup: replay.py `group_record`)
+    ["carry", gid, origin, group(, kind)]  a group still buffered when this segment began
     ["reject", reason, rollouts]           rollouts received and dropped before the buffer (a
                                            batch's fate, inside its transaction)
     ["rejects", {reason: rollouts}]        the same, summed since the last flush: refusals outside

@@ -31,6 +31,9 @@ import torch
 import trio
 
 from echo_node.config import RunConfig, VerifyConfig, to_dict
+from echo_node.envs import load_env
+from echo_node.envs.format import episode_format
+from echo_node.envs.gate import EpisodeGate
 from echo_node.learner.capacity_controller import CapacityController
 from echo_node.learner.evaluation import HeldOutEval, evaluator
 from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
@@ -38,7 +41,7 @@ from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
 from echo_node.learner.progress import Progress, Totals
 from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunState
-from echo_node.learner.replay import ReplayBuffer, step_weights
+from echo_node.learner.replay import Group, ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
 from echo_node.learner.spot_check import Verifier
 from echo_node.learner.tracking import open_tracker
@@ -64,7 +67,6 @@ from protocol.limits import MAX_PROMPT_TOKENS
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
-    RolloutGroup,
     RunEnded,
     RunEndReason,
     RunSpec,
@@ -168,13 +170,21 @@ class Learner:
             cfg.capacity, rollouts_per_update=rl.groups_per_step * rl.group_size, staleness=rl.staleness,
             kappa=max(1, rl.staleness - 1) if auto else rl.publish_every, auto_kappa=auto, pipelined=rl.mode == "async",
         )
-        # Spot checks need the weights of every version a rollout can still be admitted on.
+        # A run with an environment ([env]): peers publish episodes, and every one is re-run
+        # here (echo_node/envs/gate.py). Its spec's task is the environment's id.
+        self.env = load_env(cfg) if cfg.env.name is not None else None
+        episodes = None if self.env is None else EpisodeGate(
+            spec=self.env, fmt=episode_format(policy.tokenizer), run_id=cfg.run_id, group_size=cfg.rl.group_size,
+            vocab_size=int(policy.model.config.vocab_size), staleness=cfg.rl.staleness, mode=cfg.rl.mode,
+        )
+        # Spot checks need the weights of every version a rollout can still be admitted on. They
+        # judge rollout batches only: an episode's log-probs are not checked (docs/architecture.md).
         self.verifier = Verifier(
             cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
             rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
             engine_of=self.capacity.engine_of,
-        ) if cfg.verify.enabled else None
+        ) if cfg.verify.enabled and episodes is None else None
         self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
@@ -182,6 +192,7 @@ class Learner:
             on_accept=lambda peer, version, n: self.capacity.accepted(peer, version, n, trio.current_time()),
             on_caught=lambda record: self._write({"event": "caught", "version": self.version, **record}),
             ban_versions=cfg.verify.ban_versions, node=self.node, journal=journal, published=history.published,
+            episodes=episodes,
         )
         # Where the learner's time goes, per stage (echo_node/learner/profile.py): in the summary.
         self.profile = Profile()
@@ -230,9 +241,10 @@ class Learner:
         self._demand = 1
         self._first_version = 0
         # The operator's view while the run goes (echo_node/learner/progress.py, echo_node/learner/evaluation.py).
+        # The held-out evaluation scores `[task]` prompts: a run of episodes trains on none.
         rep = cfg.report
-        self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts, every=rep.eval_every,
-                                                       max_new_tokens=cfg.sampling.max_new_tokens)
+        self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts if self.env is None else 0,
+                                                       every=rep.eval_every, max_new_tokens=cfg.sampling.max_new_tokens)
         self.progress: Progress | None = None
         self._wait_started: float | None = None  # monotonic start of the wait for rollouts in progress
 
@@ -471,13 +483,18 @@ class Learner:
         observed = getattr(stream, "remote_host", None)
         await self._serve(partial(self._on_join, observed=observed))(stream)
 
+    @property
+    def task_id(self) -> str:
+        """What the run trains: its task's id, or its environment's (a run of episodes)."""
+        return self.policy.task.task_id if self.env is None else self.env.env_id
+
     def spec(self) -> RunSpec:
         s = self.cfg.sampling
         return RunSpec(
             run_id=self.cfg.run_id,
             model=self.policy.model_spec,
             tokenizer=self.policy.tokenizer_spec,
-            task=self.policy.task.task_id,
+            task=self.task_id,
             sampling=SamplingParams(temperature=s.temperature, top_p=s.top_p, max_new_tokens=s.max_new_tokens),
             sync_mode=self.cfg.rl.mode,
             staleness=self.cfg.rl.staleness,
@@ -726,7 +743,7 @@ class Learner:
         return (self.version - self._checkpointed[0] >= cfg.every_versions
                 and trio.current_time() - self._checkpointed[1] >= cfg.min_interval_s)
 
-    def _audit(self, groups: list[RolloutGroup], origins: list[str], trained_on: int) -> None:
+    def _audit(self, groups: list[Group], origins: list[str], trained_on: int) -> None:
         """The step's own forward re-checked the claimed log-probs of every token sampled on the
         weights it trained (echo_node/learner/spot_check.py, audits of training): a group off the envelope
         gets its publisher caught as a spot check would."""
@@ -858,7 +875,7 @@ class Learner:
             log.info("%s", line)
             self._write(record)
 
-    def _record_step(self, groups: list[RolloutGroup], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
+    def _record_step(self, groups: list[Group], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
         ledger = self.buffer.ledger
         ages = staleness(groups, self.version - 1)
         self._last_staleness = float(ages["staleness_mean"])
@@ -924,7 +941,7 @@ class Learner:
             "resumed": self.resumed.to_dict() if self.resumed is not None else None,
             # What was trained and where; `export` is the save_pretrained directory (if written).
             "model": self.policy.model_spec.get("architecture", "embedded"),
-            "task": self.policy.task.task_id,
+            "task": self.task_id,
             "dtype": str(self.policy.rollout_dtype).removeprefix("torch."),
             "device": str(self.policy.device) if self.trainer.sharded is None
             else f"{self.trainer.sharded.info.world} ranks on {self.trainer.sharded.info.device.type}",

@@ -42,14 +42,13 @@ from echo_node.config import RunConfig, to_dict
 from echo_node.learner.checkpoint import Checkpoint, CheckpointStore
 from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, replay_records
-from echo_node.learner.replay import ReplayBuffer
+from echo_node.learner.replay import ReplayBuffer, group_from_record, group_record
 from echo_node.learner.trainer import Trainer
 from echo_node.ml.export import export_pretrained
 from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy, save_state
 from echo_node.policy import Policy
 from protocol.drops import DropReason
 from protocol.errors import RemoteProtocolError
-from protocol.messages import RolloutGroup
 from protocol.weights.manifest import payload_digest
 
 log = logging.getLogger(__name__)
@@ -195,7 +194,7 @@ class RunState:
         goes on training; a checkpoint costs the update path only those copies."""
         ln = self.learner
         buffer = ln.buffer
-        segment = self.journal.rotate([["carry", gid, origin, g.to_wire()] for gid, origin, g in buffer.live()])
+        segment = self.journal.rotate([["carry", gid, origin, *group_record(g)] for gid, origin, g in buffer.live()])
         peers = ln.peers
         state = {
             "version": ln.trainer.version,
@@ -412,7 +411,7 @@ class RunState:
         buffer, tracker = self.learner.buffer, self.learner.intake.tracker
         kind = record[0]
         if kind in ("admit", "carry"):
-            group = RolloutGroup.from_wire(record[3])
+            group = group_from_record(record[3:])
             buffer.replay_admit(int(record[1]), group, str(record[2]), received=kind == "admit")
         elif kind == "reject":
             buffer.replay_reject(str(record[1]), int(record[2]))

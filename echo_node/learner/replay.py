@@ -1,6 +1,6 @@
 """The learner's replay buffer and its rollout accounting (pure logic, no I/O).
 
-Invariant: every rollout (one sampled completion) the learner receives is counted exactly once,
+Invariant: every rollout (one sampled completion, or one episode) the learner receives is counted exactly once,
 either as trained or as dropped with a reason, and `received == trained + dropped + buffered`
 holds after every call. A message that could not even be decoded counts as one rollout dropped
 as "malformed", so garbage is visible in the same ledger.
@@ -35,8 +35,28 @@ from dataclasses import dataclass, field
 
 from typing import Any, Protocol
 
+from protocol.episodes import EpisodeGroup
 from protocol.messages import RolloutGroup
 from protocol.staleness import DropReason, admissible
+
+
+# What the buffer holds: one prompt's sampled completions, or one seed's episodes (echo_node/envs).
+Group = RolloutGroup | EpisodeGroup
+# The journal's records carry a group's wire form, then its kind where it is not a RolloutGroup
+# (records written before episodes existed have none).
+EPISODE_KIND = "episode"
+
+
+def group_record(group: Group) -> list[Any]:
+    """A group as a journal record carries it: its wire form, and its kind (`group_from_record`)."""
+    return [group.to_wire(), EPISODE_KIND] if isinstance(group, EpisodeGroup) else [group.to_wire()]
+
+
+def group_from_record(fields: list[Any]) -> Group:
+    """The group of `group_record`'s fields (RemoteProtocolError, ValueError if they do not decode)."""
+    if len(fields) > 1 and fields[1] == EPISODE_KIND:
+        return EpisodeGroup.from_wire(fields[0])
+    return RolloutGroup.from_wire(fields[0])
 
 
 class Journal(Protocol):
@@ -70,10 +90,12 @@ def step_weights(unproven: list[bool], n_groups: int, share: float) -> list[floa
     return [w if u else 1.0 for u in unproven]
 
 
-def group_bytes(group: RolloutGroup) -> int:
+def group_bytes(group: Group) -> int:
     """What a decoded group costs in memory, estimated from CPython's object sizes: per
     completion token a token id, a float64 log-prob object and a version (~80 B with their
     tuple slots), per prompt token ~16 B, per sample ~200 B of objects."""
+    if isinstance(group, EpisodeGroup):  # as many numbers per model token; an environment token is an id
+        return 256 + 16 * len(group.prompt_ids) + sum(200 + 80 * e.num_tokens for e in group.episodes)
     return 256 + 16 * len(group.prompt_ids) + sum(200 + 80 * len(s.completion_ids) for s in group.samples)
 
 
@@ -92,7 +114,7 @@ class ReplayBuffer:
         self.capacity_bytes = capacity_bytes
         self.max_share = max_share
         self.ledger = Ledger()
-        self._groups: deque[RolloutGroup] = deque()
+        self._groups: deque[Group] = deque()
         # Per buffered (or taken, until marked trained or restored) group: its origin and size.
         self._origin: dict[int, str] = {}
         self._size: dict[int, int] = {}
@@ -108,12 +130,12 @@ class ReplayBuffer:
 
     @property
     def buffered_rollouts(self) -> int:
-        return sum(len(g.samples) for g in self._groups)
+        return sum(g.num_rollouts for g in self._groups)
 
-    def origin(self, group: RolloutGroup) -> str:
+    def origin(self, group: Group) -> str:
         return self._origin.get(id(group), "")
 
-    def gid(self, group: RolloutGroup) -> int:
+    def gid(self, group: Group) -> int:
         """The serial number the journal knows a buffered (or taken) group by."""
         return self._gid[id(group)]
 
@@ -128,26 +150,26 @@ class ReplayBuffer:
         if self.journal is not None:
             self.journal.append(record)
 
-    def _dropped(self, reason: DropReason | str, groups: list[RolloutGroup]) -> None:
+    def _dropped(self, reason: DropReason | str, groups: list[Group]) -> None:
         """Journal buffered (or taken) groups leaving with a reason; before they are released."""
         if groups:
             self._record(["drop", _key(reason), [self._gid[id(g)] for g in groups]])
 
-    def offer(self, group: RolloutGroup, current_version: int, origin: str = "") -> DropReason | None:
+    def offer(self, group: Group, current_version: int, origin: str = "") -> DropReason | None:
         """Admit a verified group from `origin`, or count it dropped and return the reason."""
-        n = len(group.samples)
+        n = group.num_rollouts
         reason = admissible(group.min_version, current_version, self.staleness, self.mode)
         if reason is not None:
             self.reject(reason, n)
             return reason
         self.ledger.received += n
         self._add(group, origin, self.next_gid)
-        self._record(["admit", self._gid[id(group)], origin, group.to_wire()])
+        self._record(["admit", self._gid[id(group)], origin, *group_record(group)])
         while len(self._groups) > self.capacity_groups or self.bytes > self.capacity_bytes:
             self._evict_one()
         return None
 
-    def _add(self, group: RolloutGroup, origin: str, gid: int) -> None:
+    def _add(self, group: Group, origin: str, gid: int) -> None:
         self._groups.append(group)
         self._origin[id(group)] = origin
         self._gid[id(group)] = gid
@@ -166,22 +188,22 @@ class ReplayBuffer:
         self._groups.remove(victim)
         self._dropped(DropReason.OVERLOAD, [victim])
         self._forget(victim)
-        self._drop(DropReason.OVERLOAD, len(victim.samples))
+        self._drop(DropReason.OVERLOAD, victim.num_rollouts)
 
-    def _release(self, group: RolloutGroup) -> int:
+    def _release(self, group: Group) -> int:
         """Stop tracking a group's origin and size (it left the ledger's care); its size."""
         self._origin.pop(id(group), None)
         self._gid.pop(id(group), None)
         return self._size.pop(id(group), 0)
 
-    def _forget(self, group: RolloutGroup) -> None:
+    def _forget(self, group: Group) -> None:
         """A buffered group leaves: release it and its bytes."""
         self.bytes -= self._release(group)
 
     def take(
         self, n_groups: int, current_version: int, *, unproven: Callable[[str], bool] = lambda origin: False,
         unproven_share: float = 1.0, rescue: int = 0,
-    ) -> list[RolloutGroup]:
+    ) -> list[Group]:
         """Pop up to `n_groups` admissible groups (up to `rescue` more to keep groups from
         expiring): first the oldest, as many as must go now, then the freshest; stale ones are
         dropped.
@@ -251,7 +273,7 @@ class ReplayBuffer:
         )
 
     def evict_stale(self, current_version: int) -> int:
-        kept: deque[RolloutGroup] = deque()
+        kept: deque[Group] = deque()
         evicted = 0
         for g in self._groups:
             reason = admissible(g.min_version, current_version, self.staleness, self.mode)
@@ -260,7 +282,7 @@ class ReplayBuffer:
             else:
                 self._dropped(reason, [g])
                 self._forget(g)
-                self._drop(reason, len(g.samples))
+                self._drop(reason, g.num_rollouts)
                 evicted += 1
         self._groups = kept
         return evicted
@@ -273,24 +295,24 @@ class ReplayBuffer:
         for g in victims:
             self._groups.remove(g)
             self._forget(g)
-            self._drop(DropReason.PURGED, len(g.samples))
-        return sum(len(g.samples) for g in victims)
+            self._drop(DropReason.PURGED, g.num_rollouts)
+        return sum(g.num_rollouts for g in victims)
 
-    def restore(self, groups: list[RolloutGroup]) -> None:
+    def restore(self, groups: list[Group]) -> None:
         """Put back groups taken for a step that did not happen; the next `take` picks them again."""
         for g in reversed(groups):
             self._groups.append(g)
             self.bytes += self._size.get(id(g), 0)
 
-    def mark_trained(self, groups: Iterable[RolloutGroup]) -> None:
+    def mark_trained(self, groups: Iterable[Group]) -> None:
         for g in groups:
-            self.ledger.trained += len(g.samples)
+            self.ledger.trained += g.num_rollouts
             origin = self._origin.get(id(g))
             if origin is not None:
                 self.trained_groups[origin] += 1
             self._release(g)
 
-    def mark_failed(self, groups: Iterable[RolloutGroup], reason: DropReason) -> None:
+    def mark_failed(self, groups: Iterable[Group], reason: DropReason) -> None:
         """Count taken groups that were not trained as dropped with `reason`: their step failed
         (not put back: a batch that broke a step once would break it again), or their batch had
         no reward variance at all (nothing to learn from)."""
@@ -298,28 +320,28 @@ class ReplayBuffer:
         self._dropped(reason, groups)
         for g in groups:
             self._release(g)
-            self._drop(reason, len(g.samples))
+            self._drop(reason, g.num_rollouts)
 
-    def live(self) -> list[tuple[int, str, RolloutGroup]]:
+    def live(self) -> list[tuple[int, str, Group]]:
         """(gid, origin, group) of every buffered group, oldest first."""
         return [(self._gid[id(g)], self._origin[id(g)], g) for g in self._groups]
 
     # -- replaying the journal (echo_node/learner/recovery.py) -------------------------------------------
 
-    def replay_admit(self, gid: int, group: RolloutGroup, origin: str, *, received: bool = True) -> None:
+    def replay_admit(self, gid: int, group: Group, origin: str, *, received: bool = True) -> None:
         """A group the journal says entered the buffer (`received`: counted then; a carried
         group was counted in the checkpoint's ledger)."""
         if any(self._gid.get(id(g)) == gid for g in self._groups):
             return
         if received:
-            self.ledger.received += len(group.samples)
+            self.ledger.received += group.num_rollouts
         self._add(group, origin, gid)
 
     def replay_reject(self, reason: str, rollouts: int) -> None:
         self.ledger.received += rollouts
         self._drop(reason, rollouts)
 
-    def take_gids(self, gids: list[int]) -> list[RolloutGroup] | None:
+    def take_gids(self, gids: list[int]) -> list[Group] | None:
         """Take exactly these buffered groups, in this order (a journaled step), or None if
         one is not here (the journal lost it)."""
         by_gid = {self._gid[id(g)]: g for g in self._groups}
@@ -338,14 +360,14 @@ class ReplayBuffer:
         for g in victims:
             self._groups.remove(g)
             self._forget(g)
-            self._drop(reason, len(g.samples))
+            self._drop(reason, g.num_rollouts)
 
     def close(self) -> None:
         """At shutdown, whatever is still buffered was received but never trained on."""
         while self._groups:
             g = self._groups.popleft()
             self._forget(g)
-            self._drop(DropReason.UNUSED_AT_EXIT, len(g.samples))
+            self._drop(DropReason.UNUSED_AT_EXIT, g.num_rollouts)
 
     def check(self) -> None:
         total = self.ledger.trained + sum(self.ledger.dropped.values()) + self.buffered_rollouts

@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -33,14 +34,15 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.learner.journal import Journal
 from echo_node.learner.profile import Profile
-from echo_node.learner.replay import ReplayBuffer
+from echo_node.envs.train import train_group
+from echo_node.learner.replay import Group, ReplayBuffer
 from echo_node.ml.device import autocast_dtype
 from echo_node.ml.grpo import LogprobGaps, PolicyOptimizer, TrainGroup
 from echo_node.ml.model import canonical_state, load_state_tensors, owned_copy
 from echo_node.ml.sharded import DistInfo, ShardedLearner
 from echo_node.policy import Policy
 from protocol.drops import DropReason
-from protocol.messages import RolloutGroup
+from protocol.episodes import EpisodeGroup
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -84,7 +86,7 @@ class Trainer:
     def idle_ratio(self) -> float:
         return self.idle_s / max(1e-9, self.idle_s + self.train_s)
 
-    async def step(self, groups: list[RolloutGroup], weights: list[float] | None = None) -> dict[str, float] | None:
+    async def step(self, groups: list[Group], weights: list[float] | None = None) -> dict[str, float] | None:
         """Train on `groups` (taken from the buffer) and bump the version; None if the step
         failed and the batch was dropped. A batch without reward variance is dropped as
         `no_signal` and the version stays (`stats["skipped"]` is 1). Call inside a shielded
@@ -154,23 +156,23 @@ class Trainer:
         if self.sharded is not None and not self.sharded.closed:
             self.sharded.close()
 
-    def redo(self, groups: list[RolloutGroup], weights: list[float] | None = None) -> dict[str, float]:
+    def redo(self, groups: list[Group], weights: list[float] | None = None) -> dict[str, float]:
         """A journaled step again, after a restart (synchronously; errors propagate)."""
         stats = self._optimize([_train_group(g, self.version, w) for g, w in zip(groups, weights or [1.0] * len(groups))])
         self._trained(groups, journal=False)
         return stats
 
-    def _trained(self, groups: list[RolloutGroup], *, journal: bool = True, weights: list[float] | None = None) -> None:
+    def _trained(self, groups: list[Group], *, journal: bool = True, weights: list[float] | None = None) -> None:
         gids = [self.buffer.gid(g) for g in groups] if journal and self.journal is not None else None
         self.buffer.mark_trained(groups)
-        self.trained_rewards += [s.reward for g in groups for s in g.samples]
+        self.trained_rewards += [r for g in groups for r in rewards_of(g)]
         self.version += 1
         if gids is not None and self.journal is not None:
             # The loss weights too, where any is below 1: the redo must make the same update.
             weighted = [list(weights)] if weights is not None and any(w != 1.0 for w in weights) else []
             self.journal.append(["step", self.version, gids, *weighted])
 
-    def _failed(self, groups: list[RolloutGroup]) -> None:
+    def _failed(self, groups: list[Group]) -> None:
         self.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
         self.train_errors += 1
         origins = sorted({self.buffer.origin(g) or "?" for g in groups})
@@ -201,7 +203,20 @@ def update_settings(cfg: RunConfig, policy: Policy) -> dict[str, Any]:
     }
 
 
-def _train_group(g: RolloutGroup, version: int, weight: float = 1.0) -> TrainGroup:
+def rewards_of(g: Group) -> list[float]:
+    return [e.reward for e in g.episodes] if isinstance(g, EpisodeGroup) else [s.reward for s in g.samples]
+
+
+def token_versions(g: Group) -> list[tuple[int, ...]]:
+    """Per rollout, the versions of the tokens the model sampled (an episode's model turns)."""
+    if isinstance(g, EpisodeGroup):
+        return [tuple(v for t in e.model_turns for v in t.versions) for e in g.episodes]
+    return [s.token_versions for s in g.samples]
+
+
+def _train_group(g: Group, version: int, weight: float = 1.0) -> TrainGroup:
+    if isinstance(g, EpisodeGroup):  # environment tokens masked out of the loss (echo_node/envs/train.py)
+        return dataclasses.replace(train_group(g), weight=weight)
     return TrainGroup(
         weight=weight,
         prompt_ids=list(g.prompt_ids),
@@ -212,14 +227,14 @@ def _train_group(g: RolloutGroup, version: int, weight: float = 1.0) -> TrainGro
     )
 
 
-def staleness(groups: list[RolloutGroup], trained_on: int) -> dict[str, Any]:
+def staleness(groups: list[Group], trained_on: int) -> dict[str, Any]:
     """How old a batch was when version `trained_on` trained on it: per group by its oldest
     token, and a histogram over every token."""
     per_group = [trained_on - g.min_version for g in groups]
     hist: dict[int, int] = {}
     for g in groups:
-        for sample in g.samples:
-            for v in sample.token_versions:
+        for versions in token_versions(g):
+            for v in versions:
                 hist[trained_on - v] = hist.get(trained_on - v, 0) + 1
     return {
         "staleness_mean": sum(per_group) / len(per_group),

@@ -27,18 +27,22 @@ import dataclasses
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
 from echo_node.config import RunConfig
 from echo_node.durable import replace_durable
+from echo_node.envs import EnvSpec, peer_env
+from echo_node.envs.format import episode_format
+from echo_node.envs.peer import PlayedBatch, play_batch
 from echo_node.metrics import MetricsWriter
-from echo_node.ml.engine import Engine, GenerationCancelled, WeightState
+from echo_node.ml.engine import Engine, GenerationCancelled, SwapHook, WeightState
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.net import rpc
 from echo_node.net.discovery import (
@@ -62,7 +66,9 @@ from echo_node.weights.broadcast import DataServer
 from protocol.assignment import batch_seed, groups_that_fit, prompt_draw
 from protocol.envelope import seal
 from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.episodes import EpisodeBatch
 from protocol.identity import Identity
+from protocol.limits import MAX_FRAME_BYTES
 from protocol.messages import (
     JoinRequest,
     JoinResponse,
@@ -80,6 +86,8 @@ from protocol.messages import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A peer that met the learner's demand for its version waits this long for the next version,
 # then samples one more batch anyway: an announcement may have been lost, and a learner short of
@@ -108,6 +116,8 @@ class Session:
     data_port: int
     policy: Policy
     engine: Engine
+    # The run's environment (its spec's task is an environment id): the peer plays episodes.
+    env: EnvSpec | None = None
 
 
 def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
@@ -176,6 +186,7 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
         log.warning("joined run %s without a pin: to join only this learner next time, pass --run-id %s@%s",
                     cfg.run_id, cfg.run_id, learner.peer_id)
     policy = await trio.to_thread.run_sync(peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, cfg)
+    env = await trio.to_thread.run_sync(peer_env, join.spec.task, cfg)
     if cfg.rollout.engine == "vllm":
         from echo_node.ml.vllm_engine import check_sampling
 
@@ -189,7 +200,7 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
         "joined run %s (mode %s, S=%d) via learner %s (%s)", cfg.run_id, spec.sync_mode, spec.staleness, learner.peer_id,
         "pinned" if pin else "the first that answered: --insecure-first-learner" if first_learner else "the only one that answered",
     )
-    return Session(learner, spec, join.data_host, join.data_port, policy, engine)
+    return Session(learner, spec, join.data_host, join.data_port, policy, engine, env)
 
 
 # What a restarted learner's spec may differ in from the one a peer joined.
@@ -300,7 +311,9 @@ class Generator:
         # staleness bound of the weights they began on (`doomed`), and their groups.
         self.batches_doomed = 0
         self.groups_doomed = 0
-        # Set when the batch being generated is to be abandoned (`generate_stoppably`).
+        # Groups of episode batches the environment ended (env_error, env_timeout), by reason.
+        self.env_dropped: Counter[str] = Counter()
+        # Set when the batch being generated is to be abandoned (`stoppably`).
         self._stop: threading.Event | None = None
 
     async def run(self) -> None:
@@ -327,9 +340,12 @@ class Generator:
                 await trio.sleep(WEIGHTS_POLL_S)
                 continue
             version, seq = self.engine.version, self.publisher.seq
+            if self.session.env is not None:
+                await self.play(version, seq, min(left, self.cfg.rollout.groups_per_batch))
+                continue
             prompts = self.assigned_prompts(version, seq, min(left, self.cfg.rollout.groups_per_batch))
             seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, version, seq)
-            groups = await self.generate_stoppably(prompts, seed)
+            groups = await self.stoppably(partial(self._generate, prompts, seed), len(prompts))
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
@@ -338,6 +354,28 @@ class Generator:
                 continue
             self.produced += len(groups)
             await self.publisher.publish(groups, seq=seq)
+
+    async def play(self, version: int, seq: int, groups: int) -> None:
+        """One batch of episodes (a run with an environment), each group's seed its slot's
+        draw (echo_node/envs/peer.py), published like a rollout batch under `seq`."""
+        played = await self.stoppably(partial(self._play, seq, groups), groups)
+        if self.engine.version != version:
+            self.swaps_mid_generation += 1
+        self.track_version()
+        if played is None or self.doomed(version):
+            self.discard(version, groups)
+            return
+        for reason, n in played.dropped.items():
+            self.env_dropped[reason] += n
+        if played.dropped and self.publisher.metrics is not None:
+            self.publisher.metrics.write({"event": "env_dropped", "groups": dict(played.dropped), "seq": seq, "wall": time.time()})
+        if played.batch is None or played.frame is None:
+            # Every group failed in the environment: counted, and nothing is sent (the seq is
+            # not used, so the learner sees no gap).
+            log.info("no group of a batch survived its environment: %s", dict(played.dropped))
+            return
+        self.produced += len(played.batch.groups)
+        await self.publisher.publish_episodes(played.batch, played.frame, seq=seq)
 
     def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
         """The prompts of the batch to be published under `seq`, begun on `version`
@@ -408,12 +446,13 @@ class Generator:
         if waited.cancelled_caught:
             self.produced = max(0, follower.demand - self.cfg.rollout.groups_per_batch)
 
-    async def generate_stoppably(self, prompts: list[str], seed: int) -> list[ScoredGroup] | None:
-        """`_generate` in a worker thread that a cancellation (SIGTERM, SIGINT) stops at the next
-        decoding step instead of after the whole batch: with a real model on a busy CPU a batch
-        takes tens of seconds, and a peer asked to stop must go in a few. An abandoned batch is
-        counted and never published (its tokens were not all sampled). None: the batch became
-        `doomed` and was stopped between two decoding steps."""
+    async def stoppably(self, work: Callable[[], T], groups: int) -> T | None:
+        """`work` (`_generate` or `_play` of a batch of `groups` groups) in a worker thread that a
+        cancellation (SIGTERM, SIGINT) stops at the next decoding step instead of after the whole
+        batch: with a real model on a busy CPU a batch takes tens of seconds, and a peer asked to
+        stop must go in a few. An abandoned batch is counted and never published (its tokens
+        were not all sampled). None: the batch became `doomed` and was stopped between two
+        decoding steps."""
         stop = self._stop = threading.Event()
 
         async def stop_when_cancelled(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -428,28 +467,26 @@ class Generator:
             try:
                 # Not abandoned on cancel: the thread holds the engine, and the process must not
                 # exit (or start another batch) while it still runs; it ends at the next step.
-                return await trio.to_thread.run_sync(self._generate, prompts, seed)
+                return await trio.to_thread.run_sync(work)
             except DoomedBatch:
                 return None
             except GenerationCancelled:
                 self.batches_abandoned += 1
                 log.info("stopping: abandoned a batch of %d groups mid-generation (not published; %d so far)",
-                         len(prompts), self.batches_abandoned)
+                         groups, self.batches_abandoned)
                 await trio.lowlevel.checkpoint()  # the cancellation that set `stop` is raised here
                 raise  # `stop` is set only by a cancellation, so this is not reached
             finally:
                 nursery.cancel_scope.cancel()
 
-    def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
-        """One batch, in a worker thread (subclasses in benchmarks/attackers.py wrap it)."""
-        s = self.spec.sampling
-        policy = self.session.policy
+    def _swap_hook(self) -> SwapHook | None:
+        """The engine's hook before each decoding step of a batch begun now: stop, or new
+        weights (async)."""
         stop = self._stop
         take = self.follower.take_pending if self.spec.sync_mode == "async" else None
         began = self.engine.version
 
         def between_steps() -> tuple[WeightState, int] | None:
-            """The engine's hook before each decoding step: stop, or new weights (async)."""
             if stop is not None and stop.is_set():
                 raise GenerationCancelled
             if self.doomed(began):
@@ -458,7 +495,23 @@ class Generator:
 
         # vLLM generates in chunks when given a hook; a pull batch on a GPU is short enough to
         # finish, so it gets none (its async hook still stops it between chunks).
-        swap = take if stop is None or (take is None and self.cfg.rollout.engine == "vllm") else between_steps
+        return take if stop is None or (take is None and self.cfg.rollout.engine == "vllm") else between_steps
+
+    def _play(self, seq: int, groups: int) -> PlayedBatch:
+        """One batch of episodes, in a worker thread."""
+        assert self.session.env is not None
+        s = self.spec.sampling
+        return play_batch(
+            self.engine, episode_format(self.session.policy.tokenizer), self.session.env, run_id=self.spec.run_id,
+            identity=self.publisher.identity, seq=seq, groups=groups, group_size=self.spec.group_size,
+            temperature=s.temperature, top_p=s.top_p, swap=self._swap_hook(),
+        )
+
+    def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        """One batch, in a worker thread (subclasses in benchmarks/attackers.py wrap it)."""
+        s = self.spec.sampling
+        policy = self.session.policy
+        swap = self._swap_hook()
         return generate_groups(
             self.engine,
             policy.tokenizer,
@@ -547,17 +600,31 @@ class RolloutPublisher:
             self.unsendable_groups += len(groups)
             log.warning("dropped %d rollout group(s) that do not fit one gossip message: %s", len(groups), exc)
             return
+        await self._send(envelope, seq=seq, groups=len(groups), rollouts=sum(len(g.samples) for g in groups))
+
+    async def publish_episodes(self, batch: EpisodeBatch, envelope: bytes, *, seq: int) -> None:
+        """A batch of episodes, sealed by `play_batch` under `seq` (the next one), kept for gap
+        repair like a rollout batch."""
+        if seq != self.seq or batch.seq != seq:
+            raise LocalProtocolError(f"episodes played for seq {batch.seq}, but the next seq is {self.seq}")
+        if len(envelope) > MAX_FRAME_BYTES:
+            # The budgets ([env]) bound an episode; a batch of many long ones may still not fit.
+            self.unsendable_groups += len(batch.groups)
+            log.warning("dropped %d episode group(s) that do not fit one gossip message (%d bytes)", len(batch.groups), len(envelope))
+            return
+        await self._send(envelope, seq=seq, groups=len(batch.groups), rollouts=batch.num_samples)
+
+    async def _send(self, envelope: bytes, *, seq: int, groups: int, rollouts: int) -> None:
         self.history[seq] = envelope
         while len(self.history) > self.cfg.net.repair_history:
             self.history.popitem(last=False)
         self.seq += 1
         self.reservation.reserve(self.seq)
         await self.node.publish(rollouts_topic(self.cfg.run_id), envelope)
-        self.published_groups += len(groups)
-        self.published_rollouts += sum(len(g.samples) for g in groups)
+        self.published_groups += groups
+        self.published_rollouts += rollouts
         if self.metrics is not None:
-            self.metrics.write({"event": "published", "seq": seq, "groups": len(groups),
-                                "rollouts": sum(len(g.samples) for g in groups), "wall": time.time()})
+            self.metrics.write({"event": "published", "seq": seq, "groups": groups, "rollouts": rollouts, "wall": time.time()})
         if self.first_publish_s is None and self.published_groups:
             self.first_publish_s = time.monotonic() - self._t0
             log.info("first rollouts published %.2fs after start", self.first_publish_s)
@@ -654,6 +721,8 @@ class JoinedPeer:
             "bytes_down": f.bytes_received(),
             "active": 1 if f.active else 0,
             "price_per_hour": self.cfg.rollout.price_per_hour,
+            # Episode groups its environment ended (env_error, env_timeout: in the metrics by reason).
+            "episode_groups_dropped": sum(self.generator.env_dropped.values()),
         }
 
     async def _status_line(self) -> None:

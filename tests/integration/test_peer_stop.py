@@ -1,7 +1,7 @@
 """SIGTERM stops a rollout peer within a few seconds even in the middle of a generation batch.
 
 Generation runs in a worker thread, which a trio cancellation cannot interrupt; the peer stops
-it between two decoding steps (rollout_peer.py `Generator.generate_stoppably`). Here a real peer
+it between two decoding steps (rollout_peer.py `Generator.stoppably`). Here a real peer
 process whose batch takes ~20 s (`slow_peer`: 40 tokens at 0.5 s a step) is sent SIGTERM after
 its second step: it must exit 143 within STOP_S, say it abandoned the batch, and publish nothing.
 """

@@ -57,22 +57,29 @@ def wait_for_versions(cluster: Cluster, run_id: str, n: int, timeout: float = 24
     raise AssertionError(f"learner did not reach version {n} within {timeout}s")
 
 
+async def join_to_publish(node: P2PNode, bootstrap: str, run_id: str) -> str:
+    """Join `run_id` through the DHT like anyone, as the running `node`; the rollouts topic, once
+    the learner's subscription to it arrived (with its first RPC)."""
+    await connect_bootstrap(node, [bootstrap], deadline_s=30)
+    learner = await find_provider(node, provider_key(run_id), what="learner", deadline_s=30)
+    await node.connect(learner)
+    # Only joined peers may publish; a join is one signed-in request away for anyone.
+    request = JoinRequest(run_id=run_id, peer_id=node.peer_id, data_host="127.0.0.1", data_port=9)
+    with trio.fail_after(30):
+        await rpc.call(node, learner.peer_id, rpc.JOIN, request, JoinResponse)
+    topic = rollouts_topic(run_id)
+    with trio.fail_after(30):
+        while learner.peer_id not in node.gossip_peers(topic):
+            await trio.sleep(0.05)
+    return topic
+
+
 async def attack(bootstrap: str, run_id: str, attacker: Identity) -> None:
     """A hostile peer: joins through the DHT like anyone, then gossips bad rollouts."""
     node = P2PNode(attacker)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
-        await connect_bootstrap(node, [bootstrap], deadline_s=30)
-        learner = await find_provider(node, provider_key(run_id), what="learner", deadline_s=30)
-        await node.connect(learner)
-        # Only joined peers may publish; a join is one signed-in request away for anyone.
-        request = JoinRequest(run_id=run_id, peer_id=node.peer_id, data_host="127.0.0.1", data_port=9)
-        with trio.fail_after(30):
-            await rpc.call(node, learner.peer_id, rpc.JOIN, request, JoinResponse)
-        topic = rollouts_topic(run_id)
-        with trio.fail_after(30):
-            while learner.peer_id not in node.gossip_peers(topic):
-                await trio.sleep(0.05)  # the learner's subscription arrives with its first RPC
+        topic = await join_to_publish(node, bootstrap, run_id)
         for _, data, _, _ in bad_rollout_messages(attacker, run_id):
             await node.publish(topic, data)
         await trio.sleep(2)  # let the outbound queue drain before the host closes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -122,7 +123,7 @@ def test_a_batch_doomed_mid_generation_is_stopped() -> None:
     peer.follower.take_pending = announce_at_the_second_step  # type: ignore[method-assign]
 
     async def main() -> object:
-        return await peer.generate_stoppably(["1+2=", "3+4="], seed=7)
+        return await peer.stoppably(partial(peer._generate, ["1+2=", "3+4="], 7), 2)
 
     assert trio.run(main) is None
     assert len(steps) == 2  # stopped at the step after the announcement, not at the batch's end

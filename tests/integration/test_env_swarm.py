@@ -1,0 +1,86 @@
+"""Episodes through the swarm: a learner whose run has an environment (`[env]`), a rollout peer
+that plays it, and a hostile peer, as separate processes over libp2p on loopback.
+
+The peer learns the run's environment from the spec (its id, built from its own `[env]`), plays
+episode batches on its slots' seeds and gossips them; the learner re-runs every episode and
+trains on them. The hostile peer gossips a signed, in-budget episode batch whose observations it
+made up: the re-run catches it, the learner bans it and goes on training the honest peer's.
+"""
+
+from __future__ import annotations
+
+import gc
+from pathlib import Path
+
+import pytest
+import trio
+
+from echo_node.net.p2p import P2PNode
+from protocol import Identity, seal
+from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
+from tests.integration.conftest import Cluster
+from tests.integration.test_swarm import assert_ledger, join_to_publish, summary, train_records, wait_for_versions
+
+pytestmark = pytest.mark.integration
+
+ENV_TOML = """
+[env]
+name = "calc"
+[env.options]
+problems = 2
+"""
+VERSIONS = 12
+DEADLINE_S = 600
+
+
+def made_up(run_id: str, peer_id: str, seq: int, group_size: int) -> EpisodeBatch:
+    """Episodes no model played and no environment answered: well formed, within the default
+    budgets, begun on version 0; the first observation and the tool's answer are invented."""
+    model = Turn(from_env=False, token_ids=(3, 4, 1), logprobs=(-0.1,) * 3, versions=(0,) * 3)
+    answer = Turn(from_env=True, token_ids=(5,), logprobs=(), versions=())
+    episode = Episode(turns=(model, answer, model), reward=1.0)
+    group = EpisodeGroup(group_id="g0", prompt_ids=(0, 5, 6), episodes=(episode,) * group_size)
+    return EpisodeBatch(run_id=run_id, peer_id=peer_id, seq=seq, groups=(group,))
+
+
+async def lie(bootstrap: str, run_id: str, attacker: Identity, group_size: int) -> None:
+    node = P2PNode(attacker)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(node.run)
+        topic = await join_to_publish(node, bootstrap, run_id)
+        for seq in range(3):
+            await node.publish(topic, seal(made_up(run_id, attacker.peer_id, seq, group_size), attacker))
+        await trio.sleep(2)
+        nursery.cancel_scope.cancel()
+
+
+# py-libp2p 0.8.1 leaves some TCP sockets of a closed in-process host to the garbage collector.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_swarm_trains_on_verified_episodes_and_bans_a_peer_that_makes_them_up(cluster: Cluster, tmp_path: Path) -> None:
+    run_id = "it-env"
+    config = tmp_path / "env.toml"
+    config.write_text(ENV_TOML)
+    bootstrap = cluster.start_bootstrap()
+    learner, _ = cluster.start_learner(run_id, "--config", str(config), "--mode", "async", "--seconds", str(DEADLINE_S))
+    cluster.start_peer("peer0", run_id, "--config", str(config))
+    wait_for_versions(cluster, run_id, 2, timeout=DEADLINE_S)
+    attacker = Identity.generate()
+    trio.run(lie, bootstrap, run_id, attacker, 8)
+    gc.collect()  # the host's leaked sockets, under this test's warning filter
+    wait_for_versions(cluster, run_id, VERSIONS, timeout=DEADLINE_S)
+    learner.proc.send_signal(2)
+    assert learner.proc.wait(120) == 130
+    s = summary(cluster, run_id)
+    dropped = s["rollouts_dropped"]
+    assert isinstance(dropped, dict)
+    # The made-up batch reached the re-run, which caught it: a ban, not a strike.
+    assert dropped.get("bad_episode", 0) >= 8 and s["banned"] == [attacker.peer_id], (dropped, s["banned"])
+    # The honest peer's episodes all passed: nothing else of its was refused.
+    assert set(dropped) <= {"bad_episode", "banned", "stale", "unused_at_exit", "no_signal"}, dropped
+    assert_ledger(s)
+    records = train_records(cluster, run_id)
+    assert len(records) >= VERSIONS and all(int(r["groups"]) > 0 for r in records)  # type: ignore[call-overload]
+    assert s["train_errors"] == 0 and str(s["task"]).startswith("env:calc@")
+    # Every trained group is the honest peer's episodes (the attacker's were never buffered).
+    trained = s["trained_groups"]
+    assert isinstance(trained, dict) and attacker.peer_id not in trained and sum(trained.values()) >= VERSIONS

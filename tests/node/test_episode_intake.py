@@ -1,0 +1,182 @@
+"""A learner whose run has an environment takes episode batches through its gossip intake: the
+validator's cheap checks, the consumer's re-run of every episode, the ban ladder, the replay
+buffer, the journal and the trainer (a real `Learner`, host built, not started).
+
+Hostile: a joined peer that fabricates what the environment answered passes the cheap checks and
+is caught by the re-run (`bad_episode`, a ban; its buffered groups purged); a rollout batch where
+episodes are due, an episode batch with a group too few, one on a version never published, one
+tagged as begun on another version: each refused with its reason and counted in the ledger,
+honest episodes still trained."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+import trio
+
+from echo_node.config import EnvConfig, RunConfig
+from echo_node.envs import is_env_id
+from echo_node.envs.format import CharFormat
+from echo_node.envs.peer import PlayedBatch, play_batch
+from echo_node.learner.learner import Learner
+from echo_node.learner.replay import group_from_record, group_record
+from echo_node.ml import defaults
+from echo_node.ml.engine import TorchEngine
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.ml.tasks import AdditionTask, get_task
+from echo_node.ml.tokenizer import CharTokenizer
+from echo_node.ml.warmup import warmup
+from echo_node.policy import Policy
+from protocol import Identity, seal
+from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
+from tests.factories import ALICE, MALLORY, make_batch, offer
+
+TOK = CharTokenizer()
+RUN = "run-1"
+
+
+@pytest.fixture(scope="module")
+def warm() -> dict[str, torch.Tensor]:
+    """The embedded model after its warm-up (cached on disk): its episodes earn some reward, so
+    an update has a signal to train on."""
+    model = build_model(tiny_llama_config(TOK.vocab_size), seed=0)
+    warmup(model, TOK, AdditionTask(), config=defaults.WARMUP, cache_dir=Path.home() / ".cache" / "echo-node")
+    return model.state_dict()
+
+
+@pytest.fixture
+def learner(tmp_path: Path, warm: dict[str, torch.Tensor]) -> Learner:
+    cfg = RunConfig(run_id=RUN, runs_dir=tmp_path, env=EnvConfig(name="calc", options={"problems": 2}))
+    arch = tiny_llama_config(TOK.vocab_size)
+    model = build_model(arch, seed=0)
+    model.load_state_dict(warm)
+    policy = Policy(model, TOK, get_task("addition"), {"kind": "embedded", **arch}, TOK.to_dict())
+    ln = Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
+    ln.peers.join(ALICE.peer_id, 0.0)
+    ln.peers.join(MALLORY.peer_id, 0.0)
+    return ln
+
+
+def play(learner: Learner, identity: Identity, seq: int, *, groups: int = 2) -> PlayedBatch:
+    """What a peer on the learner's current weights plays for `seq` (its seeds are its slots')."""
+    engine = TorchEngine(learner.policy.model, eos_id=TOK.eos_id, pad_id=TOK.pad_id, version=learner.version)
+    assert learner.env is not None
+    out = play_batch(engine, CharFormat(TOK), learner.env, run_id=RUN, identity=identity, seq=seq, groups=groups,
+                     group_size=learner.cfg.rl.group_size, temperature=1.0)
+    assert out.batch is not None and out.frame is not None and not out.dropped
+    return out
+
+
+def forged(played: PlayedBatch, identity: Identity, group: EpisodeGroup) -> bytes:
+    assert played.batch is not None
+    return seal(dataclasses.replace(played.batch, groups=(group, *played.batch.groups[1:])), identity)
+
+
+def fabricate(group: EpisodeGroup) -> EpisodeGroup:
+    """Every environment turn of the group's multi-turn episodes replaced by one the environment
+    never gave (what a tool "answered" to the model's liking); the first episode made multi-turn
+    if none is."""
+    def lie(e: Episode) -> Episode:
+        turns = tuple(dataclasses.replace(t, token_ids=tuple(reversed(t.token_ids)) + (t.token_ids[0],)) if t.from_env else t
+                      for t in e.turns)
+        return Episode(turns=turns, reward=e.reward)
+
+    episodes = [lie(e) for e in group.episodes]
+    if all(len(e.turns) == 1 for e in episodes):
+        first = episodes[0].turns[0]
+        fake = Turn(from_env=True, token_ids=(TOK.encode("7")[0],), logprobs=(), versions=())
+        episodes[0] = Episode(turns=(first, fake, first), reward=1.0)
+    return dataclasses.replace(group, episodes=tuple(episodes))
+
+
+def test_an_environment_run_announces_its_environment_and_takes_only_episodes(learner: Learner) -> None:
+    assert learner.env is not None and is_env_id(learner.spec().task) and learner.spec().task == learner.env.env_id
+    # A rollout batch where episodes are due: the envelope's kind is refused, a strike.
+    assert not offer(learner, seal(make_batch(identity=MALLORY, seq=1), MALLORY), MALLORY.peer_id)
+    assert learner.buffer.ledger.dropped["malformed"] == 1 and learner.peers.penalties[MALLORY.peer_id] == 1
+    honest = play(learner, ALICE, 5)
+    assert honest.frame is not None and honest.batch is not None
+    assert offer(learner, honest.frame, ALICE.peer_id)
+    assert len(learner.buffer) == 2 and learner.buffer.ledger.received == 1 + honest.batch.num_samples
+    # What the journal keeps of a buffered group gives that group back, kind and all.
+    (_, _, group), *_ = learner.buffer.live()
+    assert isinstance(group, EpisodeGroup) and group_from_record(group_record(group)) == group
+    learner.buffer.check()
+
+
+def test_fabricated_observations_are_caught_by_the_re_run_and_the_publisher_banned(learner: Learner) -> None:
+    first = play(learner, MALLORY, 1)
+    assert first.frame is not None and first.batch is not None
+    assert offer(learner, first.frame, MALLORY.peer_id)  # honest at first: buffered
+    assert learner.buffer.trained_groups[MALLORY.peer_id] == 0 and len(learner.buffer) == 2
+    second = play(learner, MALLORY, 2)
+    assert second.batch is not None
+    lie = forged(second, MALLORY, fabricate(second.batch.groups[0]))
+    # The cheap checks cannot see it (a well-formed, signed, in-budget batch): the validator
+    # passes it, and the consumer's re-run catches it.
+    assert learner.intake.validate(MALLORY.peer_id, MALLORY.peer_id, lie)
+
+    async def deliver() -> None:
+        await learner.intake.deliver(lie, MALLORY.peer_id)
+
+    trio.run(deliver)
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    dropped = learner.buffer.ledger.dropped
+    assert dropped["bad_episode"] == second.batch.num_samples
+    assert dropped["purged"] == first.batch.num_samples
+    assert len(learner.buffer) == 0
+    # Honest episodes still get in and train; the update's groups are the episodes' (masked).
+    honest = play(learner, ALICE, 3)
+    assert honest.frame is not None and offer(learner, honest.frame, ALICE.peer_id)
+
+    async def step() -> dict[str, float] | None:
+        return await learner.trainer.step(learner.buffer.take(2, learner.version))
+
+    stats = trio.run(step)
+    assert stats is not None and not stats.get("skipped") and learner.trainer.version == 1, stats
+    assert learner.buffer.ledger.trained == 2 * learner.cfg.rl.group_size
+    learner.buffer.check()
+
+
+def test_refusals_on_arrival_are_counted_with_their_reason(learner: Learner) -> None:
+    played = play(learner, MALLORY, 4)
+    assert played.batch is not None
+    g = played.batch.groups[0]
+    cases = {
+        "bad_group": forged(played, MALLORY, dataclasses.replace(g, episodes=g.episodes[1:])),
+        "future_version": forged(played, MALLORY, _retag(g, 3)),
+    }
+    for reason, frame in cases.items():
+        assert not offer(learner, frame, MALLORY.peer_id), reason
+        assert learner.buffer.ledger.dropped[reason] == played.batch.num_samples - (reason == "bad_group"), reason
+    assert not learner.peers.is_banned(MALLORY.peer_id) and learner.peers.penalties[MALLORY.peer_id] == 2
+    # Begun on a version the learner has published but judged against another one's seed: the
+    # re-run sees another first observation (the slot's seed moved).
+    learner.trainer.version = 2
+    learner.state.history.add(0, b"\0" * 32, 1)
+    learner.state.history.add(1, b"\1" * 32, 1)
+    learner.state.history.add(2, b"\2" * 32, 1)
+    moved = forged(played, MALLORY, _retag(g, 1))
+    assert offer(learner, moved, MALLORY.peer_id)  # the cheap checks pass; the re-run does not
+    assert learner.buffer.ledger.dropped["bad_episode"] == played.batch.num_samples
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    learner.buffer.check()
+
+
+def _retag(g: EpisodeGroup, version: int) -> EpisodeGroup:
+    """Every model token of the group tagged `version`."""
+    episodes = tuple(Episode(turns=tuple(dataclasses.replace(t, versions=(version,) * len(t.versions)) for t in e.turns),
+                             reward=e.reward) for e in g.episodes)
+    return dataclasses.replace(g, episodes=episodes)
+
+
+def test_a_batch_that_is_not_an_episode_batch_is_malformed_not_a_crash(learner: Learner) -> None:
+    batch = EpisodeBatch(run_id=RUN, peer_id=MALLORY.peer_id, seq=7, groups=play(learner, MALLORY, 7).batch.groups)  # type: ignore[union-attr]
+    frame = seal(batch, MALLORY)
+    for bad in (frame[:-3], frame + b"\x00", b"\x93\x01\x02"):
+        assert not offer(learner, bad, MALLORY.peer_id)
+    assert sum(learner.buffer.ledger.dropped.values()) == 3
+    learner.buffer.check()
