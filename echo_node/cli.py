@@ -184,8 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, metavar="DIR", help="train this local Hugging Face model instead of the embedded one (e.g. one `echo-node tiny-model` built)")
     p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16", "float16"], help="rollout dtype of the run")
     p.add_argument("--task", default=None, metavar="ENV",
-                   help="a multi-turn environment (built-in 'calc' or module:Class) for the embedded model: one rollout "
-                        "peer and the learner as two processes, episodes verified by re-running the environment")
+                   help="a multi-turn environment (built-in 'calc' or module:Class) for the embedded model: the peers "
+                        "play episodes, the learner re-runs every one before training on it")
     _report_to(p)
 
     p = sub.add_parser("status", help="read a learner's or peer's metrics endpoint (--metrics-port) and print them")
@@ -579,10 +579,8 @@ def _cmd_join(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.task is not None:  # a multi-turn environment: peer and learner processes over pipes
-        from echo_node.envs.local import run_env_demo
-
-        return run_env_demo(args)
+    if args.task is not None and args.model is not None:
+        raise ValueError("demo --task runs the embedded model only (its environments speak its alphabet); drop --model")
     from echo_node.demo import run_demo
 
     return run_demo(args)

@@ -124,6 +124,8 @@ def run_demo(args: argparse.Namespace) -> int:
             boot_addr = _wait_line(boot, lambda l: "/p2p/" in l, 30, "its address").strip()
             progress.note(f"bootstrap at {boot_addr}")
             common = ["--bootstrap", boot_addr, "--run-id", run_id, "--runs-dir", str(args.runs_dir)]
+            if getattr(args, "task", None) is not None:  # every process plays the same environment
+                common += ["--config", str(env_config(run_dir, args.task))]
             if args.model is not None:  # every process loads the same local model directory
                 common += ["--model", str(args.model)]
             if args.dtype is not None:
@@ -162,6 +164,7 @@ def run_demo(args: argparse.Namespace) -> int:
         "staleness": args.staleness,
         "rollout_peers": args.peers,
         "model": summary.get("model", "embedded"),
+        "task": summary.get("task"),
         "versions": summary["versions"],
         "rollouts_received": summary["rollouts_received"],
         "rollouts_accepted": summary["rollouts_accepted"],
@@ -176,6 +179,20 @@ def run_demo(args: argparse.Namespace) -> int:
     }
     print(json.dumps(strict_line(result, summary), allow_nan=False))
     return 0
+
+
+# A built-in environment's options in the demo: the embedded model's first steps.
+DEMO_ENV_OPTIONS: dict[str, dict[str, Any]] = {"calc": {"problems": 2}}
+
+
+def env_config(run_dir: Path, env: str) -> Path:
+    """A config file with the `[env]` table of `env` (its demo options), for every process."""
+    path = run_dir / "env.toml"
+    options = DEMO_ENV_OPTIONS.get(env, {})
+    lines = ["[env]", f"name = {json.dumps(env)}", "", "[env.options]", *(f"{k} = {json.dumps(v)}" for k, v in options.items())]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
 
 
 def strict_line(result: dict[str, Any], summary: Mapping[str, Any]) -> dict[str, Any]:

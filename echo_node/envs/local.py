@@ -1,10 +1,11 @@
-"""An agentic run on one machine: a rollout peer process and a learner process over pipes.
+"""An agentic run on one machine without a network: a rollout peer process and a learner process
+over pipes (what benchmarks/agentic.py measures; a swarm runs episodes over libp2p, and
+`echo-node demo --task ENV` starts one).
 
 The peer plays the environment (echo_node/envs/peer.py: the embedded model in a TorchEngine,
 each group's seed its slot's draw) and sends sealed episode batches; the learner opens each with
 its `EpisodeGate` (budgets, versions, staleness, the re-run of every episode), trains GRPO steps
-on the masked episodes and sends the new weights back. No network: what `echo-node demo --task
-ENV` shows and what benchmarks/agentic.py measures, pull or async, at a given environment
+on the masked episodes and sends the new weights back, pull or async, at a given environment
 latency (a sleep added to every step, as a remote tool or sandbox costs).
 
 - pull: the peer plays one batch on the learner's newest version, the learner waits for it, trains
@@ -28,9 +29,9 @@ RUN = "agentic-local"
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 4
 STALENESS = 2
-# The demo's learning rate: the RL default of the embedded model (at 1e-3 the calc demo's
+# The learning rate: the RL default of the embedded model (at 1e-3 the calc environment's
 # reward fell from 0.08 to 0.003 in 44 updates).
-DEMO_LR = 1e-4
+LR = 1e-4
 # The built-in environment's options when none are given.
 CALC_OPTIONS: dict[str, Any] = {"problems": 2}
 
@@ -121,7 +122,7 @@ def learner_run(
     *,
     env: str = "calc",
     options: dict[str, Any] | None = None,
-    lr: float = 1e-4,
+    lr: float = LR,
     on_step: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run the peer process and this learner for `seconds` after the first batch; the summary."""
@@ -206,20 +207,3 @@ def learner_run(
 
 def _mean(xs: list[float]) -> float | None:
     return round(sum(xs) / len(xs), 4) if xs else None
-
-
-def run_env_demo(args: Any) -> int:
-    """`echo-node demo --task ENV`: the learner's reward as it trains, then one JSON line."""
-    import json
-    import sys
-
-    if args.model is not None:
-        raise ValueError("demo --task runs the embedded model only (its environments speak its alphabet); drop --model")
-
-    def progress(step: dict[str, Any]) -> None:
-        if not args.no_progress:
-            print(f"version {step['version']:4d}  t {step['t']:6.1f}s  reward {step['reward_mean']:.3f}", file=sys.stderr, flush=True)
-
-    summary = learner_run(args.mode, 0.0, args.seconds, env=args.task, lr=DEMO_LR, on_step=progress)
-    print(json.dumps({"demo": "env", "task": args.task, **summary}), flush=True)
-    return 0

@@ -1,6 +1,6 @@
-"""`echo-node demo --task calc` as a user runs it: real processes (the CLI, a rollout peer process,
-the learner), the embedded model playing the calculator environment, every batch sealed and
-re-run by the learner. An honest peer's episodes must never fail the re-run."""
+"""`echo-node demo --task calc` as a user runs it: a bootstrap, a learner and a rollout peer as
+separate processes over libp2p, the embedded model playing the calculator environment, every
+episode batch re-run by the learner before it trains. An honest peer's episodes never fail it."""
 
 from __future__ import annotations
 
@@ -12,16 +12,17 @@ from pathlib import Path
 
 def test_env_demo_trains_on_verified_episodes(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "echo_node.cli", "demo", "--task", "calc", "--seconds", "10", "--no-progress",
-         "--runs-dir", str(tmp_path)],
+        [sys.executable, "-m", "echo_node.cli", "demo", "--task", "calc", "--peers", "1", "--seconds", "15",
+         "--no-progress", "--runs-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=300, check=False,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
-    assert summary["demo"] == "env" and summary["task"] == "calc" and summary["steps"] >= 1
-    # Honest episodes pass every check: the only drops allowed are stale ones (async).
-    assert set(summary["drops"]) <= {"stale"}, summary["drops"]
-    assert 0.0 <= summary["reward_first"] <= 1.0 and summary["episodes_per_s"] > 0
+    assert str(summary["task"]).startswith("env:calc@") and summary["versions"] >= 1, summary
+    # Honest episodes pass every check: what is dropped is stale, had no signal, or was buffered
+    # at the stop.
+    assert set(summary["rollouts_dropped"]) <= {"stale", "no_signal", "unused_at_exit"}, summary["rollouts_dropped"]
+    assert summary["rollouts_accepted"] > 0 and 0.0 <= summary["reward_first"] <= 1.0
 
 
 def test_env_demo_refuses_a_model_it_cannot_run(tmp_path: Path) -> None:
