@@ -54,7 +54,7 @@ from protocol.weights.manifest import payload_digest
 log = logging.getLogger(__name__)
 
 # Config sections (or keys) a resumed run must share with the run it resumes.
-TRAINING_KEYS = ("run_id", "task", "seed", "model", "sampling", "rl")
+TRAINING_KEYS = ("run_id", "task", "env", "seed", "model", "sampling", "rl")
 # Published versions remembered (number -> digest): far more than any staleness window.
 HISTORY_KEEP = 1024
 
@@ -138,8 +138,9 @@ def config_difference(saved: dict[str, Any], current: dict[str, Any]) -> list[st
     return [line for line in out if line.split(":", 1)[0] not in MAY_CHANGE]
 
 
-# Training keys a resume may change: they decide where the arithmetic runs, not what it is.
-MAY_CHANGE = frozenset({"model.device"})
+# Training keys a resume may change: they decide where the arithmetic runs (or how long the
+# learner waits for its environment), not what it is.
+MAY_CHANGE = frozenset({"model.device", "env.step_timeout_s"})
 
 
 def _with_defaults(defaults: dict[str, Any], saved: dict[str, Any]) -> dict[str, Any]:

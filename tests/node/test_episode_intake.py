@@ -17,7 +17,7 @@ import pytest
 import torch
 import trio
 
-from echo_node.config import EnvConfig, RunConfig
+from echo_node.config import CheckpointConfig, EnvConfig, RLConfig, RunConfig
 from echo_node.envs import is_env_id
 from echo_node.envs.format import CharFormat
 from echo_node.envs.peer import PlayedBatch, play_batch
@@ -32,7 +32,7 @@ from echo_node.ml.warmup import warmup
 from echo_node.policy import Policy
 from protocol import Identity, seal
 from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
-from tests.factories import ALICE, MALLORY, make_batch, offer
+from tests.factories import ALICE, CREATED, MALLORY, learner_tasks, make_batch, offer, start_learner
 
 TOK = CharTokenizer()
 RUN = "run-1"
@@ -180,3 +180,62 @@ def test_a_batch_that_is_not_an_episode_batch_is_malformed_not_a_crash(learner: 
         assert not offer(learner, bad, MALLORY.peer_id)
     assert sum(learner.buffer.ledger.dropped.values()) == 3
     learner.buffer.check()
+
+
+def env_learner(runs_dir: Path, warm: dict[str, torch.Tensor], problems: int = 2) -> Learner:
+    """A learner of an environment run whose host is not started (announcements go nowhere);
+    two groups a step, no checkpoint after the first: a restart redoes its steps from the journal."""
+    cfg = RunConfig(run_id=RUN, runs_dir=runs_dir, env=EnvConfig(name="calc", options={"problems": problems}),
+                    rl=RLConfig(groups_per_step=2, staleness=4), checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
+    arch = tiny_llama_config(TOK.vocab_size)
+    model = build_model(arch, seed=0)
+    model.load_state_dict(warm)
+    ln = Learner(cfg, Identity.from_seed(b"\x01" * 32), Policy(model, TOK, get_task("addition"), {"kind": "embedded", **arch}, TOK.to_dict()))
+
+    async def announce(topic: str, data: bytes) -> None:
+        pass
+
+    ln.node.publish = announce  # type: ignore[method-assign]
+    CREATED.append(ln)
+    return ln
+
+
+def test_a_restarted_learner_redoes_its_episode_steps_and_takes_its_buffered_episodes_back(
+    tmp_path: Path, warm: dict[str, torch.Tensor]
+) -> None:
+    """The journal's `admit` records carry the episode groups' kind: a learner that died after two
+    updates and one more batch comes back at the same version with the same weights (its steps
+    redone on the journaled episodes) and the same buffered episodes."""
+    first = env_learner(tmp_path, warm)
+
+    async def feed(seq: int) -> None:
+        frame = play(first, ALICE, seq).frame
+        assert frame is not None and first.intake.validate(ALICE.peer_id, ALICE.peer_id, frame)
+        await first.intake.deliver(frame, ALICE.peer_id)
+        await first._flush_journal()
+
+    async def go() -> None:
+        await start_learner(first, (ALICE,))
+        async with learner_tasks(first):
+            for seq in (1, 2):
+                await feed(seq)
+                await first.update()
+            await feed(3)
+
+    trio.run(go)
+    assert first.version == 2 and len(first.buffer) == 2
+    second = env_learner(tmp_path, warm)
+    trio.run(start_learner, second, (ALICE,))
+    assert second.version == 2 and second.resumed is not None and not second.resumed.diverged
+    assert second.resumed.redone == 2  # from the journal: no checkpoint since the start
+    a, b = first.policy.model.state_dict(), second.policy.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a), "the redone steps landed elsewhere"
+    assert [g for _, _, g in second.buffer.live()] == [g for _, _, g in first.buffer.live()]
+    assert all(isinstance(g, EpisodeGroup) for _, _, g in second.buffer.live())
+    assert second.buffer.ledger.as_dict() == first.buffer.ledger.as_dict()
+    second.buffer.check()
+    # Another environment is another run: its journaled episodes would be judged by the wrong one.
+    second.state.checkpoint_now()  # (the config a resume is held to is a checkpoint's)
+    third = env_learner(tmp_path, warm, problems=3)
+    with pytest.raises(ValueError, match=r"another config \(env.options.problems: 2 -> 3\)"):
+        trio.run(start_learner, third, (ALICE,))
