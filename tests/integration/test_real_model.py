@@ -99,3 +99,27 @@ def test_tiny_qwen2_trains_in_a_swarm_with_bf16_on_the_wire(cluster: Cluster, ti
     hf = loaded.generate(torch.tensor(prompts[:1]), max_new_tokens=4, do_sample=False, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)[0, len(prompts[0]):].tolist()
     assert hf[: len(greedy[0])] == greedy[0]
+
+
+def test_a_reasoning_gym_task_runs_through_a_swarm(cluster: Cluster, tiny_model: Path) -> None:
+    """A reasoning-gym task by name (`[task] name = "rg:chain_sum"`, echo_node/envs/rgym.py) end to
+    end: the learner poses its rows as the run's prompts, a peer generates and scores them with
+    the task's own scorer, and the learner's checks (the reward recomputed from the row, spot
+    checks of log-probs and sampling) pass every honest batch."""
+    pytest.importorskip("reasoning_gym")
+    run = "real-rg"
+    cluster.start_bootstrap()
+    learner, _ = cluster.start_learner(run, "--model", str(tiny_model), "--task", "rg:chain_sum", "--mode", "async",
+                                       "--seconds", "30")
+    cluster.start_peer("peer0", run, "--model", str(tiny_model), "--task", "rg:chain_sum")
+    assert learner.proc.wait(timeout=DEADLINE_S) == 0
+    summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())
+    assert str(summary["task"]).startswith("rg:chain_sum@"), summary["task"]
+    assert summary["rollouts_received"] > 0, summary
+    # Nothing refused: what is dropped had no reward variance (a tiny model on a new task), went
+    # stale, waited while the newcomer's first batches were checked (overload, no strike: gap
+    # repair asks for it again), or was buffered at the stop.
+    assert set(summary["rollouts_dropped"]) <= {"no_signal", "stale", "overload", "unused_at_exit"}, summary["rollouts_dropped"]
+    assert summary["banned"] == [] and summary["penalties"] == {}
+    verification = summary["verification"]
+    assert all(c["fail"] == 0 for c in verification["checks"].values()), verification
