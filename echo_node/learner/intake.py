@@ -629,11 +629,12 @@ class RolloutIntake:
             self.ingest(batch, origin)
 
     async def _admit_episodes(self, batch: EpisodeBatch, origin: str) -> None:
-        """Every episode batch is checked in full: the environment re-run on its actions
-        (echo_node/envs/verify.py) is the check, and no sample of batches would do, since one
-        fabricated observation is the whole lie. In a worker thread under the spot lock, holding
-        the intake like a probation check. A forgery gets its publisher caught; the environment
-        failing on the learner drops the batch with nobody blamed (its seq was delivered)."""
+        """Every episode batch is re-run in full (echo_node/envs/verify.py): no sample of
+        batches would do, since one fabricated observation is the whole lie. Then its model
+        tokens are spot-checked as a rollout batch's are (`Verifier.plan`). Both in a worker
+        thread under the spot lock, holding the intake like a probation check. A forgery gets
+        its publisher caught; the environment failing on the learner drops the batch with
+        nobody blamed (its seq was delivered)."""
         assert self.episodes is not None
         async with self._spot_lock:
             verdict = await trio.to_thread.run_sync(self.episodes.rerun, batch, origin)
@@ -650,7 +651,11 @@ class RolloutIntake:
             log.info("dropped %d episodes of %s: %s (%s)", batch.num_samples, origin, verdict.drop, verdict.detail)
             self.ingest(batch, origin, take=False, drop=verdict.drop)
             return
-        self.ingest(batch, origin)
+        # The model's tokens of the episodes the re-run passed: log-probs and sampling, as a
+        # rollout batch's (probation, then a share); inline, holding the intake like the re-run.
+        plan = self.verify.plan(batch) if self.verify is not None else None
+        if plan is None or await self._passes(batch, origin, plan):
+            self.ingest(batch, origin)
 
     async def _check_beside(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> None:
         try:
@@ -663,7 +668,7 @@ class RolloutIntake:
         if passed:
             self.ingest(batch, origin)
 
-    async def _passes(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> bool:
+    async def _passes(self, batch: Batch, origin: str, plan: SpotPlan) -> bool:
         """Run `plan`'s spot check on `batch`; False if it failed (the publisher is caught, once:
         a check of another of its batches that ends after the ban only counts the drop) or the
         publisher was banned meanwhile (the batch is counted either way)."""

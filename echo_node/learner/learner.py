@@ -177,14 +177,13 @@ class Learner:
             spec=self.env, fmt=episode_format(policy.tokenizer), run_id=cfg.run_id, group_size=cfg.rl.group_size,
             vocab_size=int(policy.model.config.vocab_size), staleness=cfg.rl.staleness, mode=cfg.rl.mode,
         )
-        # Spot checks need the weights of every version a rollout can still be admitted on. They
-        # judge rollout batches only: an episode's log-probs are not checked (docs/architecture.md).
+        # Spot checks need the weights of every version a rollout can still be admitted on.
         self.verifier = Verifier(
             cfg.verify, run_id=cfg.run_id, tokenizer=policy.tokenizer, task=policy.task, model=policy.model,
             temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p, keep_versions=cfg.rl.staleness + 2,
             rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
             engine_of=self.capacity.engine_of,
-        ) if cfg.verify.enabled and episodes is None else None
+        ) if cfg.verify.enabled else None
         self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,

@@ -11,7 +11,8 @@ Every batch, on arrival (cheap, in the gossip validator), group by group:
 
 Spot checks (every batch of a peer on probation, then a share of batches chosen unpredictably
 that falls with the tokens of the peer's that passed checks: `check_rate`; in a worker thread,
-before the batch reaches the buffer), on a random subset of the batch's rows
+before the batch reaches the buffer; an episode batch's after its re-run, each episode one row
+whose environment tokens carry no claim: `EpisodeRow`), on a random subset of the batch's rows
 as large as `verify.budget` affords, per version its tokens claim, with that version's weights
 (computed in float32 on a CPU: `check_dtype`):
 4. `logprobs`: the claimed behaviour log-probs are what those weights give at the run's
@@ -120,9 +121,9 @@ import random
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import torch
 from torch import Tensor
@@ -137,6 +138,7 @@ from echo_node.ml.tokenizer import Tokenizer
 from protocol._wire import pack
 from protocol.assignment import batch_seed, group_version, prompt_draw
 from protocol.drops import DropReason
+from protocol.episodes import Episode, EpisodeBatch
 from protocol.messages import RolloutBatch, RolloutGroup, Sample
 
 log = logging.getLogger(__name__)
@@ -179,6 +181,53 @@ COST_EWMA = 0.3
 # whatever the budget. Below it, the budget rules again: checking every chosen batch until the
 # rate reaches `spot_rate` costs several times the budget on a young swarm.
 EARNING_RATE = 0.5
+
+
+class Grouped(Protocol):
+    """What the checks read of a group: a `RolloutGroup` or an `EpisodeGroup`."""
+
+    @property
+    def group_id(self) -> str: ...
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]: ...
+
+
+class Row(Protocol):
+    """What the checks read of one row: a `Sample`, or an episode as an `EpisodeRow`. A token
+    whose version is None carries no claim and is never judged."""
+
+    @property
+    def completion_ids(self) -> tuple[int, ...]: ...
+
+    @property
+    def behaviour_logprobs(self) -> tuple[float, ...]: ...
+
+    @property
+    def token_versions(self) -> Sequence[int | None]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EpisodeRow:
+    """An episode as the log-prob and sampling checks read a sample: every turn's tokens after
+    the first observation, in order, as the engine saw them when it sampled the next model turn
+    (the runner's context is the first observation and all turns so far). The environment's
+    tokens carry no claim (log-prob 0.0, version None): the checks judge the model's tokens only."""
+
+    completion_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    token_versions: tuple[int | None, ...]
+
+    @staticmethod
+    def of(episode: Episode) -> EpisodeRow:
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int | None] = []
+        for turn in episode.turns:
+            ids.extend(turn.token_ids)
+            logprobs.extend(turn.logprobs if not turn.from_env else [0.0] * len(turn.token_ids))
+            versions.extend(turn.versions if not turn.from_env else [None] * len(turn.token_ids))
+        return EpisodeRow(tuple(ids), tuple(logprobs), tuple(versions))
 
 
 @dataclass(frozen=True, slots=True)
@@ -428,7 +477,7 @@ class Verifier:
         `plan` puts it on probation)."""
         return self._model is not None and self._probation.get(peer_id, self.cfg.probation_batches) > 0
 
-    def plan(self, batch: RolloutBatch) -> SpotPlan | None:
+    def plan(self, batch: RolloutBatch | EpisodeBatch) -> SpotPlan | None:
         """Whether to spot-check `batch`, and how much of it: while its publisher is on
         probation (a peer is, for its first batches), always, at least `min_rows` rows; else
         with probability `spot_rate`, as many rows as the budget affords (module docstring).
@@ -497,23 +546,32 @@ class Verifier:
         affordable = int(self.credit_s() / self._cost_per_row)
         return min(total, max(floor, affordable))
 
-    def spot(self, batch: RolloutBatch, indices: list[int], *, rows: int | None = None, budgeted: bool = False) -> Failure | None:
+    def spot(
+        self, batch: RolloutBatch | EpisodeBatch, indices: list[int], *, rows: int | None = None, budgeted: bool = False
+    ) -> Failure | None:
         """Checks 4-5 on groups `indices` of `batch`, on `rows` of their rows drawn at random
         (None: all of them) (worker thread); `budgeted`: the budget chose it and pays for it
-        (`SpotPlan.budgeted`)."""
+        (`SpotPlan.budgeted`). An episode is one row (`EpisodeRow`); check 6 does not replay
+        episodes (the runner's engine calls are not one batch's)."""
         t0 = time.thread_time()
-        # Each sample's row in the engine call that sampled the batch: group k's are the rows
-        # after the samples of groups 0..k-1 (echo_node/ml/rollout.py).
-        starts = [0]
-        for g in batch.groups:
-            starts.append(starts[-1] + len(g.samples))
-        indexed = [(starts[i] + j, batch.groups[i], s) for i in indices for j, s in enumerate(batch.groups[i].samples)]
+        indexed: list[tuple[int, Grouped, Row]]
+        if isinstance(batch, EpisodeBatch):
+            indexed = [(0, batch.groups[i], EpisodeRow.of(e)) for i in indices for e in batch.groups[i].episodes]
+        else:
+            # Each sample's row in the engine call that sampled the batch: group k's are the rows
+            # after the samples of groups 0..k-1 (echo_node/ml/rollout.py).
+            starts = [0]
+            for g in batch.groups:
+                starts.append(starts[-1] + len(g.samples))
+            indexed = [(starts[i] + j, batch.groups[i], s) for i in indices for j, s in enumerate(batch.groups[i].samples)]
         if rows is not None and rows < len(indexed):
             picked = sorted(self._rng.sample(range(len(indexed)), max(1, rows)))
             indexed = [indexed[i] for i in picked]
         candidates = [(g, s) for _, g, s in indexed]
         try:
-            noise = self._replay_noise(batch, [r for r, _, _ in indexed], [s for _, _, s in indexed])
+            noise = None
+            if isinstance(batch, RolloutBatch):
+                noise = self._replay_noise(batch, [r for r, _, _ in indexed], [s for _, _, s in indexed])
             failure = self._spot(batch.peer_id, candidates, noise)
         finally:
             spent = time.thread_time() - t0
@@ -526,8 +584,8 @@ class Verifier:
                 (1 - COST_EWMA) * self._cost_per_row + COST_EWMA * per_row)
         self.stats.groups_spot_checked += len({id(g) for g, _ in candidates})
         self.stats.rows_spot_checked += len(candidates)
-        if failure is None:
-            tokens = sum(len(s.completion_ids) for _, s in candidates)
+        if failure is None:  # the tokens its claims were checked on (an environment's carry none)
+            tokens = sum(v is not None for _, s in candidates for v in s.token_versions)
             _keep_recent(self._trusted_tokens, batch.peer_id, self._trusted_tokens.get(batch.peer_id, 0) + tokens)
         for name in ("logprobs", "sampling"):
             if failure is not None and failure.reason is _REASON[name]:
@@ -567,7 +625,7 @@ class Verifier:
         mean = Tolerance(token, refuse.mean, refuse.sd, refuse.z) if cfg.lp_tolerance_mean is None else Tolerance(token, cfg.lp_tolerance_mean)
         return Judgement(f"{judge.pair} (configured)", True, mean, rounding=token)
 
-    def _replay_noise(self, batch: RolloutBatch, rows: list[int], samples: list[Sample]) -> _Noise | None:
+    def _replay_noise(self, batch: RolloutBatch, rows: list[int], samples: list[Row]) -> _Noise | None:
         """Check 6's noise for `rows` of `batch`'s engine call (module docstring), or None when
         the publisher's engine is not replayable, the batch's groups began on different versions,
         or the draws cost more than the credit left and the check's own forward."""
@@ -599,7 +657,7 @@ class Verifier:
         self.stats.replays += 1
         return _Noise(neg_log, {id(s): i for i, s in enumerate(samples)})
 
-    def _spot(self, peer_id: str, candidates: list[tuple[RolloutGroup, Sample]], noise: _Noise | None = None) -> Failure | None:
+    def _spot(self, peer_id: str, candidates: list[tuple[Grouped, Row]], noise: _Noise | None = None) -> Failure | None:
         # Log e-values of the two sampling tests, over every checked token of the batch.
         surprise = greed = 0.0
         tokens = 0
@@ -611,7 +669,7 @@ class Verifier:
         older = 0.0
         drift = 0.0  # check 4(b)'s log e-value: log-prob gaps larger than honest ones on average
         proven = self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
-        for version in sorted({v for _, s in candidates for v in s.token_versions}):
+        for version in sorted({v for _, s in candidates for v in s.token_versions if v is not None}):
             rows = [(g, s) for g, s in candidates if version in s.token_versions]
             if not self._load(version):
                 self.stats.unverifiable_tokens += sum(s.token_versions.count(version) for _, s in rows)
@@ -666,7 +724,7 @@ class Verifier:
             older = [v for v in self._blobs if v < version]
         return max(older, default=None)
 
-    def _logq_sum(self, rows: list[tuple[RolloutGroup, Sample]], version: int) -> float:
+    def _logq_sum(self, rows: list[tuple[Grouped, Row]], version: int) -> float:
         """Sum of log q, under the weights loaded now, of the tokens of `rows` tagged `version`
         (the sampling distribution: tempered, cut to the nucleus), in bounded forwards."""
         assert self._model is not None
@@ -726,7 +784,7 @@ class Verifier:
         return True
 
     def _rows_checked(
-        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, peer_id: str, noise: _Noise | None = None
+        self, rows: list[tuple[Grouped, Row]], version: int, judge: Judgement, peer_id: str, noise: _Noise | None = None
     ) -> Failure | tuple[int, float, float, _Race | None, float, float]:
         """Checks 4 and 5(a) on the tokens of `rows` tagged `version` (weights loaded), in
         forwards of at most `SPOT_CHUNK_ELEMENTS` log-probabilities each; else (tokens, log
@@ -787,7 +845,7 @@ class Verifier:
         )
 
     def _rows_at(
-        self, rows: list[tuple[RolloutGroup, Sample]], version: int, judge: Judgement, noise: _Noise | None = None
+        self, rows: list[tuple[Grouped, Row]], version: int, judge: Judgement, noise: _Noise | None = None
     ) -> Failure | tuple[int, float, float, float, _Gap | None, _Race | None, float, float]:
         """Checks 4 (per token) and 5(a) on the tokens of `rows` tagged `version`, in one
         forward; else (tokens, both log e-values, the sum of their log-prob gaps, the largest,
@@ -860,7 +918,7 @@ class _Noise:
     neg_log: Tensor
     row_of: dict[int, int]
 
-    def rows(self, samples: list[Sample], width: int) -> Tensor | None:
+    def rows(self, samples: list[Row], width: int) -> Tensor | None:
         """[len(samples), width, V] float32 for `samples`, None if one was not replayed."""
         if any(id(s) not in self.row_of for s in samples):
             return None

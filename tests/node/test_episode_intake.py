@@ -47,25 +47,42 @@ def warm() -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-@pytest.fixture
-def learner(tmp_path: Path, warm: dict[str, torch.Tensor]) -> Learner:
-    cfg = RunConfig(run_id=RUN, runs_dir=tmp_path, env=EnvConfig(name="calc", options={"problems": 2}))
+def env_learner(runs_dir: Path, warm: dict[str, torch.Tensor], problems: int = 2) -> Learner:
+    """A learner of an environment run whose host is not started (announcements go nowhere);
+    two groups a step, no checkpoint after the first: a restart redoes its steps from the journal."""
+    cfg = RunConfig(run_id=RUN, runs_dir=runs_dir, env=EnvConfig(name="calc", options={"problems": problems}),
+                    rl=RLConfig(groups_per_step=2, staleness=4), checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
     arch = tiny_llama_config(TOK.vocab_size)
     model = build_model(arch, seed=0)
     model.load_state_dict(warm)
-    policy = Policy(model, TOK, get_task("addition"), {"kind": "embedded", **arch}, TOK.to_dict())
-    ln = Learner(cfg, Identity.from_seed(b"\x01" * 32), policy)
-    ln.peers.join(ALICE.peer_id, 0.0)
-    ln.peers.join(MALLORY.peer_id, 0.0)
+    ln = Learner(cfg, Identity.from_seed(b"\x01" * 32), Policy(model, TOK, get_task("addition"), {"kind": "embedded", **arch}, TOK.to_dict()))
+
+    async def announce(topic: str, data: bytes) -> None:
+        pass
+
+    ln.node.publish = announce  # type: ignore[method-assign]
+    CREATED.append(ln)
     return ln
 
 
-def play(learner: Learner, identity: Identity, seq: int, *, groups: int = 2) -> PlayedBatch:
-    """What a peer on the learner's current weights plays for `seq` (its seeds are its slots')."""
+@pytest.fixture
+def learner(tmp_path: Path, warm: dict[str, torch.Tensor]) -> Learner:
+    """Started (version 0 published, which the spot checks load), ALICE and MALLORY joined."""
+    ln = env_learner(tmp_path, warm)
+    trio.run(start_learner, ln, (ALICE, MALLORY))
+    # Their heartbeats say what they run: the torch engine on a CPU, whose honest log-prob
+    # envelope is measured (the spot checks hold them to it).
+    for peer in (ALICE, MALLORY):
+        ln.capacity.heartbeat(peer.peer_id, 0.0, installed=0, price=0.0, engine="torch", device="cpu")
+    return ln
+
+def play(learner: Learner, identity: Identity, seq: int, *, groups: int = 2, temperature: float = 1.0) -> PlayedBatch:
+    """What a peer on the learner's current weights plays for `seq` (its seeds are its slots'),
+    at the run's temperature unless told otherwise."""
     engine = TorchEngine(learner.policy.model, eos_id=TOK.eos_id, pad_id=TOK.pad_id, version=learner.version)
     assert learner.env is not None
     out = play_batch(engine, CharFormat(TOK), learner.env, run_id=RUN, identity=identity, seq=seq, groups=groups,
-                     group_size=learner.cfg.rl.group_size, temperature=1.0)
+                     group_size=learner.cfg.rl.group_size, temperature=temperature)
     assert out.batch is not None and out.frame is not None and not out.dropped
     return out
 
@@ -101,6 +118,8 @@ def test_an_environment_run_announces_its_environment_and_takes_only_episodes(le
     assert honest.frame is not None and honest.batch is not None
     assert offer(learner, honest.frame, ALICE.peer_id)
     assert len(learner.buffer) == 2 and learner.buffer.ledger.received == 1 + honest.batch.num_samples
+    # A newcomer's batch is spot-checked in full (probation): the episodes' model tokens passed.
+    assert learner.verifier is not None and learner.verifier.stats.rows_spot_checked >= 8
     # What the journal keeps of a buffered group gives that group back, kind and all.
     (_, _, group), *_ = learner.buffer.live()
     assert isinstance(group, EpisodeGroup) and group_from_record(group_record(group)) == group
@@ -182,24 +201,6 @@ def test_a_batch_that_is_not_an_episode_batch_is_malformed_not_a_crash(learner: 
     learner.buffer.check()
 
 
-def env_learner(runs_dir: Path, warm: dict[str, torch.Tensor], problems: int = 2) -> Learner:
-    """A learner of an environment run whose host is not started (announcements go nowhere);
-    two groups a step, no checkpoint after the first: a restart redoes its steps from the journal."""
-    cfg = RunConfig(run_id=RUN, runs_dir=runs_dir, env=EnvConfig(name="calc", options={"problems": problems}),
-                    rl=RLConfig(groups_per_step=2, staleness=4), checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
-    arch = tiny_llama_config(TOK.vocab_size)
-    model = build_model(arch, seed=0)
-    model.load_state_dict(warm)
-    ln = Learner(cfg, Identity.from_seed(b"\x01" * 32), Policy(model, TOK, get_task("addition"), {"kind": "embedded", **arch}, TOK.to_dict()))
-
-    async def announce(topic: str, data: bytes) -> None:
-        pass
-
-    ln.node.publish = announce  # type: ignore[method-assign]
-    CREATED.append(ln)
-    return ln
-
-
 def test_a_restarted_learner_redoes_its_episode_steps_and_takes_its_buffered_episodes_back(
     tmp_path: Path, warm: dict[str, torch.Tensor]
 ) -> None:
@@ -239,3 +240,39 @@ def test_a_restarted_learner_redoes_its_episode_steps_and_takes_its_buffered_epi
     third = env_learner(tmp_path, warm, problems=3)
     with pytest.raises(ValueError, match=r"another config \(env.options.problems: 2 -> 3\)"):
         trio.run(start_learner, third, (ALICE,))
+
+
+def _claim(group: EpisodeGroup, logprob: float) -> EpisodeGroup:
+    """The group with every model token's behaviour log-prob claimed as `logprob`."""
+    episodes = tuple(Episode(turns=tuple(t if t.from_env else dataclasses.replace(t, logprobs=(logprob,) * len(t.logprobs))
+                                         for t in e.turns), reward=e.reward) for e in group.episodes)
+    return dataclasses.replace(group, episodes=episodes)
+
+
+@pytest.mark.parametrize("how", ["forged_logprobs", "cold_sampler"])
+def test_episodes_whose_model_tokens_were_not_sampled_as_claimed_are_caught(learner: Learner, how: str) -> None:
+    """The re-run holds the environment's side of an episode; the spot checks hold the model's.
+    Observations and returns here are what the environment gives (the re-run passes), but the
+    model's tokens lie: their log-probs are made up (claimed near-certain, which would shrink
+    their importance weights and hide any choice of actions), or they were sampled at a lower
+    temperature than the run's (a sharper policy passed off as the run's). Caught on the
+    publisher's first batch (probation checks it in full) and banned."""
+    if how == "forged_logprobs":
+        played = play(learner, MALLORY, 1)
+        assert played.batch is not None
+        frame = seal(dataclasses.replace(played.batch, groups=tuple(_claim(g, -0.01) for g in played.batch.groups)), MALLORY)
+    else:
+        played = play(learner, MALLORY, 1, temperature=0.3)
+        assert played.frame is not None
+        frame = played.frame
+    assert learner.intake.validate(MALLORY.peer_id, MALLORY.peer_id, frame)
+
+    async def deliver() -> None:
+        await learner.intake.deliver(frame, MALLORY.peer_id)
+
+    trio.run(deliver)
+    dropped = learner.buffer.ledger.dropped
+    assert learner.peers.is_banned(MALLORY.peer_id), dict(dropped)
+    assert dropped["bad_logprobs"] + dropped["bad_sampling"] == played.batch.num_samples  # type: ignore[union-attr]
+    assert "bad_episode" not in dropped  # the environment's side was true
+    learner.buffer.check()
