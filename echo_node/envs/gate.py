@@ -8,8 +8,9 @@ publisher lies, as for rollout batches):
 2. Every group has the run's group size (bad_group), token ids in the vocabulary
    (out_of_vocab), and episodes within the run's budgets (too_long).
 3. Versions: no token newer than the learner's current version (future_version: a forged
-   per-turn version) or of a version it never published (unpublished_version); the group began on one version, the tag of every episode's first token
-   (bad_episode otherwise), which the staleness rule judges (stale: no blame).
+   per-turn version) or of a version it never published (unpublished_version); the group
+   began on one version, the tag of every episode's first token (bad_episode otherwise),
+   which the staleness rule judges (stale: no blame).
 4. The re-run (echo_node/envs/verify.py, every episode of the batch at once) with the seed of
    the group's slot: the first 8 bytes of the slot digest of (run, publisher, version, seq,
    index) (protocol/assignment.py), so a peer cannot choose its seeds. A forgery is bad_episode; the environment failing on the

@@ -1,8 +1,8 @@
 """The learner's replay buffer and its rollout accounting (pure logic, no I/O).
 
-Invariant: every rollout (one sampled completion, or one episode) the learner receives is counted exactly once,
-either as trained or as dropped with a reason, and `received == trained + dropped + buffered`
-holds after every call. A message that could not even be decoded counts as one rollout dropped
+Invariant: every rollout (one sampled completion, or one episode) the learner receives is
+counted exactly once, either as trained or as dropped with a reason, and `received == trained +
+dropped + buffered` holds after every call. A message that could not even be decoded counts as one rollout dropped
 as "malformed", so garbage is visible in the same ledger.
 
 Admission follows Echo's two sync modes (protocol.staleness): in pull mode only rollouts of the

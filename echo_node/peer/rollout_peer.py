@@ -371,8 +371,10 @@ class Generator:
             self.publisher.metrics.write({"event": "env_dropped", "groups": dict(played.dropped), "seq": seq, "wall": time.time()})
         if played.batch is None or played.frame is None:
             # Every group failed in the environment: counted, and nothing is sent (the seq is
-            # not used, so the learner sees no gap).
+            # not used, so the learner sees no gap). The same seq on the same version draws the
+            # same seeds, so the next try waits for a new version (DEMAND_WAIT_S at most).
             log.info("no group of a batch survived its environment: %s", dict(played.dropped))
+            await self.wait_for_version()
             return
         self.produced += len(played.batch.groups)
         await self.publisher.publish_episodes(played.batch, played.frame, seq=seq)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -11,11 +12,16 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.config import RunConfig
+from echo_node.config import RunConfig, load_config
+from echo_node.envs import load_env
+from echo_node.ml.engine import TorchEngine
+from echo_node.ml.model import build_model, tiny_llama_config
+from echo_node.ml.tokenizer import CharTokenizer
 from echo_node.peer.rollout_peer import DEMAND_WAIT_S, Generator, RolloutPublisher
 from echo_node.peer.weight_follower import Target, WeightFollower
 from echo_node.weights.broadcast import DataServer
 from tests.factories import ALICE
+from tests.unit import env_plugins
 
 
 def peer_on_version(version: int, demand: int, mode: str = "async") -> Generator:
@@ -174,3 +180,27 @@ def test_weights_of_a_lost_history_are_neither_sampled_from_nor_sent(mode: str) 
     assert (peer.batches_doomed, peer.groups_doomed) == (1, 8)
     peer.engine.version = 5
     assert not peer.doomed(5) and not peer.weights_too_old()
+
+
+def test_a_batch_its_environment_ends_entirely_is_counted_and_the_seq_kept_for_a_new_version() -> None:
+    """A run of episodes whose environment raises on every step: the batch's groups are counted
+    by reason, nothing is published and the seq is not used (the learner sees no gap), and the
+    peer waits for a new version instead of replaying the same seeds at once."""
+    tok = CharTokenizer()
+    spec = load_env(load_config(None, env__name="tests.unit.env_plugins:Guess"))
+    env = dataclasses.replace(spec, factory=env_plugins.Raises)
+    peer = peer_on_version(3, demand=6)
+    engine = TorchEngine(build_model(tiny_llama_config(tok.vocab_size), seed=0), eos_id=tok.eos_id, pad_id=tok.pad_id, version=3)
+    peer.engine = peer.session.engine = engine
+    peer.session.env, peer.session.policy = env, SimpleNamespace(tokenizer=tok)  # type: ignore[attr-defined]
+    peer.spec = peer.session.spec = SimpleNamespace(sync_mode="async", epoch=0, run_id="run-1", group_size=2,  # type: ignore[assignment]
+                                                    staleness=4, sampling=SimpleNamespace(temperature=1.0, top_p=1.0))
+    seq = peer.publisher.seq
+
+    async def main() -> float:
+        start = trio.current_time()
+        await peer.play(3, seq, 2)
+        return trio.current_time() - start
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == DEMAND_WAIT_S
+    assert peer.env_dropped == {"env_error": 2} and peer.publisher.seq == seq and not peer.publisher.history

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from echo_node.config import load_config
-from echo_node.envs import EnvError, Message, Step, ToolEnv, check_step, env_id, load_env
+from echo_node.envs import EnvError, Message, Step, ToolEnv, check_step, env_id, is_env_id, load_env, peer_env
 from echo_node.envs.calc import CalcEnv
 from protocol.episodes import Budgets
 from tests.unit import env_plugins
@@ -156,3 +156,20 @@ def test_the_readme_example_environment_loads_and_plays() -> None:
     low = env.step(str((secret + 1) % 10) if secret < 9 else "0")
     assert not low.done and low.observation is not None
     assert env.step(str(secret)) == Step(None, 1.0, True)
+
+
+def test_a_joining_peer_plays_the_runs_environment_only_if_its_own_config_gives_the_same_id() -> None:
+    """The run spec names the environment by id, never by code: a peer builds it from its own
+    `[env]`. No table, another table, or one that does not load is refused in one line with the
+    remedy; a task run has no environment."""
+    run = load_env(_cfg("calc", options={"problems": 2}))
+    assert peer_env("addition@0123", load_config(None)) is None and not is_env_id("addition@0123")
+    assert is_env_id(run.env_id)
+    got = peer_env(run.env_id, _cfg("calc", options={"problems": 2}))
+    assert got is not None and got.env_id == run.env_id
+    with pytest.raises(ValueError, match=r"set \[env\]"):
+        peer_env(run.env_id, load_config(None))
+    with pytest.raises(ValueError, match="this peer's \\[env\\] gives 'env:calc@"):
+        peer_env(run.env_id, _cfg("calc", options={"problems": 3}))
+    with pytest.raises(ValueError, match="does not load"):
+        peer_env(run.env_id, _cfg("no_such_module_here:Env"))
