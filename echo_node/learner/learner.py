@@ -360,6 +360,7 @@ class Learner:
             self.trainer.version = floor
             self.state.history.last = floor - 1
             self.state.rejoin(members)  # they stay members, as the bans stay (`_archive`)
+            self.state.save_config()
         self.weights.open_store(run_dir / "versions")
         blob = self.resumed.blobs.pop(self.version, None) if self.resumed is not None else None
         if blob is not None:  # snapshotted and checked against its published digest by the resume

@@ -39,6 +39,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 from echo_node.config import RunConfig, to_dict
+from echo_node.durable import replace_durable
 from echo_node.learner.checkpoint import Checkpoint, CheckpointStore
 from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, replay_records
@@ -55,6 +56,8 @@ log = logging.getLogger(__name__)
 
 # Config sections (or keys) a resumed run must share with the run it resumes.
 TRAINING_KEYS = ("run_id", "task", "env", "seed", "model", "sampling", "rl")
+# The config a run started with, in its folder (`RunState.save_config`).
+RUN_CONFIG = "config.json"
 # Published versions remembered (number -> digest): far more than any staleness window.
 HISTORY_KEEP = 1024
 
@@ -322,9 +325,11 @@ class RunState:
         self.store.clean_partial()
         segments = self.journal.segments()
         states = self.store.states()
-        # An incompatible config is refused before anything is loaded.
-        if states and isinstance(states[0].get("config"), dict):
-            diff = config_difference(states[0]["config"], to_dict(self.learner.cfg))
+        # An incompatible config is refused before anything is loaded: the newest checkpoint's,
+        # or before the first checkpoint, the one the run started with (`save_config`).
+        saved = states[0].get("config") if states else self._started_config()
+        if isinstance(saved, dict):
+            diff = config_difference(saved, to_dict(self.learner.cfg))
             if diff:
                 raise ResumeRefused(
                     f"run {self.learner.cfg.run_id!r} in {self.learner.cfg.run_dir} was trained with another config ("
@@ -345,6 +350,19 @@ class RunState:
         self._continue(resumed)
         resumed.seconds = time.monotonic() - t0
         return resumed
+
+    def save_config(self) -> None:
+        """Keep the config a run starts with (RUN_CONFIG in its folder): a restart before the
+        first checkpoint is held to it as a later one is to the checkpoint's."""
+        path = self.learner.cfg.run_dir / RUN_CONFIG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        replace_durable(path, json.dumps(to_dict(self.learner.cfg), sort_keys=True).encode())
+
+    def _started_config(self) -> Any:
+        try:
+            return json.loads((self.learner.cfg.run_dir / RUN_CONFIG).read_text())
+        except (OSError, ValueError):
+            return None  # a run started before the file existed, or none: nothing to hold it to
 
     def _parse(self, checkpoint: Checkpoint) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
         """Read everything a checkpoint holds, changing nothing (a bad file falls back whole)."""

@@ -409,6 +409,29 @@ def test_resuming_with_another_training_config_is_refused(tmp_path: Path) -> Non
     assert CheckpointStore(runs / "run-1").list_valid()
 
 
+def test_a_restart_before_the_first_checkpoint_is_held_to_the_config_the_run_started_with(tmp_path: Path) -> None:
+    """No checkpoint yet: the journal alone would be replayed under whatever config the restart
+    brings (another seed, group size or learning rate: another run). The config the run
+    started with is kept in its folder, and a restart is held to it."""
+    runs = tmp_path / "run"
+    first = new_learner(runs, checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
+
+    async def go() -> None:
+        await start(first)
+        await run_updates(first, 2)
+        first.state.journal.close()  # then the process dies
+
+    trio.run(go)
+    assert not CheckpointStore(runs / "run-1").list_valid()
+    other = new_learner(runs, seed=7, checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
+    with pytest.raises(ValueError, match=r"trained with another config \(seed: 0 -> 7\).*--fresh"):
+        trio.run(start, other)
+    same = new_learner(runs, checkpoint=CheckpointConfig(every_versions=1000, min_interval_s=0))
+    trio.run(start, same)
+    assert same.version == 2 and same.resumed is not None and same.resumed.redone == 2
+    same.state.journal.close()
+
+
 @pytest.mark.parametrize("fresh", [False, True])
 def test_a_peer_that_joined_after_the_last_checkpoint_is_still_a_member(tmp_path: Path, fresh: bool) -> None:
     """Joins are journaled: a resume (or --fresh) after a crash knows a peer that joined since
