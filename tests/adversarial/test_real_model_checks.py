@@ -17,7 +17,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from echo_node.config import VerifyConfig
+from echo_node.config import VerifyConfig, load_config
+from echo_node.envs import load_env
+from echo_node.envs.format import episode_format
+from echo_node.envs.gate import EpisodeGate
+from echo_node.envs.peer import play_batch
 from echo_node.learner.spot_check import Verifier
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.grpo import sequence_logprobs
@@ -177,3 +181,29 @@ def test_honest_bf16_batches_pass_and_forgeries_are_refused(real: tuple[torch.nn
         assert reason is None or reason in ATTACK_REASONS[name], (name, reason)
     batches = {name: n for name, (n, _) in found.items()}
     assert all(n is not None for n in batches.values()), batches
+
+
+def test_episodes_on_the_real_model_pass_the_re_run_and_the_spot_checks_and_made_up_log_probs_do_not(
+    real: tuple[torch.nn.Module, object, object],
+) -> None:
+    """The calculator environment played by an honest bf16 SmolLM2 peer through the model's chat
+    template (`ChatFormat`): its episodes pass the learner's re-run and the float32 spot checks
+    of their model tokens (the environment's tokens, rendered by the template, carry no claim).
+    The same episodes with made-up log-probs are refused at the first check."""
+    master, tok, _ = real
+    spec = load_env(load_config(None, env__name="calc", env__options={"problems": 2}, env__turn_tokens=8, env__episode_tokens=96))
+    fmt = episode_format(tok)  # type: ignore[arg-type]
+    published = peer_model(master)
+    engine = TorchEngine(published, eos_id=tok.eos_id, pad_id=tok.pad_id, version=0)  # type: ignore[attr-defined]
+    played = play_batch(engine, fmt, spec, run_id=RUN, identity=ALICE, seq=1, groups=1, group_size=GROUP_SIZE, temperature=1.0)
+    assert played.batch is not None and not played.dropped
+    batch = played.batch
+    assert any(len(e.turns) > 1 for e in batch.groups[0].episodes), "no episode reached the environment's answer"
+    gate = EpisodeGate(spec=spec, fmt=fmt, run_id=RUN, group_size=GROUP_SIZE, vocab_size=int(master.config.vocab_size), staleness=4)
+    assert gate.judge(batch, current_version=0) is None and gate.rerun(batch, ALICE.peer_id).drop is None
+    assert verifier(real, published).spot(batch, [0]) is None
+    made_up = replace(batch, groups=tuple(replace(g, episodes=tuple(
+        replace(e, turns=tuple(t if t.from_env else replace(t, logprobs=(-0.01,) * len(t.logprobs)) for t in e.turns))
+        for e in g.episodes)) for g in batch.groups))
+    failure = verifier(real, published).spot(made_up, [0])
+    assert failure is not None and failure.reason == DropReason.BAD_LOGPROBS, failure
