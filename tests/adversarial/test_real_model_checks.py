@@ -194,12 +194,12 @@ def test_episodes_on_the_real_model_pass_the_re_run_and_the_spot_checks_and_made
     spec = load_env(load_config(None, env__name="calc", env__options={"problems": 2}, env__turn_tokens=8, env__episode_tokens=96))
     fmt = episode_format(tok)  # type: ignore[arg-type]
     published = peer_model(master)
-    engine = TorchEngine(published, eos_id=tok.eos_id, pad_id=tok.pad_id, version=0)  # type: ignore[attr-defined]
+    engine = TorchEngine(published, eos_id=tok.eos_id, pad_id=tok.pad_id, version=0)  # type: ignore[arg-type, attr-defined]
     played = play_batch(engine, fmt, spec, run_id=RUN, identity=ALICE, seq=1, groups=1, group_size=GROUP_SIZE, temperature=1.0)
     assert played.batch is not None and not played.dropped
     batch = played.batch
     assert any(len(e.turns) > 1 for e in batch.groups[0].episodes), "no episode reached the environment's answer"
-    gate = EpisodeGate(spec=spec, fmt=fmt, run_id=RUN, group_size=GROUP_SIZE, vocab_size=int(master.config.vocab_size), staleness=4)
+    gate = EpisodeGate(spec=spec, fmt=fmt, run_id=RUN, group_size=GROUP_SIZE, vocab_size=int(getattr(master, "config").vocab_size), staleness=4)
     assert gate.judge(batch, current_version=0) is None and gate.rerun(batch, ALICE.peer_id).drop is None
     assert verifier(real, published).spot(batch, [0]) is None
     made_up = replace(batch, groups=tuple(replace(g, episodes=tuple(
