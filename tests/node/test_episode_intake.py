@@ -4,9 +4,11 @@ buffer, the journal and the trainer (a real `Learner`, host built, not started).
 
 Hostile: a joined peer that fabricates what the environment answered passes the cheap checks and
 is caught by the re-run (`bad_episode`, a ban; its buffered groups purged); a rollout batch where
-episodes are due, an episode batch with a group too few, one on a version never published, one
-tagged as begun on another version: each refused with its reason and counted in the ledger,
-honest episodes still trained."""
+episodes are due, an episode batch with a group too few, one from the future, one on a version
+never published, one tagged as begun on another version, broken frames: each refused with its
+reason and counted in the ledger, honest episodes still trained; true episodes whose model
+tokens lie (made-up log-probs, a colder sampler) are caught by the spot checks. And a learner
+that dies comes back with its episode steps redone and its buffered episodes."""
 
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from echo_node.ml.warmup import warmup
 from echo_node.policy import Policy
 from protocol import Identity, seal
 from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
-from tests.factories import ALICE, CREATED, MALLORY, learner_tasks, make_batch, offer, start_learner
+from tests.factories import ALICE, BOB, CREATED, MALLORY, learner_tasks, make_batch, offer, start_learner
 
 TOK = CharTokenizer()
 RUN = "run-1"
@@ -172,10 +174,18 @@ def test_refusals_on_arrival_are_counted_with_their_reason(learner: Learner) -> 
         assert not offer(learner, frame, MALLORY.peer_id), reason
         assert learner.buffer.ledger.dropped[reason] == played.batch.num_samples - (reason == "bad_group"), reason
     assert not learner.peers.is_banned(MALLORY.peer_id) and learner.peers.penalties[MALLORY.peer_id] == 2
+    # The learner at version 2, having published only 0 (every K-th version is published):
+    # tokens of version 1 name weights no peer ever had.
+    learner.trainer.version = 2
+    learner.peers.join(BOB.peer_id, 0.0)
+    theirs = play(learner, BOB, 4)
+    assert theirs.batch is not None
+    unpublished = forged(theirs, BOB, _retag(theirs.batch.groups[0], 1))
+    assert not offer(learner, unpublished, BOB.peer_id)
+    assert learner.buffer.ledger.dropped["unpublished_version"] == theirs.batch.num_samples
+    assert learner.peers.penalties[BOB.peer_id] == 1
     # Begun on a version the learner has published but judged against another one's seed: the
     # re-run sees another first observation (the slot's seed moved).
-    learner.trainer.version = 2
-    learner.state.history.add(0, b"\0" * 32, 1)
     learner.state.history.add(1, b"\1" * 32, 1)
     learner.state.history.add(2, b"\2" * 32, 1)
     moved = forged(played, MALLORY, _retag(g, 1))
