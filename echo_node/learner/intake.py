@@ -69,11 +69,12 @@ from echo_node.net import rpc
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
+from protocol.episodes import EpisodeBatch
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_FRAME_BYTES, MAX_REPAIR_SEQS, REPAIR_KEEP
-from protocol.episodes import EpisodeBatch
 from protocol.messages import RepairRequest, RepairResponse, RolloutBatch, RolloutGroup, repair_response_had_room
 from protocol.sequence import Observation, SequenceTracker
+from protocol.staleness import admissible
 
 log = logging.getLogger(__name__)
 
@@ -636,6 +637,13 @@ class RolloutIntake:
         its publisher caught; the environment failing on the learner drops the batch with
         nobody blamed (its seq was delivered)."""
         assert self.episodes is not None
+        buffer, current = self.buffer, self.version()
+        if buffer.mode == "async" and all(admissible(g.min_version, current, buffer.staleness, "async") for g in batch.groups):
+            # Stale before it is re-run: the buffer drops it as stale (no blame), unverified and
+            # never trained. (In pull mode a late batch still counts as its publisher's work in
+            # the demand split, so only a verified one may: it is re-run first.)
+            self.ingest(batch, origin)
+            return
         async with self._spot_lock:
             verdict = await trio.to_thread.run_sync(self.episodes.rerun, batch, origin)
         if verdict.drop is DropReason.BAD_EPISODE:

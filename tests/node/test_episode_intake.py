@@ -22,6 +22,7 @@ import trio
 from echo_node.config import CheckpointConfig, EnvConfig, RLConfig, RunConfig
 from echo_node.envs import is_env_id
 from echo_node.envs.format import CharFormat
+from echo_node.envs.gate import EpisodeGate
 from echo_node.envs.peer import PlayedBatch, play_batch
 from echo_node.learner.learner import Learner
 from echo_node.learner.replay import group_from_record, group_record
@@ -285,4 +286,22 @@ def test_episodes_whose_model_tokens_were_not_sampled_as_claimed_are_caught(lear
     assert learner.peers.is_banned(MALLORY.peer_id), dict(dropped)
     assert dropped["bad_logprobs"] + dropped["bad_sampling"] == played.batch.num_samples  # type: ignore[union-attr]
     assert "bad_episode" not in dropped  # the environment's side was true
+    learner.buffer.check()
+
+
+def test_a_batch_stale_on_arrival_is_dropped_as_stale_without_a_re_run(learner: Learner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Async, S = 4: episodes begun on version 0 that reach a learner at version 5 are stale
+    whatever they hold. They are counted as stale, never re-run (the environment's time is the
+    learner's largest cost at high latency), and the publisher is not blamed."""
+    played = play(learner, ALICE, 6)
+    assert played.frame is not None and played.batch is not None
+    learner.trainer.version = 5
+
+    def never(*args: object) -> object:
+        raise AssertionError("a stale batch was re-run")
+
+    monkeypatch.setattr(EpisodeGate, "rerun", never)
+    assert offer(learner, played.frame, ALICE.peer_id)
+    assert learner.buffer.ledger.dropped == {"stale": played.batch.num_samples}
+    assert not learner.peers.penalties and not learner.peers.is_banned(ALICE.peer_id)
     learner.buffer.check()
