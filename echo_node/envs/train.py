@@ -10,7 +10,21 @@ the episodes' returns.
 from __future__ import annotations
 
 from echo_node.ml.grpo import TrainGroup
-from protocol.episodes import EpisodeGroup
+from protocol.episodes import Episode, EpisodeGroup
+
+
+def flatten(episode: Episode) -> tuple[list[int], list[float], list[int | None]]:
+    """An episode as one sequence after its first observation: every turn's token ids, their
+    behaviour log-probs and versions. An environment token has a placeholder log-prob (0.0) and
+    no version (None): it carries no claim and enters no loss."""
+    ids: list[int] = []
+    logprobs: list[float] = []
+    versions: list[int | None] = []
+    for turn in episode.turns:
+        ids.extend(turn.token_ids)
+        logprobs.extend(turn.logprobs if not turn.from_env else [0.0] * len(turn.token_ids))
+        versions.extend(turn.versions if not turn.from_env else [None] * len(turn.token_ids))
+    return ids, logprobs, versions
 
 
 def train_group(group: EpisodeGroup) -> TrainGroup:
@@ -18,16 +32,10 @@ def train_group(group: EpisodeGroup) -> TrainGroup:
     logprobs: list[list[float]] = []
     masks: list[list[bool]] = []
     for episode in group.episodes:
-        ids: list[int] = []
-        lps: list[float] = []
-        mask: list[bool] = []
-        for turn in episode.turns:
-            ids.extend(turn.token_ids)
-            lps.extend(turn.logprobs if not turn.from_env else [0.0] * len(turn.token_ids))
-            mask.extend([not turn.from_env] * len(turn.token_ids))
+        ids, lps, versions = flatten(episode)
         completions.append(ids)
         logprobs.append(lps)
-        masks.append(mask)
+        masks.append([v is not None for v in versions])
     return TrainGroup(
         prompt_ids=list(group.prompt_ids),
         completions=completions,

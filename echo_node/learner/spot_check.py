@@ -129,6 +129,7 @@ import torch
 from torch import Tensor
 
 from echo_node.config import VerifyConfig
+from echo_node.envs.train import flatten
 from echo_node.learner.calibration import Judgement, Tolerance, judgement
 from echo_node.ml.engine import top_p_filter
 from echo_node.ml.grpo import completion_log_softmax
@@ -220,13 +221,7 @@ class EpisodeRow:
 
     @staticmethod
     def of(episode: Episode) -> EpisodeRow:
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int | None] = []
-        for turn in episode.turns:
-            ids.extend(turn.token_ids)
-            logprobs.extend(turn.logprobs if not turn.from_env else [0.0] * len(turn.token_ids))
-            versions.extend(turn.versions if not turn.from_env else [None] * len(turn.token_ids))
+        ids, logprobs, versions = flatten(episode)  # the sequence the trainer trains, too
         return EpisodeRow(tuple(ids), tuple(logprobs), tuple(versions))
 
 
