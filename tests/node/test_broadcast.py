@@ -529,6 +529,17 @@ def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at
     assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)
 
 
+async def serve_listed(
+    nursery: trio.Nursery, source: Source, listed: list[Identity], extra: Identity, relays: dict[str, tuple[str, int]]
+) -> tuple[DataServer, dict[str, DataServer]]:
+    """`serve_version` for `listed` and `extra`, the `listed` ones handed out as relays (in
+    `relays`, the source's table); `extra` is not listed: it dials the others."""
+    learner, servers = await serve_version(nursery, source, [*listed, extra])
+    for p in listed:
+        relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
+    return learner, servers
+
+
 async def fetch_and_serve(server: DataServer, learner: DataServer, results: dict[str, bytes], rate: float = 0) -> None:
     """Fetch version 7 through `server` (reading at `rate` B/s, 0: as fast as it comes), record it
     in `results`, then serve the others until cancelled."""
@@ -579,9 +590,7 @@ def test_a_neighbour_that_trickles_does_not_hold_the_others_to_its_pace() -> Non
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            learner, servers = await serve_version(nursery, source, [*honest, trickler])
-            for p in honest:
-                relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
+            learner, servers = await serve_listed(nursery, source, honest, trickler, relays)
 
             with trio.fail_after(60):
                 async with trio.open_nursery() as inner:
@@ -664,9 +673,7 @@ def test_a_member_that_dials_late_and_reads_slowly_is_caught_up_at_its_pace() ->
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            learner, servers = await serve_version(nursery, source, [*honest, late])
-            for p in honest:
-                relays[p.peer_id] = ("127.0.0.1", servers[p.peer_id].port)
+            learner, servers = await serve_listed(nursery, source, honest, late, relays)
 
             with trio.fail_after(60):
                 async with trio.open_nursery() as inner:
