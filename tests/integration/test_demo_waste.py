@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-BLAMELESS = {"stale", "copied", "duplicate", "overload", "no_signal"}  # none is a strike (intake.py)
+# None is a strike (intake.py); `unchecked` is the learner's own checker out of room on a loaded machine.
+BLAMELESS = {"stale", "copied", "duplicate", "overload", "no_signal", "unchecked"}
 
 
 def test_the_demo_drops_at_most_five_percent_of_what_it_received_as_stale(tmp_path: Path) -> None:
