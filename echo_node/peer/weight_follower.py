@@ -170,6 +170,9 @@ class WeightFollower:
         # The download in flight (its target and cancel scope) and its receiver's progress:
         # (receiver, pieces missing, when that last changed).
         self._fetching: tuple[Target, trio.CancelScope] | None = None
+        # How the last download went (handshake to verified; its pieces by how they came), for
+        # the `installed` record.
+        self._download: dict[str, object] = {}
         self._progress: tuple[Receiver, int, float] | None = None
         # Weight bytes sent to other peers: by receivers done relaying, and by those still at it.
         self._relayed_done = 0
@@ -272,6 +275,7 @@ class WeightFollower:
             self._renumber(target)
             return
         self.release_pages()  # what relaying or the last install mapped in: back to the page cache
+        self._download = {}
         got: tuple[memoryview, mmap.mmap] | None = None
         delta = False
         with trio.fail_after(FETCH_TIMEOUT_S), trio.CancelScope() as scope:
@@ -293,7 +297,8 @@ class WeightFollower:
         if self.metrics is not None:
             self.metrics.write({"event": "installed", "version": target.version, "wall": time.time(), "bytes": target.size,
                                 "fetch_s": round(time.monotonic() - t0, 4), "delta": delta, "sha256": target.sha256.hex(),
-                                "epoch": target.epoch, "announced": self.announced, "relayed_bytes": self.bytes_relayed()})
+                                "epoch": target.epoch, "announced": self.announced, "relayed_bytes": self.bytes_relayed(),
+                                **self._download})
 
     def _renumber(self, target: Target) -> None:
         """`target` names the weights this peer holds (verified by their digest): they go on
@@ -414,6 +419,7 @@ class WeightFollower:
         until it is K versions old."""
         # The handshake runs outside the links' nursery, so its errors (Unavailable, a bad
         # manifest) reach the caller as themselves, not wrapped in an exception group.
+        t0 = time.monotonic()
         manifest, stream = await open_version(
             self.data,
             learner_id=self.session.learner.peer_id,
@@ -446,6 +452,8 @@ class WeightFollower:
                         into=buf,
                     )
                     self._note_reachability(receiver.reachable)
+                    self._download = {"receive_s": round(time.monotonic() - t0, 4), "pieces": dict(receiver.stats.pieces),
+                                      "asked_more": receiver.stats.asked_more}
                     self.served.add(target.version, scope)
                     served = True
                     self._prune()  # the version no longer served: its payload goes

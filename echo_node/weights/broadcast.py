@@ -133,7 +133,7 @@ SEND_BUFFER_BYTES = 256 * 1024
 # read into a huge buffer costs several times more.
 MIN_READ_BYTES = 64 * 1024
 MAX_READ_BYTES = 512 * 1024
-ENDGAME_QUIET_S = 0.1  # (SourcePull rule 4)
+ENDGAME_QUIET_S = 0.01  # (SourcePull rule 4: the endgame's repair waits only this long)
 # No new piece for this long, whatever the source says: repair from whoever has what we lack.
 STALL_S = 3.0
 # An inbound data connection must deliver its signed hello within this (a dialer sends it right
@@ -180,6 +180,11 @@ class Stats:
     bytes_up: int = 0
     bytes_down: int = 0
     bad_pieces: dict[str, int] = field(default_factory=dict)
+    # A receiver's verified pieces by how they came: "next" (the source's answer, ours to
+    # relay), "direct" (its spare uplink), "repair" (its answer to our `get`), "peers"; and
+    # "duplicate" for copies already held. For the `installed` record: where a download's time went.
+    pieces: Counter[str] = field(default_factory=Counter)
+    asked_more: int = 0  # `more` requests sent
 
 
 def encode_frame(frame: Frame) -> bytes:
@@ -753,6 +758,8 @@ class Receiver:
         if not from_source:
             self.swarm.peer_has(link.remote, [index])
         asked = from_source and index in self._asked_source
+        kind = "peers" if not from_source else "direct" if direct else "repair" if asked else "next"
+        self.stats.pieces[kind if new else "duplicate"] += 1
         if not direct:
             self._asked_source.discard(index)  # one answer per `get`: a later copy is a `next`'s
         if self.pull.piece(from_source=from_source, new=new, now=now, asked=asked, direct=direct):
@@ -793,6 +800,7 @@ class Receiver:
         now = trio.current_time() if started else 0.0
         for _ in range(0 if self.store.complete else self.pull.mores(backlog, drain_s, now)):
             source.send(More())
+            self.stats.asked_more += 1
 
     @staticmethod
     def _pacing(relays: list[Link]) -> list[Link]:

@@ -23,11 +23,15 @@ Rules (each is a test in tests/unit/test_protocol_relay.py):
    whoever has them (`PieceSwarm`); from then on the receiver wakes at the swarm's deadlines,
    and at least every quiet period. At the end the last pieces trickle in from the relays'
    queues at their uplinks' pace while the source has spare uplink, so the quiet period is
-   short (0.1 s, was 0.5: simulated, 8 peers at 10/100 Mbit/s 1.13x -> 1.07x the bound, 3 peers
-   at 20/100 and 14 pieces 2.7x -> 2.0x). Not none at all: repairing at once on "none" did
-   better still in the simulator (1.07x, 1.40x), but on loopback, a version every 0.13 s, the
-   peers' `get`s to the learner piled up unread and the learner cut them as peers that ask
-   without reading (tests/integration/test_swarm.py).
+   short: 10 ms (the broadcast's I/O layer sets it). Each relayed piece that arrives resets it,
+   and on home uplinks relayed pieces trickle in for the whole tail: at 0.1 s, 3 peers at 20/100
+   Mbit/s with a 1 Gbit/s source and 14 pieces took 2.1x the bound in the simulator, 1.5x at
+   10 ms (10 such peers 2.7x -> 1.8x; 30 peers and 64 MiB 1.14x -> 1.05x; symmetric links
+   unchanged). The source's queue is empty by then and its uplink idle; a repair it answers
+   costs a duplicate where the relay's copy lands too (1.00 -> 1.06 copies from the learner on
+   symmetric links, live). Repairs could once pile up unanswered at the learner and get honest
+   peers cut as asking without reading (tests/integration/test_swarm.py); the learner now
+   counts only answers against that bound, and a peer keeps few `get`s outstanding.
 5. More: while this peer's uplink is busy relaying (its first relay still going
    `first_relay_s` after it started, or, once the uplink is measured, a relay queue that drains
    in `direct_drain_s` or more) and the source is not empty, keep up to `direct_pipeline`

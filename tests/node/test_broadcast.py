@@ -159,6 +159,13 @@ def test_all_peers_go_live_and_the_learner_uploads_about_one_copy() -> None:
     # A star would upload three full copies; here each piece leaves the learner about once.
     assert source.stats.bytes_up < 1.2 * len(PAYLOAD)
     assert sum(r.stats.bytes_up for r in receivers.values()) >= 1.5 * len(PAYLOAD)
+    # Each receiver counts every piece once as new, by how it came (the `installed` record's
+    # breakdown); first copies from the learner are what the peers relayed to each other.
+    for r in receivers.values():
+        new = {k: n for k, n in r.stats.pieces.items() if k != "duplicate"}
+        assert set(new) <= {"next", "direct", "repair", "peers"} and sum(new.values()) == MANIFEST.num_pieces, r.stats.pieces
+    nexts = sum(r.stats.pieces["next"] for r in receivers.values())
+    assert nexts >= MANIFEST.num_pieces // 2 and sum(r.stats.pieces["peers"] for r in receivers.values()) >= nexts
 
 
 def test_a_peer_nobody_can_dial_dials_the_others_and_still_relays() -> None:
