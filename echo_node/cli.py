@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from echo_node.stopping import Stopped, raise_stopped, run_until_signal, signal_name, signals_deferred
 
@@ -460,12 +460,31 @@ def _cmd_learn(args: argparse.Namespace) -> int:
         cfg.model.device = "cpu"
         if dist.rank > 0:
             cfg.warmup.enabled = False
-            return _follow_learner(cfg, dist)
+            _exit_without_finalizing(_follow_learner(cfg, dist))
     try:
-        return _lead_learner(args, cfg, dist)
+        status = _lead_learner(args, cfg, dist)
     finally:
         if dist is not None:
             torch.distributed.destroy_process_group()
+    if dist is not None:
+        _exit_without_finalizing(status)
+    return status
+
+
+def _exit_without_finalizing(status: int) -> NoReturn:
+    """End a torchrun rank whose work is done and durable. Interpreter finalization after a gloo
+    process group sometimes aborts the process (SIGABRT, "terminate called without an active
+    exception": gloo's worker threads release tensors whose release needs the GIL of an
+    interpreter being torn down), and torchrun then reports a clean stop as a crash. Metrics
+    lines are flushed as written and checkpoints and the journal are synced, so skipping
+    finalization loses nothing; logs and stdout are flushed here."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 def _log_device_choice(device: str, dtype: str | None) -> None:
