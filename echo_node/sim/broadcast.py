@@ -20,7 +20,10 @@ How `Receiver` and `Source` are mirrored, event by event:
   "none") `SourcePlan.direct` names for the members with nothing queued towards them. The live
   link's queue empties only as fast as its peer takes bytes in; here a member counts as idle
   when nothing is queued for it on the learner's uplink and its downlink has delivered all it
-  was given (else the learner looks again when it has).
+  was given (else the learner looks again when it has). While untouched pieces remain it looks
+  every SOURCE_IDLE_S whether its uplink holds anything for anyone, and after two empty looks
+  in a row credits every peer (`SourcePlan.idle`), as `Source._watch_idle` does; a piece counts
+  as queued until it has left the uplink (the live one also asks the kernel for unsent bytes).
 - A receiver connects one round trip after it joins (hello, then manifest and peer list). Its
   links: one to the learner and one to every other connected member of this version (the
   learner's `peers` frames make a full mesh), except pairs where one side bans the other.
@@ -69,6 +72,7 @@ from echo_node.weights.broadcast import (
     LINK_QUEUE_MIN_BYTES,
     LINK_QUEUE_PIECES,
     SOURCE_PIPELINE,
+    SOURCE_IDLE_S,
     STALL_S,
     Receiver,
 )
@@ -153,6 +157,8 @@ class SimSource:
         # once (SourcePlan rule 3), so the pair names the send.
         self.directs: set[tuple[str, int]] = set()
         self.timer_at = math.inf
+        self.watching = False
+        self.idle_credits = 0
 
     def on_next(self, r: SimReceiver) -> None:
         if not (self.connected and r.connected) or not self.bc.answer_allowed(self, r):
@@ -216,6 +222,26 @@ class SimSource:
         if at == self.timer_at:
             self.timer_at = math.inf
             self.fill()
+
+    def start_watch(self) -> None:
+        """`Source._start_watch`: the idle watch (SourcePlan rule 4) runs while untouched pieces remain."""
+        if not self.watching and self.connected and self.plan.queue:
+            self.watching = True
+            self.bc.loop.at(self.bc.loop.now + SOURCE_IDLE_S, self._watch, False)
+
+    def _watch(self, idle_before: bool) -> None:
+        """`Source._watch_idle`: credit every peer when nothing was queued on the uplink at two
+        looks SOURCE_IDLE_S apart. (The uplink here has no kernel buffer: a piece counts as
+        queued until it has left.)"""
+        if not (self.connected and self.plan.queue and self.bc.linked):
+            self.watching = False
+            return
+        idle = not any(self.links.count.get(r.id, 0) for r in self.bc.linked)
+        if idle and idle_before:
+            self.idle_credits += len(self.plan.idle())
+            self.fill()
+            idle = False
+        self.bc.loop.at(self.bc.loop.now + SOURCE_IDLE_S, self._watch, idle)
 
     def on_piece(self, src: Endpoint, index: int) -> None:
         """A piece pushed to the source is of no use to it (as in `Source.serve`)."""
@@ -457,6 +483,7 @@ class SimBroadcast:
                 m.push(m.relaying, (r,))  # what r missed before its link existed
         self.linked.append(r)
         self.source.plan.join(r.id)
+        self.source.start_watch()
         r._refill()
         r._loop(now)
 

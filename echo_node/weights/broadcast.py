@@ -44,10 +44,12 @@ what to relay, when to repair) are `protocol.weights.relay.SourcePull`'s; which 
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import mmap
 import socket
+import struct
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncGenerator, Awaitable, Callable, Container, Mapping
@@ -156,6 +158,14 @@ SEND_CHUNK = 128 * 1024
 # the ACKs of a peer whose uplink is busy relaying wait behind its relays (0.2-1 s measured on
 # 10 Mbit/s uplinks), and a capped buffer would cap what the learner can send it.
 SOURCE_NOTSENT_LOWAT = 64 * 1024
+# The learner's uplink counts as idle (SourcePlan rule 4) when no link held bytes to send, in
+# its queue or unsent in the kernel, at two looks this far apart. It looks only while untouched
+# pieces remain, and a look stops at the first busy link: where the uplink is the bottleneck
+# that is the first one. 5 ms: past a hiccup between two sends, short against a version on
+# home links (0.3 s for the embedded model's).
+SOURCE_IDLE_S = 0.005
+# Linux's ioctl for the bytes a TCP socket holds that were not sent yet (SIOCOUTQNSD).
+_SIOCOUTQNSD = 0x894B
 # What a peer may make us queue towards it by asking (`get`, `next`, `more`) without reading:
 # beyond this many bytes, it is disconnected rather than buffered. An honest peer has at most
 # SOURCE_PIPELINE `next` + 4 repair `get`s (PieceSwarm's max_inflight_per_peer) + 2 `more`
@@ -514,6 +524,11 @@ class Source:
         self.gate.set()
         self.swarm: dict[str, tuple[str, int]] = {}
         self._links: dict[str, Link] = {}
+        # Each link's nursery: the idle watch (SourcePlan rule 4) runs in one of them, and moves
+        # to another when that link ends.
+        self._nurseries: dict[str, trio.Nursery] = {}
+        self._watch_in: str | None = None
+        self.idle_credits = 0  # credits the idle rule gave (statistics)
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         if hello.sender not in self.members:
@@ -534,7 +549,9 @@ class Source:
                 other.send(Peers((entry,)))
             self.swarm[hello.sender] = (host, port)
             self._links[hello.sender] = link
+            self._nurseries[hello.sender] = nursery
             self.plan.join(hello.sender)
+            self._start_watch()
             try:
                 await self.gate.wait()
                 async with aclosing(link.frames()) as frames:
@@ -552,14 +569,42 @@ class Source:
                 misbehaved = exc
             finally:
                 self._links.pop(hello.sender, None)
+                self._nurseries.pop(hello.sender, None)
                 self.swarm.pop(hello.sender, None)
                 self.plan.leave(hello.sender)
                 link.close()
                 nursery.cancel_scope.cancel()
+                if self._watch_in == hello.sender:
+                    self._watch_in = None
+                    self._start_watch()
             if link.stalled:
                 misbehaved = RemoteProtocolError(f"{hello.sender} does not read what it asked for")
         if misbehaved is not None:
             raise Misbehaved(f"{hello.sender}: {misbehaved}")
+
+    def _start_watch(self) -> None:
+        """Run the idle watch in some link's nursery, unless it runs or has nothing to do."""
+        if self._watch_in is None and self.plan.queue and self._nurseries:
+            peer, nursery = next(iter(self._nurseries.items()))
+            self._watch_in = peer
+            nursery.start_soon(self._watch_idle, peer)
+
+    async def _watch_idle(self, peer: str) -> None:
+        """SourcePlan rule 4: while untouched pieces remain, credit every peer when the uplink
+        had nothing to send at two looks SOURCE_IDLE_S apart."""
+        idle_before = False
+        try:
+            while self.plan.queue and self._watch_in == peer:
+                await trio.sleep(SOURCE_IDLE_S)
+                idle = self.gate.is_set() and not any(link.queued_bytes or _unsent(link.stream) for link in self._links.values())
+                if idle and idle_before:
+                    self.idle_credits += len(self.plan.idle())
+                    self._fill()
+                    idle = False
+                idle_before = idle
+        finally:
+            if self._watch_in == peer:
+                self._watch_in = None
 
     def _send_next(self, link: Link) -> None:
         index = self.plan.next(link.remote)
@@ -579,7 +624,7 @@ class Source:
 
     def _fill(self) -> None:
         """Direct pieces for the peers that asked `more` and whose links have nothing queued
-        (SourcePlan rule 2), or "none" when there is nothing more for them (rule 4)."""
+        (SourcePlan rule 2), or "none" when there is nothing more for them (rule 5)."""
         if not self.gate.is_set():
             return
         idle = [peer for peer, link in self._links.items() if not link.queued_bytes and self.plan.wants(peer)]
@@ -587,6 +632,16 @@ class Source:
             link = self._links[peer]
             data = None if index is None else self.store.get(index)
             link.send(NoMore() if data is None else Direct(index, data), _SENT)  # type: ignore[arg-type]
+
+
+def _unsent(stream: trio.abc.Stream) -> int:
+    """Bytes a TCP stream's kernel buffer holds that were not sent yet (0 for other streams)."""
+    if not isinstance(stream, trio.SocketStream):
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(stream.socket.fileno(), _SIOCOUTQNSD, b"\0" * 4))[0])
+    except OSError:
+        return 0
 
 
 class Misbehaved(RemoteProtocolError):

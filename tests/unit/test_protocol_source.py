@@ -35,6 +35,24 @@ def test_no_direct_piece_without_a_more_or_an_opened_piece_to_finish() -> None:
     assert plan.direct(["a", "b"]) == []
 
 
+def test_an_idle_uplink_credits_every_peer_without_a_credit_while_untouched_pieces_remain() -> None:
+    plan = plan_with(["a", "b", "c"], num_pieces=4)
+    plan.more("a")
+    plan.more("a")
+    assert sorted(plan.idle()) == ["b", "c"]  # a holds credits already: not topped up
+    assert sorted(p for p, _ in plan.direct(["a", "b", "c"])) == ["a", "b", "c"]
+    assert plan.idle() == ["b", "c"]  # b's and c's credits were spent; a still holds one
+    # Nothing untouched left (handed to relays or opened): no credit, whatever the idleness.
+    while plan.next("a") is not None:
+        pass
+    assert plan.idle() == [] and all(i is None or i < 4 for _, i in plan.direct(["a", "b", "c"]))
+    # Credits never lift the one-copy-per-link rule: a peer linked all along is sent each piece once.
+    for _ in range(10):
+        plan.idle()
+        plan.direct(["b"])
+    assert plan.held("b") <= 4
+
+
 def test_only_idle_links_get_a_direct_piece_one_each() -> None:
     plan = plan_with(["a", "b"])
     for _ in range(3):
