@@ -230,9 +230,9 @@ class SimSource:
             self.bc.loop.at(self.bc.loop.now + SOURCE_IDLE_S, self._watch, False)
 
     def _watch(self, idle_before: bool) -> None:
-        """`Source._watch_idle`: credit every peer when nothing was queued on the uplink at two
-        looks SOURCE_IDLE_S apart. (The uplink here has no kernel buffer: a piece counts as
-        queued until it has left.)"""
+        """`Source._watch_idle`: credit every peer when no link had anything queued on the
+        uplink at two looks SOURCE_IDLE_S apart. (The uplink here has no kernel buffer: a piece
+        counts as queued until it has left.)"""
         if not (self.connected and self.plan.queue and self.bc.linked):
             self.watching = False
             return

@@ -536,6 +536,57 @@ def test_a_peer_that_claims_to_lack_everything_gets_one_copy_from_the_learner_at
     assert source.stats.bytes_up < (2 + 1.2) * len(PAYLOAD)
 
 
+def test_an_idle_learner_sends_a_peer_direct_pieces_it_never_asked_for_each_once() -> None:
+    """SourcePlan rule 4: a peer that only completes its hello and reads asks neither `next` nor
+    `more`; the learner's uplink idles while the whole queue is untouched, so it credits the
+    peer and sends it the version in direct pieces, each piece once."""
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, {PEERS[0].peer_id}, {})
+    received: list[int] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner, servers = await serve_version(nursery, source, PEERS[:1])
+            _, stream = await open_version(
+                servers[PEERS[0].peer_id], learner_id=LEARNER.peer_id, host="127.0.0.1", port=learner.port, version=7
+            )
+            reader = LengthPrefixedReader(max_len=MAX_WIRE_FRAME)
+            with trio.fail_after(20):
+                async with stream:
+                    while True:
+                        while (data := reader.next_message()) is not None:
+                            frame = decode_frame(data, num_pieces=MANIFEST.num_pieces, from_source=True)
+                            assert not isinstance(frame, Piece)  # nothing was asked: no answers
+                            if isinstance(frame, Direct):
+                                received.append(frame.index)
+                        if len(received) >= MANIFEST.num_pieces:
+                            break
+                        reader.feed(await stream.receive_some(1 << 16))
+                    await trio.sleep(0.1)  # nothing more comes: the queue is spent
+                    assert reader.next_message() is None
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sorted(received) == list(range(MANIFEST.num_pieces))
+    assert source.idle_credits >= 1 and not source.plan.queue
+
+
+def test_the_uplink_is_idle_only_when_no_link_holds_bytes_to_send() -> None:
+    """SourcePlan rule 4 looks at every link: a link that holds bytes (a slow reader's) keeps
+    the rule off, and the broadcast runs on `more` as it would without it."""
+    members = {p.peer_id for p in PEERS}
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, members, {})
+
+    async def main() -> None:
+        for peer in sorted(members):
+            stream = trio.testing.memory_stream_pair()[0]
+            source._links[peer] = Link(stream, peer, source.stats, num_pieces=MANIFEST.num_pieces, piece_size=PIECE)
+        assert source._uplink_idle()
+        next(iter(source._links.values())).queued_bytes = PIECE
+        assert not source._uplink_idle()
+
+    trio.run(main)
+
+
 async def serve_listed(
     nursery: trio.Nursery, source: Source, listed: list[Identity], extra: Identity, relays: dict[str, tuple[str, int]]
 ) -> tuple[DataServer, dict[str, DataServer]]:
