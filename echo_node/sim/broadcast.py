@@ -71,8 +71,8 @@ from echo_node.weights.broadcast import (
     LAGGARD_PIECES,
     LINK_QUEUE_MIN_BYTES,
     LINK_QUEUE_PIECES,
-    SOURCE_PIPELINE,
     SOURCE_IDLE_S,
+    SOURCE_PIPELINE,
     STALL_S,
     Receiver,
 )

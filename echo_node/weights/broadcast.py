@@ -160,9 +160,8 @@ SEND_CHUNK = 128 * 1024
 SOURCE_NOTSENT_LOWAT = 64 * 1024
 # The learner's uplink counts as idle (SourcePlan rule 4) when no link held bytes to send, in
 # its queue or unsent in the kernel, at two looks this far apart. It looks only while untouched
-# pieces remain, and a look stops at the first busy link: where the uplink is the bottleneck
-# that is the first one. 5 ms: past a hiccup between two sends, short against a version on
-# home links (0.3 s for the embedded model's).
+# pieces remain, and a look stops at the first busy link. 5 ms: past a hiccup between two
+# sends, short against a version on home links (0.3 s for the embedded model's).
 SOURCE_IDLE_S = 0.005
 # Linux's ioctl for the bytes a TCP socket holds that were not sent yet (SIOCOUTQNSD).
 _SIOCOUTQNSD = 0x894B
