@@ -202,7 +202,7 @@ class _Receiver:
             if self.ex.complete:
                 self.done_at = v.loop.now
                 v.done += 1
-                v.pending -= 1
+                v.finished()
         else:
             v.duplicates += 1
             if sid == LEARNER_ID:
@@ -249,6 +249,13 @@ class _Version:
         self.pending = 0  # connected receivers that lack pieces
         self.published_at = sim.loop.now
         self.seed = _Seed(self, sim.learner)
+
+    def finished(self) -> None:
+        """A connected receiver that lacked pieces holds them all now: the version is over once
+        none lacks any (a leave only counts down: its churn event may bring a newcomer)."""
+        self.pending -= 1
+        if not self.pending:
+            self.loop.halt()
 
     def piece_bytes(self, index: int) -> int:
         return self._last if index == self.num_pieces - 1 else self.piece_size
@@ -397,7 +404,8 @@ class MeshSim:
         deadline = start + timeout_factor * bound
         if self.churn_per_hour > 0:
             self._schedule_churn(v, deadline)
-        self.loop.run(until=deadline, stop=lambda: v.pending == 0)
+        if v.pending:
+            self.loop.run(until=deadline)
         seconds = _until_all([r.done_at for pid, r in v.receivers.items() if pid in members and r.connected], start)
         last = _until_all([r.done_at for r in v.receivers.values() if r.connected], start)
         # What is still queued for this version goes: the next starts on idle links.
@@ -438,9 +446,10 @@ class MeshSim:
         pool = self.spare or self.gone
         if pool:
             new = pool.pop(self.rng.randrange(len(pool)))
-            if new[0] in self.nodes:
-                return
-            self.join(*new)
+            if new[0] not in self.nodes:
+                self.join(*new)
+        if self.current is not None and not self.current.pending:
+            self.loop.halt()
 
     def _draw_node(self) -> str:
         keys = list(self.nodes)

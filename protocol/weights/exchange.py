@@ -5,8 +5,11 @@ the learner chose (protocol/weights/overlay.py), announces every piece it verifi
 (`have`), and asks them for what it lacks; the learner pushes pieces to its own bounded set.
 
 Receiver rules (`Exchange`; tests in tests/unit/test_protocol_exchange.py):
-1. Announcements: `has(peer, index)` records that a neighbour holds a piece; `availability` of
-   a piece is the number of neighbours that announced it.
+1. Announcements: `has(peer, index)` records that a neighbour holds a piece we lack;
+   `availability` of a piece we lack is the number of neighbours that announced it. An
+   announcement of a piece we hold is not recorded: no rule reads who else holds it, and most
+   announcements a peer hears are of pieces it already holds (each piece is announced to all k
+   neighbours), so this is most of the cost of a version at scale.
 2. Order: the first `random_first` pieces are asked at random among what a neighbour offers
    (so neighbours that start together hold different pieces to trade); after that, rarest
    first, approximated cheaply: of `sample` random candidates the neighbour offers, the one the
@@ -131,12 +134,10 @@ class Exchange:
     def has(self, peer: str, index: int) -> bool:
         """`peer` announced `index`; True if it is worth asking it now (we lack the piece)."""
         nb = self._n.get(peer)
-        if nb is None or nb.has[index]:
+        if nb is None or self.have[index] or nb.has[index]:
             return False
         nb.has[index] = 1
         self.availability[index] += 1
-        if self.have[index]:
-            return False
         nb.offer.append(index)
         return len(nb.inflight) < self.pipeline
 
@@ -149,12 +150,11 @@ class Exchange:
         held, avail, have, offer = nb.has, self.availability, self.have, nb.offer
         useful = False
         for index in indices:
-            if not held[index]:
+            if not (have[index] or held[index]):
                 held[index] = 1
                 avail[index] += 1
-                if not have[index]:
-                    offer.append(index)
-                    useful = True
+                offer.append(index)
+                useful = True
         return useful and len(nb.inflight) < self.pipeline
 
     def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
