@@ -81,7 +81,7 @@ from pathlib import Path
 from typing import Any
 
 from echo_node.sim import MBIT, PeerSpec, SwarmConfig, SwarmResult, draw_peers, population, run_swarm
-from echo_node.sim.mesh import MeshResult, MeshSim
+from echo_node.sim.mesh import MeshResult, MeshSim, VersionResult
 from protocol.capacity import choose_kappa, mu_min
 
 IDLE_FACTORS = (0.5, 0.8, 1.0, 1.2, 2.0)
@@ -185,7 +185,14 @@ def mesh_run(n: int, model_mib: int, versions: int, seed: int, *, churn_per_hour
         return (p.peer_id, p.down, up, p.lat)
     rows = [row(p) for p in specs]
     sim = MeshSim(1000 * MBIT, rows[:n], size_bytes=model_mib << 20, churn_per_hour=churn_per_hour, spare=rows[n:], seed=seed)
-    return sim.run(versions)
+    label = f"mesh n={n}" + (f" churn={churn_per_hour:g}/h" if churn_per_hour else "")
+
+    def progress(v: VersionResult) -> None:  # one line per version on stderr: a long run shows progress
+        print(json.dumps({"run": label, "version": v.version, "ratio": _round(v.ratio), "last_peer_ratio": _round(
+            None if v.last_s is None else v.last_s / v.bound_s), "learner_copies": _round(v.learner_copies, 2),
+            "cpu_s": _round(v.cpu_s, 1), "wall_s": _round(v.wall_s, 1)}), file=sys.stderr, flush=True)
+
+    return sim.run(versions, on_version=progress)
 
 
 def sim_mesh(args: argparse.Namespace) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo_node.sim.events import EventLoop
@@ -125,7 +126,8 @@ class _Receiver:
         self.ex.neighbour_up(other.id)
         other.ex.neighbour_up(self.id)
         for a, b in ((self, other), (other, self)):
-            b.ex.has_many(a.id, [i for i, held in enumerate(a.ex.have) if held])
+            if a.ex.count:  # at publication nobody holds anything: skip the scan of M flags
+                b.ex.has_many(a.id, [i for i, held in enumerate(a.ex.have) if held])
         self.ask(other)
         other.ask(self)
 
@@ -377,13 +379,24 @@ class MeshSim:
 
     # --- the run ------------------------------------------------------------------------------
 
-    def run(self, versions: int, *, max_wall_s: float = math.inf, timeout_factor: float = 10.0) -> MeshResult:
+    def run(
+        self,
+        versions: int,
+        *,
+        max_wall_s: float = math.inf,
+        timeout_factor: float = 10.0,
+        on_version: Callable[[VersionResult], None] | None = None,
+    ) -> MeshResult:
+        """Publish `versions` versions one after another; `on_version` hears each as it ends
+        (a 10,000-peer version takes minutes: a caller shows progress with it)."""
         result = MeshResult()
         started, cpu = time.perf_counter(), time.process_time()
         for version in range(versions):
             if time.perf_counter() - started > max_wall_s:
                 break
             result.versions.append(self._one(version, timeout_factor))
+            if on_version is not None:
+                on_version(result.versions[-1])
             # Between versions the learner rewires a few links and rotates its own set.
             self.overlay.rotate(int(self.rotate_share * len(self.overlay.links())), now=self.loop.now)
             self.overlay.rotate_source(self.source_rotate)
