@@ -46,4 +46,6 @@ class DropReason(enum.StrEnum):
     NO_SIGNAL = "no_signal"  # admitted, but no group of its batch had reward variance: nothing to train
     UNUSED_AT_EXIT = "unused_at_exit"  # admitted, but still buffered when the learner stopped
     BAD_EPISODE = "bad_episode"  # an observation or reward the environment, re-run on the actions, does not give
-    ENV_FAILED = "env_failed"  # the learner's re-run of the environment raised or overran its time (nobody's fault)
+    ENV_FAILED = "env_failed"  # the learner's re-run of the environment raised or answered malformed (nobody's fault)
+    ENV_TIMEOUT = "env_timeout"  # the learner's re-run of the environment overran its time (nobody's fault)
+    ENV_UNAVAILABLE = "env_unavailable"  # not re-run: the learner's environment threads are hung, or the publisher's last re-runs hung it

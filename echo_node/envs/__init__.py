@@ -19,9 +19,11 @@ Rules an environment keeps (the learner depends on them):
   and checks every answer and the return (echo_node/envs/verify.py). One instance serves one
   episode; a new episode gets a new instance. No wall clock, no global RNG, no I/O that can
   answer differently. One that cannot promise this sets `deterministic = False` and runs only
-  when the operator marks it untrusted-only (`[env] untrusted_only`, a private swarm).
-- Bounded: a reset or step that takes longer than `[env] step_timeout_s` ends its episode (its
-  group is dropped and counted), an exception likewise; neither ends the node.
+  when the operator marks it untrusted-only (`[env] untrusted_only`, a private swarm): then the
+  learner does not re-run it and checks only what needs no environment (echo_node/envs/verify.py).
+- Bounded: a constructor, reset or step that takes longer than `[env] step_timeout_s` ends its
+  episode (its group is dropped and counted), an exception likewise; neither ends the node
+  (echo_node/envs/bounded.py).
 
 Registration mirrors `[task]`: `[env] name` is a built-in ("calc") or "module:Class" imported
 from the node's own Python path, `[env.options]` its keyword arguments. A run spec carries only
@@ -100,8 +102,11 @@ def check_message(obj: object) -> Message:
     if not isinstance(obj, Mapping) or set(obj) != {"role", "content"}:
         raise EnvError(f"an observation is {{'role', 'content'}}, got {str(obj)[:80]!r}")
     role, content = obj["role"], obj["content"]
-    if role not in ROLES or not isinstance(content, str):
-        raise EnvError(f"an observation's role is one of {ROLES} and its content a str, got {role!r}")
+    # Exactly str, not a subclass: the node compares and renders these outside the bounded call,
+    # where a plug-in's own methods (an __eq__ that hangs) must not run.
+    if type(role) is not str or role not in ROLES or type(content) is not str:
+        raise EnvError(f"an observation's role is one of {ROLES} and its content a str, got a {type(role).__name__} role "
+                       f"({role if type(role) is str else '?'!r:.40}) and a {type(content).__name__} content")
     if len(content) > MAX_CONTENT_CHARS:
         raise EnvError(f"an observation of {len(content)} characters, above {MAX_CONTENT_CHARS}")
     return Message(role=role, content=content)
@@ -117,7 +122,8 @@ def check_step(obj: object) -> Step:
     if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
         raise EnvError(f"Step.reward is a finite number, got {str(reward)[:40]!r}")
     observation = None if obj.done else check_message(obj.observation)
-    return Step(observation, float(reward), obj.done, obj.info)
+    # `info` is the environment's own (Gymnasium's); the node keeps none of it.
+    return Step(observation, float(reward), obj.done)
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,6 +266,15 @@ def probe_transcript(factory: Callable[[], Env], seed: int, actions: Sequence[st
     return out
 
 
+def _reward_range(name: str, declared: object) -> tuple[float, float]:
+    if (
+        isinstance(declared, (tuple, list)) and len(declared) == 2
+        and all(type(x) in (int, float) and math.isfinite(x) for x in declared) and declared[0] <= declared[1]
+    ):
+        return float(declared[0]), float(declared[1])
+    raise EnvError(f"env {name!r}: reward_range is (low, high), two finite numbers with low <= high")
+
+
 def load_env(cfg: RunConfig) -> EnvSpec:
     """The environment `[env]` names, checked: importable, constructible with its options,
     deterministic (declared and probed) unless untrusted-only. EnvError with the remedy."""
@@ -271,11 +286,18 @@ def load_env(cfg: RunConfig) -> EnvSpec:
     options = dict(e.options)
     try:
         json.dumps(options, sort_keys=True)
-        cls(**options)
     except TypeError as exc:
         raise EnvError(f"env {e.name!r}: [env.options] {sorted(options)} do not fit its class: {exc}") from None
-    except Exception as exc:  # the class's own checks of its options
-        raise EnvError(f"env {e.name!r}: cannot construct it with [env.options]: {type(exc).__name__}: {exc}") from None
+    from echo_node.envs.bounded import ENV_ERROR, call_bounded  # it builds on this module
+
+    # The constructor is the plug-in's code like reset and step: bounded the same way.
+    (made,) = call_bounded([lambda: cls(**options)], e.step_timeout_s)
+    if made.error is not None:
+        why = made.error.removeprefix(f"{ENV_ERROR}: ")
+        if why.startswith("TypeError"):
+            raise EnvError(f"env {e.name!r}: [env.options] {sorted(options)} do not fit its class: {why}")
+        raise EnvError(f"env {e.name!r}: cannot construct it with [env.options] (in step_timeout_s): {why}")
+    low, high = _reward_range(e.name, getattr(cls, "reward_range", (0.0, 1.0)))
     budgets = Budgets(max_turns=e.max_turns, turn_tokens=e.turn_tokens, episode_tokens=e.episode_tokens)
     source = None if e.name in builtins else _source_digest(cls)
     factory: Callable[[], Env] = lambda: cls(**options)  # noqa: E731  (one instance per episode)
@@ -286,8 +308,6 @@ def load_env(cfg: RunConfig) -> EnvSpec:
             "verify its episodes by a re-run. Mark it [env] untrusted_only = true for a private swarm"
         )
     if deterministic:
-        from echo_node.envs.bounded import call_bounded  # it builds on this module
-
         probe = list(getattr(cls, "probe_actions", ("0", "1", "")))
         for seed in (0, 1):
 
@@ -300,7 +320,6 @@ def load_env(cfg: RunConfig) -> EnvSpec:
                 raise EnvError(f"env {e.name!r} failed its load-time probe: {failed}")
             if runs[0].value != runs[1].value:
                 raise EnvError(f"env {e.name!r} declares itself deterministic but answered one seed's actions differently twice")
-    low, high = getattr(cls, "reward_range", (0.0, 1.0))
     eid = env_id(e.name, options, budgets, source)
     if len(eid) > MAX_ENV_ID:
         raise EnvError(f"env id {eid[:40]!r}... is longer than {MAX_ENV_ID} characters; use a shorter name")

@@ -11,21 +11,32 @@ publisher lies, as for rollout batches):
    per-turn version) or of a version it never published (unpublished_version); the group
    began on one version, the tag of every episode's first token (bad_episode otherwise),
    which the staleness rule judges (stale: no blame).
-4. The re-run (echo_node/envs/verify.py, every episode of the batch at once) with the seed of
-   the group's slot: the first 8 bytes of the slot digest of (run, publisher, version, seq,
-   index) (protocol/assignment.py), so a peer cannot choose its seeds. A forgery is bad_episode; the environment failing on the
-   learner is env_failed, blamed on nobody.
+4. The episodes against the runner's rules and, for a deterministic environment, the re-run
+   (echo_node/envs/verify.py, every episode of the batch at once) with the seed of the group's
+   slot: the first 8 bytes of the slot digest of (run, publisher, version, seq, index)
+   (protocol/assignment.py), so a peer cannot choose its seeds. A forgery in any group is
+   bad_episode. The environment failing on the learner is env_failed (raised or malformed),
+   env_timeout or env_unavailable (no free environment thread), blamed on nobody. An
+   untrusted-only environment is not re-run (it may answer the same actions differently): its
+   episodes pass on checks 1 to 3 and the runner's rules on their tokens, and the run's
+   allowlist (`net.allow_peers`) vouches for the rest.
 
 `blame` says whether the publisher earned a strike (the intake's ban ladder): a forgery does,
 staleness and the learner's own environment failures do not.
+
+`RerunCooldown` bounds what one publisher's batches can cost the learner in re-runs the
+environment fails: the publisher chose the actions the re-run plays, so it can choose ones on
+which the environment hangs, and the re-run holds the learner's intake.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo_node.envs import EnvSpec
+from echo_node.envs.bounded import ENV_ERROR, ENV_TIMEOUT, ENV_UNAVAILABLE, free_env_threads
 from echo_node.envs.format import EpisodeFormat
 from echo_node.envs.train import train_group
 from echo_node.envs.verify import verify_groups
@@ -37,7 +48,11 @@ from protocol.episodes import EpisodeBatch, check_budgets
 from protocol.errors import RemoteProtocolError
 from protocol.staleness import admissible
 
-_BLAMELESS = frozenset({DropReason.STALE, DropReason.ENV_FAILED, DropReason.WRONG_RUN, DropReason.UNSUPPORTED_SCHEMA})
+_ENV_DROPS = {ENV_ERROR: DropReason.ENV_FAILED, ENV_TIMEOUT: DropReason.ENV_TIMEOUT, ENV_UNAVAILABLE: DropReason.ENV_UNAVAILABLE}
+_BLAMELESS = frozenset({DropReason.STALE, DropReason.WRONG_RUN, DropReason.UNSUPPORTED_SCHEMA, *_ENV_DROPS.values()})
+# The longest cooldown of a publisher whose re-runs keep failing in the environment; a streak of
+# them is forgotten once this long has passed since its cooldown ended.
+COOLDOWN_MAX_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,16 +125,61 @@ class EpisodeGate:
         return None
 
     def rerun(self, batch: EpisodeBatch, origin: str) -> Admission:
-        """Check 4, on a batch `judge` passed: the environment re-run on every episode (as long
-        as the environment takes: the learner runs it beside its loop, in a worker thread)."""
+        """Check 4, on a batch `judge` passed (as long as the environment takes, at most
+        `rerun_bound_s`: the learner runs it beside its loop, in a worker thread). Environment
+        calls left hung are charged to `origin`."""
+        if self.spec.deterministic and free_env_threads() < batch.num_samples:
+            return Admission(drop=DropReason.ENV_UNAVAILABLE, detail="every environment thread is taken (hung calls)", batch=batch)
         starts = [group_version([e.first_version for e in g.episodes]) for g in batch.groups]
         seeds = [prompt_draw(self.run_id, origin, start or 0, batch.seq, i) for i, start in enumerate(starts)]
-        verdicts = verify_groups(self.spec, self.fmt, list(zip(batch.groups, seeds)))
-        out: list[TrainGroup] = []
-        for i, (g, verdict) in enumerate(zip(batch.groups, verdicts)):
-            if verdict.bad is not None:
-                return Admission(drop=DropReason.BAD_EPISODE, detail=f"group {i}: {verdict.bad}", batch=batch)
+        verdicts = verify_groups(self.spec, self.fmt, list(zip(batch.groups, seeds)), owner=origin)
+        bad = next(((i, v.bad) for i, v in enumerate(verdicts) if v.bad is not None), None)
+        if bad is not None:
+            return Admission(drop=DropReason.BAD_EPISODE, detail=f"group {bad[0]}: {bad[1]}", batch=batch)
+        for i, verdict in enumerate(verdicts):
             if verdict.env_failed is not None:
-                return Admission(drop=DropReason.ENV_FAILED, detail=f"group {i}: {verdict.env_failed}", batch=batch)
-            out.append(train_group(g))
-        return Admission(groups=out, batch=batch)
+                drop = _ENV_DROPS.get(verdict.env_failed, DropReason.ENV_FAILED)
+                return Admission(drop=drop, detail=f"group {i}: {verdict.env_failed}", batch=batch)
+        return Admission(groups=[train_group(g) for g in batch.groups], batch=batch)
+
+    @property
+    def rerun_bound_s(self) -> float:
+        """The longest a re-run takes: a reset and `max_turns` steps, each bounded."""
+        return self.spec.step_timeout_s * (1 + self.spec.budgets.max_turns) if self.spec.deterministic else 0.0
+
+
+@dataclass(slots=True)
+class RerunCooldown:
+    """Which publishers' episode batches the learner re-runs now (pure; `now` in seconds).
+
+    A publisher whose batch's re-run failed in the environment (env_failed, env_timeout) is not
+    re-run again for a cooldown: `base_s` (the re-run's bound) after its first such failure,
+    doubling with each consecutive one, at most COOLDOWN_MAX_S; a re-run that completes (passed,
+    or judged) ends the streak. Nor is it re-run while any environment call its re-runs left
+    hung is still running. Its batches meanwhile are dropped as env_unavailable, without blame
+    (an honest peer's batch can meet a slow environment too). So the intake's time lost to one
+    publisher's failing re-runs is at most one bound per cooldown, a share that halves with
+    each failure in a row, and the threads it can leave hung are those of one batch.
+    """
+
+    base_s: float
+    _streak: dict[str, int] = field(default_factory=dict)
+    _until: dict[str, float] = field(default_factory=dict)
+
+    def refuses(self, origin: str, now: float, *, hung: int) -> bool:
+        """Whether `origin`'s batch is dropped unplayed (`hung`: its calls still hung)."""
+        return hung > 0 or now < self._until.get(origin, -math.inf)
+
+    def record(self, origin: str, drop: DropReason | None, now: float) -> float | None:
+        """A re-run of `origin`'s batch ended with `drop`: the cooldown it starts (None: none)."""
+        for peer in [p for p, until in self._until.items() if until + COOLDOWN_MAX_S < now]:
+            del self._until[peer], self._streak[peer]
+        if drop in (DropReason.ENV_FAILED, DropReason.ENV_TIMEOUT):
+            k = self._streak[origin] = self._streak.get(origin, 0) + 1
+            cooldown = min(COOLDOWN_MAX_S, self.base_s * 2.0 ** min(k - 1, 32))
+            self._until[origin] = now + cooldown
+            return cooldown
+        if drop is not DropReason.ENV_UNAVAILABLE:
+            self._streak.pop(origin, None)
+            self._until.pop(origin, None)
+        return None

@@ -3,8 +3,13 @@
 `run_groups` plays `group_size` episodes for each seed (GRPO's group: episodes of one
 (environment, seed)), all active episodes of all groups batched into one engine call per turn:
 
-1. Each episode gets its own environment instance; `reset(seed)` gives the first observation,
-   rendered by the run's format (echo_node/envs/format.py) into the group's prompt ids.
+1. Each episode gets its own environment instance (made in the bounded call, its constructor
+   being the plug-in's code too); `reset(seed)` gives the first observation, rendered by the
+   run's format (echo_node/envs/format.py) into the group's prompt ids. A deterministic
+   environment's resets of one seed agree (else it is failing: env_error). An untrusted-only
+   one's may not: the group's other episodes then play copies (`copy.deepcopy`) of its first
+   episode's environment, made right after its reset, so a group is always episodes of one
+   start; one that cannot be copied loses the group (env_error).
 2. A turn: the engine continues every active episode's tokens so far (first observation and
    all turns), up to the turn budget and what the episode budget has left. The engine re-runs
    the prefill on each call; a weight swap between or inside turns goes through its `swap` hook,
@@ -18,22 +23,24 @@
 
 An environment that raises, answers malformed, or overruns its time fails its episode, and the
 episode's group is dropped, counted by reason (`env_error`, `env_timeout`); nothing propagates
-to the caller. A thread stuck in a hung step cannot be killed: it is abandoned, and once
-`MAX_ABANDONED` of them are alive the runner refuses to run more (`EnvUnavailable`), so a hung
-environment costs bounded threads, never the peer.
+to the caller. A thread stuck in a hung call cannot be killed: it stays hung, and while hung
+ones take every place (echo_node/envs/bounded.py) a group's calls do not start and the group is
+dropped as `env_unavailable` at once, so a hung environment costs bounded threads, never the
+peer (which backs off: echo_node/peer/rollout_peer.py).
 
 The learner's re-run (echo_node/envs/verify.py) applies the same rules to the same tokens.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from echo_node.envs import Env, EnvError, EnvSpec, Message, Step, check_message, check_step
-from echo_node.envs.bounded import EnvUnavailable, call_bounded, reason_of
+from echo_node.envs.bounded import Outcome, call_bounded, reason_of
 from echo_node.envs.format import EpisodeFormat
 from protocol.episodes import Episode, EpisodeGroup, Turn
 from protocol.errors import LocalProtocolError
@@ -41,12 +48,12 @@ from protocol.errors import LocalProtocolError
 if TYPE_CHECKING:
     from echo_node.ml.engine import Engine, SwapHook
 
-__all__ = ["EnvUnavailable", "RunResult", "next_room", "run_groups"]
+__all__ = ["RunResult", "next_room", "run_groups"]
 
 
 @dataclass(slots=True)
 class _Episode:
-    env: Env
+    env: Env | None = None
     turns: list[Turn] = field(default_factory=list)
     used: int = 0
     reward: float = 0.0
@@ -63,12 +70,59 @@ class RunResult:
     dropped: Counter[str]
 
 
-def _checked_reset(env: Env, seed: int) -> Callable[[], Message]:
-    return lambda: check_message(env.reset(seed))
+def _made_and_reset(factory: Callable[[], Env], seed: int) -> Callable[[], tuple[Env, Message]]:
+    def call() -> tuple[Env, Message]:
+        env = factory()
+        return env, check_message(env.reset(seed))
+
+    return call
+
+
+def _copied(env: Env) -> Callable[[], Env]:
+    return lambda: copy.deepcopy(env)
 
 
 def _checked_step(env: Env, action: str) -> Callable[[], Step]:
     return lambda: check_step(env.step(action))
+
+
+def _env(e: _Episode) -> Env:
+    assert e.env is not None, "an episode steps only once its environment was made"
+    return e.env
+
+
+def _start_group(spec: EnvSpec, fmt: EpisodeFormat, group: list[_Episode], outs: list[Outcome[tuple[Env, Message]]]) -> list[int] | None:
+    """The group's prompt ids, each episode's environment set (step 1 of the module docstring);
+    None when the group fails, each episode's `failed` saying why."""
+
+    def fail(why: str) -> None:
+        for e in group:
+            e.failed = why
+
+    made: list[tuple[Env, Message]] = []
+    for o in outs:
+        if o.error is not None or o.value is None:
+            fail(o.error or "env_error: no answer")
+            return None
+        made.append(o.value)
+    first = made[0][1]
+    if any(m != first for _, m in made):
+        if spec.deterministic:
+            fail("env_error: reset(seed) answered differently for one seed")
+            return None
+        copies = call_bounded([_copied(made[0][0]) for _ in made[1:]], spec.step_timeout_s)
+        failed = next((c.error or "env_error: no copy" for c in copies if c.error is not None or c.value is None), None)
+        if failed is not None:
+            fail(failed)
+            return None
+        made = [made[0], *((c.value, first) for c in copies if c.value is not None)]
+    for e, (env, _) in zip(group, made):
+        e.env = env
+    try:
+        return fmt.first_ids(first)
+    except EnvError as exc:
+        fail(f"env_error: {exc}")
+        return None
 
 
 def next_room(used: int, model_turns: int, spec: EnvSpec) -> int:
@@ -92,29 +146,15 @@ def run_groups(
     swap: SwapHook | None = None,
     group_ids: Sequence[str] | None = None,
 ) -> RunResult:
-    """Play `group_size` episodes per seed (module docstring); raises only EnvUnavailable."""
+    """Play `group_size` episodes per seed (module docstring); never raises for what an
+    environment does."""
     dropped: Counter[str] = Counter()
-    episodes = [[_Episode(spec.factory()) for _ in range(group_size)] for _ in seeds]
+    episodes = [[_Episode() for _ in range(group_size)] for _ in seeds]
     flat = [e for g in episodes for e in g]
-    firsts = call_bounded([_checked_reset(e.env, s) for s, g in zip(seeds, episodes) for e in g], spec.step_timeout_s)
+    firsts = call_bounded([_made_and_reset(spec.factory, s) for s in seeds for _ in range(group_size)], spec.step_timeout_s)
     prompts: list[list[int] | None] = []
     for k, g in enumerate(episodes):
-        outs = firsts[k * group_size : (k + 1) * group_size]
-        errors = [o.error for o in outs if o.error]
-        prompt: list[int] | None = None
-        if errors:
-            for e in g:
-                e.failed = errors[0]
-        elif any(o.value != outs[0].value for o in outs):
-            for e in g:
-                e.failed = "env_error: reset(seed) answered differently for one seed"
-        else:
-            try:
-                prompt = fmt.first_ids(outs[0].value)  # type: ignore[arg-type]
-            except EnvError as exc:
-                for e in g:
-                    e.failed = f"env_error: {exc}"
-        prompts.append(prompt)
+        prompts.append(_start_group(spec, fmt, g, firsts[k * group_size : (k + 1) * group_size]))
     prompt_of = [prompts[k] for k, g in enumerate(episodes) for _ in g]
     turn = 0
     while True:
@@ -145,7 +185,7 @@ def run_groups(
             e.model_turns += 1
             actions.append(fmt.action_text(ids))
         stepping = [(i, a) for i, a in zip(active, actions) if flat[i].failed is None]
-        answers = call_bounded([_checked_step(flat[i].env, a) for i, a in stepping], spec.step_timeout_s)
+        answers = call_bounded([_checked_step(_env(flat[i]), a) for i, a in stepping], spec.step_timeout_s)
         for (i, _), out in zip(stepping, answers):
             e = flat[i]
             if out.error is not None or out.value is None:

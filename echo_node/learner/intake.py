@@ -60,7 +60,8 @@ from typing import Any, Protocol
 
 import trio
 
-from echo_node.envs.gate import EpisodeGate
+from echo_node.envs.bounded import hung_threads
+from echo_node.envs.gate import EpisodeGate, RerunCooldown
 from echo_node.learner.banlog import BanLog
 from echo_node.learner.journal import Journal
 from echo_node.learner.replay import ReplayBuffer
@@ -357,6 +358,10 @@ class RolloutIntake:
         self.journal = journal
         self.published = published
         self.episodes = episodes
+        # Whose episode batches are re-run now (echo_node/envs/gate.py); whether the last batch
+        # found every environment thread hung (logged once per spell).
+        self.rerun_cooldown = RerunCooldown(episodes.rerun_bound_s) if episodes is not None else None
+        self._env_exhausted = False
         # The learner's version when the tracker last forgot a publisher (see the module rules).
         self._forgot_at = -1
         # Messages seen missing from a publisher's sequence and never recovered by repair. They
@@ -630,13 +635,16 @@ class RolloutIntake:
             self.ingest(batch, origin)
 
     async def _admit_episodes(self, batch: EpisodeBatch, origin: str) -> None:
-        """Every episode batch is re-run in full (echo_node/envs/verify.py): no sample of
-        batches would do, since one fabricated observation is the whole lie. Then its model
-        tokens are spot-checked as a rollout batch's are (`Verifier.plan`). Both in a worker
-        thread under the spot lock, holding the intake like a probation check. A forgery gets
-        its publisher caught; the environment failing on the learner drops the batch with
-        nobody blamed (its seq was delivered)."""
-        assert self.episodes is not None
+        """Every episode batch of a deterministic environment is re-run in full
+        (echo_node/envs/verify.py): no sample of batches would do, since one fabricated
+        observation is the whole lie (an untrusted-only environment's get the runner's rules on
+        their tokens only). Then its model tokens are spot-checked as a rollout batch's are
+        (`Verifier.plan`). Both in a worker thread under the spot lock, holding the intake like
+        a probation check. A forgery gets its publisher caught. Whatever the environment does
+        on the learner (raises, hangs, takes every thread) drops the batch with nobody blamed
+        (its seq was delivered): env_failed, env_timeout or env_unavailable, the last also for
+        a publisher in its cooldown (`RerunCooldown`), whose batch is dropped without a re-run."""
+        assert self.episodes is not None and self.rerun_cooldown is not None
         buffer, current = self.buffer, self.version()
         if buffer.mode == "async" and all(admissible(g.min_version, current, buffer.staleness, "async") for g in batch.groups):
             # Stale before it is re-run: the buffer drops it as stale (no blame), unverified and
@@ -644,8 +652,12 @@ class RolloutIntake:
             # the demand split, so only a verified one may: it is re-run first.)
             self.ingest(batch, origin)
             return
+        if self.rerun_cooldown.refuses(origin, trio.current_time(), hung=hung_threads(origin)):
+            self.ingest(batch, origin, take=False, drop=DropReason.ENV_UNAVAILABLE)
+            return
         async with self._spot_lock:
             verdict = await trio.to_thread.run_sync(self.episodes.rerun, batch, origin)
+        self._env_health(verdict.drop, origin, trio.current_time(), verdict.detail)
         if verdict.drop is DropReason.BAD_EPISODE:
             self.buffer.reject(verdict.drop, batch.num_samples)
             if not self.peers.is_banned(origin):
@@ -664,6 +676,22 @@ class RolloutIntake:
         plan = self.verify.plan(batch) if self.verify is not None else None
         if plan is None or await self._passes(batch, origin, plan):
             self.ingest(batch, origin)
+
+    def _env_health(self, drop: DropReason | None, origin: str, now: float, detail: str) -> None:
+        """What a re-run's end says of the learner's environment: the publisher's cooldown, and
+        one WARNING when every environment thread is taken (an INFO once one is free again)."""
+        assert self.rerun_cooldown is not None
+        cooldown = self.rerun_cooldown.record(origin, drop, now)
+        if cooldown is not None:
+            log.info("the environment failed re-running %s's episodes (%s, %s): its batches are not re-run for %gs",
+                     origin, drop, detail, cooldown)
+        exhausted = drop is DropReason.ENV_UNAVAILABLE
+        if exhausted and not self._env_exhausted:
+            log.warning("every environment thread of this learner is taken by hung calls (%d hung): episode batches are "
+                        "dropped as env_unavailable until hung calls end", hung_threads())
+        elif self._env_exhausted and not exhausted:
+            log.info("environment threads are free again: episode batches are re-run")
+        self._env_exhausted = exhausted
 
     async def _check_beside(self, batch: RolloutBatch, origin: str, plan: SpotPlan) -> None:
         try:

@@ -39,6 +39,7 @@ import trio
 from echo_node.config import RunConfig
 from echo_node.durable import replace_durable
 from echo_node.envs import EnvSpec, peer_env
+from echo_node.envs.bounded import ENV_UNAVAILABLE, hung_threads
 from echo_node.envs.format import episode_format
 from echo_node.envs.peer import PlayedBatch, play_batch
 from echo_node.metrics import MetricsWriter
@@ -95,6 +96,12 @@ T = TypeVar("T")
 DEMAND_WAIT_S = 3.0
 # async: a peer whose weights are too old to make admissible rollouts looks for newer ones this often.
 WEIGHTS_POLL_S = 0.05
+# A peer whose environment had no free thread for any group of a batch (every thread pinned by
+# hung calls, echo_node/envs/bounded.py) plays again after this pause, doubled while it lasts
+# up to ENV_BACKOFF_MAX_S: hung calls end on their own time, and a batch tried meanwhile costs
+# nothing but its count.
+ENV_BACKOFF_S = 1.0
+ENV_BACKOFF_MAX_S = 60.0
 # A volunteer's status line in the log comes this often.
 STATUS_LINE_S = 30.0
 # An unpinned peer asks each provider of the run for its status before joining any, within this.
@@ -311,8 +318,11 @@ class Generator:
         # staleness bound of the weights they began on (`doomed`), and their groups.
         self.batches_doomed = 0
         self.groups_doomed = 0
-        # Groups of episode batches the environment ended (env_error, env_timeout), by reason.
+        # Groups of episode batches the environment ended (env_error, env_timeout,
+        # env_unavailable), by reason.
         self.env_dropped: Counter[str] = Counter()
+        # The pause before the next batch while the environment has no free thread (0: it has).
+        self.env_backoff_s = 0.0
         # Set when the batch being generated is to be abandoned (`stoppably`).
         self._stop: threading.Event | None = None
 
@@ -372,12 +382,34 @@ class Generator:
         if played.batch is None or played.frame is None:
             # Every group failed in the environment: counted, and nothing is sent (the seq is
             # not used, so the learner sees no gap). The same seq on the same version draws the
-            # same seeds, so the next try waits for a new version (DEMAND_WAIT_S at most).
+            # same seeds, so the next try waits for a new version (DEMAND_WAIT_S at most), or
+            # backs off while the environment has no free thread.
+            if set(played.dropped) == {ENV_UNAVAILABLE}:
+                await self.env_unavailable()
+                return
             log.info("no group of a batch survived its environment: %s", dict(played.dropped))
+            self.env_available()
             await self.wait_for_version()
             return
+        self.env_available()
         self.produced += len(played.batch.groups)
         await self.publisher.publish_episodes(played.batch, played.frame, seq=seq)
+
+    async def env_unavailable(self) -> None:
+        """Every group of a batch found no environment thread: stop playing for a while, the
+        pause doubling while it lasts (ENV_BACKOFF_S .. ENV_BACKOFF_MAX_S), one WARNING a
+        spell. The peer keeps running: it follows weights and answers repairs meanwhile."""
+        if not self.env_backoff_s:
+            log.warning("every environment thread of this peer is taken by hung calls (%d): playing no episodes until "
+                        "they end (trying again after %gs, then less often)", hung_threads(), ENV_BACKOFF_S)
+        self.env_backoff_s = min(ENV_BACKOFF_MAX_S, 2 * self.env_backoff_s or ENV_BACKOFF_S)
+        await trio.sleep(self.env_backoff_s)
+
+    def env_available(self) -> None:
+        """A batch found environment threads: the back-off (if any) is over."""
+        if self.env_backoff_s:
+            log.info("environment threads are free again: playing episodes")
+        self.env_backoff_s = 0.0
 
     def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
         """The prompts of the batch to be published under `seq`, begun on `version`
@@ -723,7 +755,7 @@ class JoinedPeer:
             "bytes_down": f.bytes_received(),
             "active": 1 if f.active else 0,
             "price_per_hour": self.cfg.rollout.price_per_hour,
-            # Episode groups its environment ended (env_error, env_timeout: in the metrics by reason).
+            # Episode groups its environment ended (env_error, env_timeout, env_unavailable: in the metrics by reason).
             "episode_groups_dropped": sum(self.generator.env_dropped.values()),
         }
 

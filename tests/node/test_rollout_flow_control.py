@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -204,3 +205,52 @@ def test_a_batch_its_environment_ends_entirely_is_counted_and_the_seq_kept_for_a
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == DEMAND_WAIT_S
     assert peer.env_dropped == {"env_error": 2} and peer.publisher.seq == seq and not peer.publisher.history
+
+
+def test_a_peer_whose_environment_calls_all_hang_backs_off_and_keeps_running(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every step of its environment hangs. Each batch's hung calls pin their threads, until
+    none is free (here 8, the process-wide bound lowered). The peer then plays nothing and backs
+    off, 1 s, 2 s, 4 s... (virtual time), with one WARNING; it never raises. Once the calls end
+    it plays again."""
+    from echo_node.envs import bounded
+
+    env_plugins.release_hung()
+    env_plugins.RELEASE.clear()
+    monkeypatch.setattr(bounded, "MAX_ENV_THREADS", 8)
+    tok = CharTokenizer()
+    spec = load_env(load_config(None, env__name="tests.unit.env_plugins:Guess"))
+    peer = peer_on_version(3, demand=6)
+    engine = TorchEngine(build_model(tiny_llama_config(tok.vocab_size), seed=0), eos_id=tok.eos_id, pad_id=tok.pad_id, version=3)
+    peer.engine = peer.session.engine = engine
+    peer.session.env = dataclasses.replace(spec, factory=env_plugins.Hangs, step_timeout_s=0.05)  # type: ignore[attr-defined]
+    peer.session.policy = SimpleNamespace(tokenizer=tok)  # type: ignore[attr-defined]
+    peer.spec = peer.session.spec = SimpleNamespace(sync_mode="async", epoch=0, run_id="run-1", group_size=2,  # type: ignore[assignment]
+                                                    staleness=4, sampling=SimpleNamespace(temperature=1.0, top_p=1.0))
+    seq = peer.publisher.seq
+
+    async def batch() -> float:
+        start = trio.current_time()
+        await peer.play(3, seq, 2)
+        return trio.current_time() - start
+
+    async def main() -> list[float]:
+        waits = [await batch() for _ in range(7)]
+        await trio.to_thread.run_sync(env_plugins.release_hung)
+        peer.session.env = dataclasses.replace(spec, factory=env_plugins.Raises)  # type: ignore[attr-defined]
+        waits.append(await batch())
+        return waits
+
+    try:
+        with caplog.at_level(logging.INFO, logger="echo_node.peer.rollout_peer"):
+            waits = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    finally:
+        env_plugins.release_hung()
+    # Two batches hang 4 calls each (a new version awaited after each), then no thread is free.
+    assert waits == [DEMAND_WAIT_S, DEMAND_WAIT_S, 1.0, 2.0, 4.0, 8.0, 16.0, DEMAND_WAIT_S]
+    assert peer.env_dropped == {"env_timeout": 4, "env_unavailable": 10, "env_error": 2}
+    assert peer.env_backoff_s == 0.0 and peer.publisher.seq == seq and not peer.publisher.history
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "hung" in warnings[0].getMessage(), warnings
+    assert any("free again" in r.getMessage() for r in caplog.records)

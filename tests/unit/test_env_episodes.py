@@ -259,13 +259,19 @@ def plugin(name: str, timeout: float = 0.2) -> EnvSpec:
     return dataclasses.replace(spec, factory=lambda: cls(), step_timeout_s=timeout)
 
 
-@pytest.mark.parametrize(("name", "reason"), [("Raises", "env_error"), ("Malformed", "env_error"), ("Hangs", "env_timeout"), ("Flaky", "env_error")])
+@pytest.mark.parametrize(("name", "reason"), [
+    ("Raises", "env_error"), ("Malformed", "env_error"), ("Hangs", "env_timeout"), ("Flaky", "env_error"),
+    ("Exits", "env_error"), ("RaisesInInit", "env_error"), ("HangsInInit", "env_timeout"),
+])
 def test_a_failing_environment_drops_its_groups_counted(model: torch.nn.Module, name: str, reason: str) -> None:
+    """Whatever the plug-in's code does, its constructor's included (SystemExit too), ends its
+    groups, counted by reason; the runner returns."""
+    env_plugins.release_hung()
     env_plugins.RELEASE.clear()
     try:
         result = play(model, plugin(name), seeds=[2, 3])
     finally:
-        env_plugins.RELEASE.set()
+        env_plugins.release_hung()
     assert result.groups == [None, None] and result.dropped == {reason: 2}
     # The same engine goes on with an honest environment afterwards.
     ok = play(model, plugin("Guess"), seeds=[2])

@@ -5,16 +5,17 @@ reason, and only forgeries are blamed."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 from echo_node.config import load_config
-from echo_node.envs import EnvSpec, Message, load_env
+from echo_node.envs import Env, EnvSpec, Message, load_env
 from echo_node.envs.calc import CalcEnv
 from echo_node.envs.format import CharFormat
-from echo_node.envs.gate import EpisodeGate
+from echo_node.envs.gate import COOLDOWN_MAX_S, EpisodeGate, RerunCooldown
 from echo_node.envs.peer import PlayedBatch, play_batch
 from echo_node.ml import defaults
 from echo_node.ml.engine import TorchEngine
@@ -28,6 +29,7 @@ from protocol.drops import DropReason
 from protocol.envelope import seal
 from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
 from protocol.identity import Identity
+from tests.unit import env_plugins
 
 torch.set_num_threads(1)
 TOK = CharTokenizer()
@@ -123,14 +125,54 @@ def test_forgeries_are_dropped_by_reason_and_blamed(spec: EnvSpec, peer: Identit
     assert check(b"\x00garbage", peer.peer_id, current_version=2).drop == DropReason.MALFORMED
 
 
-def test_the_environment_failing_on_the_learner_blames_nobody(spec: EnvSpec, peer: Identity, played: PlayedBatch) -> None:
-    class Broken(CalcEnv):
-        def step(self, action: str) -> object:  # type: ignore[override]
-            raise RuntimeError("learner-side bug")
+class Broken(CalcEnv):
+    def step(self, action: str) -> object:  # type: ignore[override]
+        raise RuntimeError("learner-side bug")
 
+
+class Stuck(CalcEnv):
+    def step(self, action: str) -> object:  # type: ignore[override]
+        env_plugins.RELEASE.wait(30)
+        return super().step(action)
+
+
+@pytest.mark.parametrize(("factory", "reason"), [
+    (lambda: Broken(problems=2), DropReason.ENV_FAILED),
+    (env_plugins.RaisesInInit, DropReason.ENV_FAILED),
+    (lambda: Stuck(problems=2), DropReason.ENV_TIMEOUT),
+    (env_plugins.HangsInInit, DropReason.ENV_TIMEOUT),
+])
+def test_the_environment_failing_on_the_learner_blames_nobody(
+    spec: EnvSpec, peer: Identity, played: PlayedBatch, factory: Callable[[], Env], reason: DropReason
+) -> None:
+    """Raising or hanging, in a step or in the constructor: the batch is dropped with the reason,
+    in the re-run's bound, and nobody is blamed."""
     assert played.frame is not None
-    got = gate(dataclasses.replace(spec, factory=lambda: Broken(problems=2))).check(played.frame, peer.peer_id, current_version=2)
-    assert got.drop == DropReason.ENV_FAILED and not got.blame
+    env_plugins.release_hung()
+    env_plugins.RELEASE.clear()
+    try:
+        failing = dataclasses.replace(spec, factory=factory, step_timeout_s=0.2)
+        got = gate(failing).check(played.frame, peer.peer_id, current_version=2)
+    finally:
+        env_plugins.release_hung()
+    assert got.drop == reason and not got.blame, got.detail
+
+
+def test_a_publishers_failing_re_runs_cool_it_down_doubling() -> None:
+    """RerunCooldown: no re-run while the publisher's calls hang; after a failed re-run none for
+    the bound, then twice that after the next failure in a row, at most COOLDOWN_MAX_S; a
+    completed re-run ends the streak; others are not affected."""
+    c = RerunCooldown(base_s=2.0)
+    assert not c.refuses("p", 0.0, hung=0) and c.refuses("p", 0.0, hung=1)
+    assert c.record("p", DropReason.ENV_TIMEOUT, 10.0) == 2.0
+    assert c.refuses("p", 11.9, hung=0) and not c.refuses("p", 12.0, hung=0) and not c.refuses("q", 11.0, hung=0)
+    assert c.record("p", DropReason.ENV_FAILED, 12.0) == 4.0 and c.refuses("p", 15.9, hung=0)
+    for k in range(3, 12):
+        assert c.record("p", DropReason.ENV_TIMEOUT, 100.0 * k) == min(COOLDOWN_MAX_S, 2.0 * 2 ** (k - 1))
+    assert c.record("p", DropReason.ENV_UNAVAILABLE, 1300.0) is None and c.refuses("p", 1300.0, hung=0)  # not a re-run's end
+    assert c.record("p", None, 2000.0) is None and not c.refuses("p", 2000.0, hung=0)
+    assert c.record("p", DropReason.ENV_TIMEOUT, 2001.0) == 2.0  # the streak began again
+    assert c.record("q", DropReason.BAD_EPISODE, 2001.0) is None and not c.refuses("q", 2001.0, hung=0)
 
 
 def test_a_failed_group_takes_the_later_ones_with_it(engine: TorchEngine, spec: EnvSpec, peer: Identity) -> None:

@@ -111,6 +111,8 @@ def test_builtin_and_plugin_load_with_ids_that_pin_what_decides_episodes() -> No
         ("tests.unit.env_plugins:Dice", {}, "differently twice"),
         ("tests.unit.env_plugins:Raises", {}, "load-time probe: env_error"),
         ("tests.unit.env_plugins:Malformed", {}, "load-time probe: env_error"),
+        ("tests.unit.env_plugins:Exits", {}, "load-time probe: env_error: SystemExit"),
+        ("tests.unit.env_plugins:RaisesInInit", {}, "cannot construct it .*RuntimeError"),
     ],
 )
 def test_plugins_that_break_the_rules_are_refused_at_load(name: str, options: dict[str, object], error: str) -> None:
@@ -118,13 +120,15 @@ def test_plugins_that_break_the_rules_are_refused_at_load(name: str, options: di
         load_env(_cfg(name, options=options))
 
 
-def test_a_plugin_that_hangs_is_refused_at_load_in_bounded_time() -> None:
+@pytest.mark.parametrize("name", ["Hangs", "HangsInInit"])
+def test_a_plugin_that_hangs_is_refused_at_load_in_bounded_time(name: str) -> None:
+    env_plugins.release_hung()
     env_plugins.RELEASE.clear()  # another test may have released the hung plug-in's threads
     try:
         with pytest.raises(EnvError, match="env_timeout"):
-            load_env(_cfg("tests.unit.env_plugins:Hangs", step_timeout_s=0.05))
+            load_env(_cfg(f"tests.unit.env_plugins:{name}", step_timeout_s=0.05))
     finally:
-        env_plugins.RELEASE.set()
+        env_plugins.release_hung()
 
 
 def test_non_deterministic_env_needs_untrusted_only_and_a_private_swarm() -> None:
