@@ -29,6 +29,8 @@ pytestmark = pytest.mark.integration
 # versions); DEADLINE_S only bounds a stuck run.
 VERSIONS = 24
 DEADLINE_S = 900
+RG_VERSIONS = 3
+RG_DEADLINE_S = 300
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +111,21 @@ def test_a_reasoning_gym_task_runs_through_a_swarm(cluster: Cluster, tiny_model:
     pytest.importorskip("reasoning_gym")
     run = "real-rg"
     cluster.start_bootstrap()
+    # A few versions, not a time window: on a loaded machine a 30 s window ended before the peer's
+    # first batch was in; the deadline only bounds a stuck run.
     learner, _ = cluster.start_learner(run, "--model", str(tiny_model), "--task", "rg:chain_sum", "--mode", "async",
-                                       "--seconds", "30")
+                                       "--max-versions", str(RG_VERSIONS), "--seconds", str(RG_DEADLINE_S))
     cluster.start_peer("peer0", run, "--model", str(tiny_model), "--task", "rg:chain_sum")
-    assert learner.proc.wait(timeout=DEADLINE_S) == 0
+    assert learner.proc.wait(timeout=RG_DEADLINE_S + 120) == 0
     summary = json.loads((cluster.run_dir(run) / "summary.json").read_text())
     assert str(summary["task"]).startswith("rg:chain_sum@"), summary["task"]
     assert summary["rollouts_received"] > 0, summary
     # Nothing refused: what is dropped had no reward variance (a tiny model on a new task), went
     # stale, waited while the newcomer's first batches were checked (overload, no strike: gap
-    # repair asks for it again), or was buffered at the stop.
-    assert set(summary["rollouts_dropped"]) <= {"no_signal", "stale", "overload", "unused_at_exit"}, summary["rollouts_dropped"]
+    # repair asks for it again), found the checker out of room on a loaded machine (unchecked,
+    # nobody's strike), or was buffered at the stop.
+    blameless = {"no_signal", "stale", "overload", "unchecked", "unused_at_exit"}
+    assert set(summary["rollouts_dropped"]) <= blameless, summary["rollouts_dropped"]
     assert summary["banned"] == [] and summary["penalties"] == {}
     verification = summary["verification"]
     assert all(c["fail"] == 0 for c in verification["checks"].values()), verification
