@@ -117,7 +117,7 @@ class _Receiver:
         self.links: dict[str, _Receiver] = {}
         self.done_at: float | None = None
         self.joined_at = v.loop.now
-        self.fresh: list[int] = []  # verified since the last announcement
+        self.fresh = 0  # pieces verified since the last announcement (a mask: bit i, piece i)
 
     def link(self, other: _Receiver) -> None:
         """A new link: both sides announce what they hold, then ask."""
@@ -126,8 +126,8 @@ class _Receiver:
         self.ex.neighbour_up(other.id)
         other.ex.neighbour_up(self.id)
         for a, b in ((self, other), (other, self)):
-            if a.ex.count:  # at publication nobody holds anything: skip the scan of M flags
-                b.ex.has_many(a.id, [i for i, held in enumerate(a.ex.have) if held])
+            if a.ex.count:
+                b.ex.has_bits(a.id, a.ex.have_bits)
         self.ask(other)
         other.ask(self)
 
@@ -145,12 +145,12 @@ class _Receiver:
 
     def announce(self) -> None:
         """One `have` frame to every neighbour with the pieces verified since the last."""
-        fresh, self.fresh = self.fresh, []
+        fresh, self.fresh = self.fresh, 0
         if not self.connected:
             return
         me = self.id
         for other in self.links.values():
-            if other.connected and other.ex.has_many(me, fresh):
+            if other.connected and other.ex.has_bits(me, fresh):
                 other.ask(self)
 
     def ask(self, holder: _Receiver) -> None:
@@ -199,7 +199,7 @@ class _Receiver:
                         v.loop.at(at + holder.node.lat, holder.on_cancel, self, i)
             if not self.fresh:
                 v.loop.at(v.loop.now + HAVE_BATCH_S, self.announce)
-            self.fresh.append(index)
+            self.fresh |= 1 << index
             v.seed.plan.has(self.id, index)
             if self.ex.complete:
                 self.done_at = v.loop.now

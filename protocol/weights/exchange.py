@@ -51,10 +51,10 @@ import random
 from collections.abc import Iterable
 from typing import Final
 
-from protocol.errors import LocalProtocolError
+from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import MAX_PIECES
 
-__all__ = ["ENDGAME_COPIES", "Exchange", "SeedPlan"]
+__all__ = ["ENDGAME_COPIES", "Exchange", "SeedPlan", "bits_of"]
 
 ENDGAME_COPIES: Final = 2
 
@@ -64,17 +64,45 @@ def _check_pieces(num_pieces: int) -> None:
         raise LocalProtocolError(f"num_pieces must be an int in [1, {MAX_PIECES}], got {num_pieces!r}")
 
 
-class _Neighbour:
-    __slots__ = ("has", "offer", "inflight")
+def bits_of(indices: Iterable[int], num_pieces: int) -> int:
+    """Piece indices as a bit mask (bit i: piece i); one outside [0, num_pieces) is a protocol
+    violation (RemoteProtocolError), checked before any shift (1 << 2**40 is a MemoryError)."""
+    bits = 0
+    for index in indices:
+        _check_index(index, num_pieces)
+        bits |= 1 << index
+    return bits
 
-    def __init__(self, num_pieces: int) -> None:
-        self.has = bytearray(num_pieces)
-        self.offer: list[int] = []  # announced, maybe held or asked since (lazily pruned)
+
+def _check_index(index: int, num_pieces: int) -> None:
+    """A piece index a peer named: an int in [0, num_pieces), or a protocol violation."""
+    if type(index) is not int or not 0 <= index < num_pieces:
+        raise RemoteProtocolError(f"piece index must be an int in [0, {num_pieces}), got {index!r}")
+
+
+def _set_bits(bits: int) -> Iterable[int]:
+    """The indices of the set bits of `bits` (>= 0), in increasing order."""
+    while bits:
+        low = bits & -bits
+        yield low.bit_length() - 1
+        bits ^= low
+
+
+class _Neighbour:
+    __slots__ = ("bits", "inflight")
+
+    def __init__(self) -> None:
+        self.bits = 0  # pieces it announced that we lacked when it did (bit i: piece i)
         self.inflight: dict[int, float] = {}  # index -> when asked
 
 
 class Exchange:
-    """One receiver's requests for one version (rules 1-5)."""
+    """One receiver's requests for one version (rules 1-5).
+
+    Sets of pieces are bit masks (Python ints, bit i for piece i): an announcement of a batch
+    costs a few word operations over M bits whatever it holds, and the candidates a neighbour
+    offers are `its bits & ~(held | requested)` at the moment of asking, never a list to keep
+    in step."""
 
     def __init__(
         self,
@@ -101,10 +129,13 @@ class Exchange:
         self.request_timeout: Final = float(request_timeout)
         self.max_bad_pieces: Final = max_bad_pieces
         self.endgame_pieces: Final = endgame_pieces
+        self._bits_limit = 1 << num_pieces
         self.have = bytearray(num_pieces)
+        self.have_bits = 0
         self.count = 0
         self.availability = [0] * num_pieces
         self.requested = [0] * num_pieces  # outstanding requests per piece
+        self.requested_bits = 0  # pieces with at least one request out
         self.outstanding = 0  # pieces we lack with at least one request out
         self.penalties: dict[str, int] = {}
         self.stalls: dict[str, int] = {}
@@ -118,51 +149,54 @@ class Exchange:
 
     def neighbour_up(self, peer: str) -> None:
         if peer not in self.banned and peer not in self._n:
-            self._n[peer] = _Neighbour(self.num_pieces)
+            self._n[peer] = _Neighbour()
 
     def neighbour_gone(self, peer: str) -> None:
         nb = self._n.pop(peer, None)
         if nb is None:
             return
         avail = self.availability
-        for i, held in enumerate(nb.has):
-            if held:
-                avail[i] -= 1
+        for i in _set_bits(nb.bits):
+            avail[i] -= 1
         for i in nb.inflight:
             self._unrequest(peer, i)
 
     def has(self, peer: str, index: int) -> bool:
         """`peer` announced `index`; True if it is worth asking it now (we lack the piece)."""
-        nb = self._n.get(peer)
-        if nb is None or self.have[index] or nb.has[index]:
-            return False
-        nb.has[index] = 1
-        self.availability[index] += 1
-        nb.offer.append(index)
-        return len(nb.inflight) < self.pipeline
+        _check_index(index, self.num_pieces)
+        return self.has_bits(peer, 1 << index)
 
     def has_many(self, peer: str, indices: Iterable[int]) -> bool:
         """`peer` announced several pieces at once (one `have` frame); True if it is worth
         asking it now."""
+        return self.has_bits(peer, bits_of(indices, self.num_pieces))
+
+    def has_bits(self, peer: str, bits: int) -> bool:
+        """`peer` announced the pieces of the mask `bits`; True if it is worth asking it now.
+        A piece beyond the version is a protocol violation (RemoteProtocolError)."""
+        if not 0 <= bits < self._bits_limit:
+            raise RemoteProtocolError(f"an announcement names a piece outside [0, {self.num_pieces})")
         nb = self._n.get(peer)
         if nb is None:
             return False
-        held, avail, have, offer = nb.has, self.availability, self.have, nb.offer
-        useful = False
-        for index in indices:
-            if not (have[index] or held[index]):
-                held[index] = 1
-                avail[index] += 1
-                offer.append(index)
-                useful = True
-        return useful and len(nb.inflight) < self.pipeline
+        new = bits & ~(self.have_bits | nb.bits)
+        if not new:
+            return False
+        nb.bits |= new
+        avail = self.availability
+        while new:  # each new piece once (this loop is the hot path of a version at scale)
+            low = new & -new
+            avail[low.bit_length() - 1] += 1
+            new ^= low
+        return len(nb.inflight) < self.pipeline
 
     def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
         """A piece from `peer` arrived and was checked; True if it is new to us. The other
         requests for it still out become cancels (`take_cancels`)."""
+        _check_index(index, self.num_pieces)
         nb = self._n.get(peer)
         if nb is not None and nb.inflight.pop(index, None) is not None:
-            self._unrequest(peer, index, reoffer=not ok)
+            self._unrequest(peer, index)
         if not ok:
             self.penalties[peer] = self.penalties.get(peer, 0) + 1
             if self.penalties[peer] >= self.max_bad_pieces:
@@ -173,12 +207,14 @@ class Exchange:
             self.wasted += 1
             return False
         self.have[index] = 1
+        self.have_bits |= 1 << index
         self.count += 1
         for other in self._asked.pop(index, ()):
             self._n[other].inflight.pop(index, None)
             self._cancels.append((other, index))
         if self.requested[index]:
             self.requested[index] = 0
+            self.requested_bits &= ~(1 << index)
             self.outstanding -= 1
         return True
 
@@ -217,6 +253,7 @@ class Exchange:
             nb.inflight[index] = now
             if not self.requested[index]:
                 self.outstanding += 1
+                self.requested_bits |= 1 << index
             self.requested[index] += 1
             self._asked.setdefault(index, []).append(peer)
             out.append(index)
@@ -235,51 +272,61 @@ class Exchange:
 
     # --- internals --------------------------------------------------------------------------
 
-    def _unrequest(self, peer: str, index: int, *, reoffer: bool = True) -> None:
+    def _unrequest(self, peer: str, index: int) -> None:
         asked = self._asked.get(index)
         if asked is not None:
             asked.remove(peer)
             if not asked:
                 del self._asked[index]
         self.requested[index] -= 1
-        if not self.requested[index] and not self.have[index]:
-            self.outstanding -= 1
-            if reoffer:
-                # Offers drop a piece once it is asked (`_pick`); asked no more, it is offered
-                # again. (Not for a piece that just arrived: `received` takes it.)
-                for nb in self._n.values():
-                    if nb.has[index]:
-                        nb.offer.append(index)
+        if not self.requested[index]:
+            # Asked no more: the neighbours that hold it offer it again (their bits), unless it
+            # just arrived (`have_bits`).
+            self.requested_bits &= ~(1 << index)
+            if not self.have[index]:
+                self.outstanding -= 1
 
     def _pick(self, nb: _Neighbour) -> int | None:
-        offer, have, requested, draw = nb.offer, self.have, self.requested, self.rng.random
+        """Rule 2 over the candidates `nb.bits & ~(held | requested)`: each draw takes the first
+        candidate at or after a uniform position (wrapping), so a candidate after a long run of
+        non-candidates is the likelier; the k-th set bit of a mask has no cheap exact draw."""
+        cand = nb.bits & ~(self.have_bits | self.requested_bits)
+        if not cand:
+            return None
+        if not cand & (cand - 1):
+            return cand.bit_length() - 1  # one candidate
+        m, draw, avail = self.num_pieces, self.rng.random, self.availability
+        tries = 1 if self.count < self.random_first else self.sample
         best = -1
         best_avail = 1 << 30
-        tries = 1 if self.count < self.random_first else self.sample
-        while offer and tries:
-            j = int(draw() * len(offer))
-            index = offer[j]
-            if have[index] or requested[index]:
-                offer[j] = offer[-1]  # swap-remove: held or asked already
-                offer.pop()
-                continue
-            tries -= 1
-            a = self.availability[index]
+        for _ in range(tries):
+            at = int(draw() * m)
+            above = cand >> at
+            if above:
+                index = at + (above & -above).bit_length() - 1
+            else:
+                index = (cand & -cand).bit_length() - 1
+            a = avail[index]
             if a < best_avail:
                 best, best_avail = index, a
-        return None if best < 0 else best
+        return best
 
     def _endgame(self, nb: _Neighbour) -> int | None:
         if self.count + self.outstanding < self.num_pieces or self.num_pieces - self.count > self.endgame_pieces:
             return None  # some piece we lack is not asked yet, or many are missing: not the endgame (rule 4)
-        for index, n in enumerate(self.requested):
-            if n and n < ENDGAME_COPIES and not self.have[index] and nb.has[index] and index not in nb.inflight:
+        requested = self.requested
+        for index in _set_bits(self.requested_bits & nb.bits & ~self.have_bits):
+            if requested[index] < ENDGAME_COPIES and index not in nb.inflight:
                 return index
         return None
 
 
 class SeedPlan:
-    """The learner's sends for one version (rules 6-9)."""
+    """The learner's sends for one version (rules 6-9).
+
+    Sets of pieces are bit masks over the pieces' positions in one random order drawn at the
+    start (`_order`): rarest first is then the lowest set bit of `bucket & ~known`, a few word
+    operations, and ties go the same random way for every peer."""
 
     def __init__(self, num_pieces: int, rng: random.Random, *, width: int = 32, fair_slack: int = 8) -> None:
         _check_pieces(num_pieces)
@@ -291,11 +338,15 @@ class SeedPlan:
         self.fair_slack: Final = fair_slack
         order = list(range(num_pieces))
         rng.shuffle(order)
-        # Pieces by how many times the learner sent them: buckets[c] holds those sent c times,
-        # in a fixed random order (a dict as an ordered set).
-        self._buckets: list[dict[int, None]] = [dict.fromkeys(order)]
+        self._order = order  # position -> piece
+        self._pos = [0] * num_pieces  # piece -> position
+        for pos, index in enumerate(order):
+            self._pos[index] = pos
+        # Pieces by how many times the learner sent them: bucket c has the positions of the
+        # pieces sent c times.
+        self._buckets: list[int] = [(1 << num_pieces) - 1]
         self._copies = [0] * num_pieces
-        self._known: dict[str, bytearray] = {}  # linked peer -> pieces sent to it or announced
+        self._known: dict[str, int] = {}  # linked peer -> positions sent to it or announced
         self._known_count: dict[str, int] = {}
         self._sent_count: dict[str, int] = {}
         self._active: dict[str, None] = {}  # the peers served now (rule 9), in order
@@ -310,7 +361,7 @@ class SeedPlan:
         (the overlay's rotating `source_links`)."""
         if peer in self._known:
             return
-        self._known[peer] = bytearray(self.num_pieces)
+        self._known[peer] = 0
         self._known_count[peer] = 0
         self._sent_count[peer] = 0
         if preferred and len(self._active) < self.width:
@@ -327,9 +378,13 @@ class SeedPlan:
             self._top_up()
 
     def has(self, peer: str, index: int) -> None:
+        """`peer` holds `index` (it announced it, or the learner sent it); a piece beyond the
+        version is a protocol violation (RemoteProtocolError)."""
+        _check_index(index, self.num_pieces)
         known = self._known.get(peer)
-        if known is not None and not known[index]:
-            known[index] = 1
+        bit = 1 << self._pos[index]
+        if known is not None and not known & bit:
+            self._known[peer] = known | bit
             self._known_count[peer] += 1
             if self._known_count[peer] == self.num_pieces and self._active.pop(peer, 0) is None:
                 self._top_up()
@@ -380,11 +435,11 @@ class SeedPlan:
                 self._active[peer] = None
 
     def _rarest_for(self, peer: str) -> int | None:
-        known = self._known[peer]
+        unknown = ~self._known[peer]
         for bucket in self._buckets:
-            for index in bucket:
-                if not known[index]:
-                    return index
+            fresh = bucket & unknown
+            if fresh:
+                return self._order[(fresh & -fresh).bit_length() - 1]
         return None
 
     def _mark(self, peer: str, index: int) -> None:
@@ -393,8 +448,9 @@ class SeedPlan:
         self._busy.add(peer)
         self.total_sent += 1
         c = self._copies[index]
-        del self._buckets[c][index]
+        bit = 1 << self._pos[index]
+        self._buckets[c] &= ~bit
         if c + 1 == len(self._buckets):
-            self._buckets.append({})
-        self._buckets[c + 1][index] = None
+            self._buckets.append(0)
+        self._buckets[c + 1] |= bit
         self._copies[index] = c + 1

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from protocol.errors import LocalProtocolError
-from protocol.weights.exchange import ENDGAME_COPIES, Exchange, SeedPlan
+from protocol.errors import LocalProtocolError, RemoteProtocolError
+from protocol.weights.exchange import ENDGAME_COPIES, Exchange, SeedPlan, bits_of
 
 
 def exchange(num_pieces: int = 16, **kwargs: object) -> Exchange:
@@ -117,6 +117,47 @@ def test_a_neighbour_advertising_pieces_it_lacks_is_dropped_after_bad_copies() -
     assert "liar" in ex.banned and "liar" not in ex.neighbours()
     assert not ex.has("liar", 5)  # its announcements no longer count
     assert sorted(ex.requests("honest", 1.0)) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("index", [-1, 16, 1 << 40, 2.0, True])
+def test_a_piece_outside_the_version_is_a_protocol_violation_and_changes_nothing(index: object) -> None:
+    # A negative index would wrap into a bytearray and 16 would run off its end: every way a
+    # neighbour names a piece is checked against [0, num_pieces) before it touches any state.
+    ex = exchange(num_pieces=16)
+    ex.neighbour_up("a")
+    with pytest.raises(RemoteProtocolError):
+        ex.has("a", index)  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError):
+        ex.received("a", index)  # type: ignore[arg-type]
+    with pytest.raises(RemoteProtocolError):
+        ex.has_many("a", [3, index])  # type: ignore[list-item]
+    sp = plan(num_pieces=16, peers="a")
+    with pytest.raises(RemoteProtocolError):
+        sp.has("a", index)  # type: ignore[arg-type]
+    assert ex.availability == [0] * 16 and ex.requests("a", 0.0) == [] and ex.count == 0
+    assert sp.pick(["a"]) is not None  # the plan still serves it
+
+
+def test_an_announcement_mask_beyond_the_version_is_refused() -> None:
+    ex = exchange(num_pieces=16)
+    ex.neighbour_up("a")
+    for bits in (-1, 1 << 16, (1 << 17) - 1):
+        with pytest.raises(RemoteProtocolError):
+            ex.has_bits("a", bits)
+    assert ex.has_bits("a", bits_of([0, 15], 16)) and sorted(ex.requests("a", 0.0)) == [0, 15]
+
+
+def test_pieces_held_or_requested_are_never_offered_again_until_a_request_is_given_up() -> None:
+    ex = exchange(num_pieces=8, pipeline=8, random_first=0)
+    for p in "ab":
+        ex.neighbour_up(p)
+        ex.has_bits(p, (1 << 8) - 1)
+    first = ex.requests("a", 0.0)
+    assert sorted(first) == list(range(8)) and ex.requests("b", 0.0) == []
+    ex.received("a", first[0])
+    ex.neighbour_gone("a")  # its seven requests are free to ask elsewhere at once
+    assert sorted(ex.requests("b", 1.0)) == sorted(first[1:])
+    assert ex.availability[first[1]] == 1
 
 
 def test_bad_parameters_are_refused() -> None:
