@@ -78,7 +78,7 @@ class _Seed:
         idle, busy_until = [], math.inf
         for peer in self.plan.idle():
             r = v.receivers.get(peer)
-            if r is None or not r.connected or r.ex.complete:
+            if r is None or not r.connected or r.done_at is not None:
                 continue
             # Headroom: its downlink has at most HEADROOM_PIECES pieces still to deliver.
             free_at = r.node.down_free - HEADROOM_PIECES * v.piece_size / r.node.down
@@ -115,7 +115,7 @@ class _Receiver:
         self.connected = False
         self.ex = Exchange(v.num_pieces, random.Random(seed), pipeline=v.pipeline)
         self.links: dict[str, _Receiver] = {}
-        self.done_at: float | None = None
+        self.done_at: float | None = None  # when it held every piece (None: not yet)
         self.joined_at = v.loop.now
         self.fresh = 0  # pieces verified since the last announcement (a mask: bit i, piece i)
 
@@ -150,11 +150,11 @@ class _Receiver:
             return
         me = self.id
         for other in self.links.values():
-            if other.connected and other.ex.has_bits(me, fresh):
+            if other.connected and other.done_at is None and other.ex.has_bits(me, fresh):
                 other.ask(self)
 
     def ask(self, holder: _Receiver) -> None:
-        if not self.connected or self.ex.complete:
+        if not self.connected or self.done_at is not None:
             return
         loop = self.v.loop
         wanted = self.ex.requests(holder.id, loop.now)
