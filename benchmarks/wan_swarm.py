@@ -14,7 +14,10 @@ its last peer started. Measured per swarm:
   in the WAN case also ÷ the broadcast bound for those rates (`benchmarks/wan/bound.py`, at the
   0.956 goodput of a 1500-byte MTU, docs/platform.md);
 - `installed_s`: from a version's publication until a peer installed it, median over every
-  install of every peer (a steadier sample: peers skip versions while busy), and ÷ the bound.
+  install of every peer (a steadier sample: peers skip versions while busy), and ÷ the bound;
+  `install_parts_median_s` splits it: `to_fetch_s` (publication until the peer began fetching:
+  the announcement reaching it, and a fetch of an older version still under way), `fetch_s`
+  (the fetch, delta or full), `receive_s` (its handshake and transfer until verified).
 
 Processes are pinned: learner on core 0, bootstrap and peers on core 1. Needs root and
 nftables (`apt-get install nftables`). One JSON object as the last line.
@@ -63,6 +66,16 @@ def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, An
     # Every install, not only versions all peers took: a peer busy with one version skips the
     # next, so `live` is a median over few versions (9-30 of 50-70 in a 45 s run).
     each = [i[v] - t for i in installs for v, t in published_at.items() if v > 0 and v in i]
+    # Where an install's time went: publication until the peer began fetching (the announcement
+    # reaching it, and a fetch of an older version still under way), then the fetch itself
+    # (handshake and transfer: `receive_s`, then decode and the digest).
+    records = [r for p in peers for r in swarm.peer_records(p) if int(r["version"]) in published_at and int(r["version"]) > 0
+               and not r.get("renumbered")]
+    parts = {
+        "to_fetch_s": [float(r["wall"]) - float(r["fetch_s"]) - published_at[int(r["version"])] for r in records],
+        "fetch_s": [float(r["fetch_s"]) for r in records],
+        "receive_s": [float(r["receive_s"]) for r in records if "receive_s" in r],
+    }
     published = sorted({int(r["published"]) for r in window})
     up = (window[-1]["learner_bytes_up"] - window[0]["learner_bytes_up"]) if len(window) > 1 else 0
     sizes = [int(r["bytes"]) for p in peers for r in swarm.peer_records(p)]
@@ -80,6 +93,8 @@ def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, An
         "versions_live_on_all": len(live),
         "installed_s": round(statistics.median(each), 4) if each else None,
         "installs": len(each),
+        "install_parts_median_s": {k: round(statistics.median(v), 4) if v else None for k, v in parts.items()},
+        "installs_by_delta": sum(1 for r in records if r.get("delta")),
     }
 
 
