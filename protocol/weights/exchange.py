@@ -174,7 +174,7 @@ class Exchange:
     def has_bits(self, peer: str, bits: int) -> bool:
         """`peer` announced the pieces of the mask `bits`; True if it is worth asking it now.
         A piece beyond the version is a protocol violation (RemoteProtocolError)."""
-        if not 0 <= bits < self._bits_limit:
+        if type(bits) is not int or not 0 <= bits < self._bits_limit:
             raise RemoteProtocolError(f"an announcement names a piece outside [0, {self.num_pieces})")
         nb = self._n.get(peer)
         if nb is None:

@@ -141,9 +141,9 @@ def test_a_piece_outside_the_version_is_a_protocol_violation_and_changes_nothing
 def test_an_announcement_mask_beyond_the_version_is_refused() -> None:
     ex = exchange(num_pieces=16)
     ex.neighbour_up("a")
-    for bits in (-1, 1 << 16, (1 << 17) - 1):
+    for bits in (-1, 1 << 16, (1 << 17) - 1, 3.0, True):
         with pytest.raises(RemoteProtocolError):
-            ex.has_bits("a", bits)
+            ex.has_bits("a", bits)  # type: ignore[arg-type]
     assert ex.has_bits("a", bits_of([0, 15], 16)) and sorted(ex.requests("a", 0.0)) == [0, 15]
 
 
