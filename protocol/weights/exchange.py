@@ -184,10 +184,8 @@ class Exchange:
             return False
         nb.bits |= new
         avail = self.availability
-        while new:  # each new piece once (this loop is the hot path of a version at scale)
-            low = new & -new
-            avail[low.bit_length() - 1] += 1
-            new ^= low
+        for i in _set_bits(new):
+            avail[i] += 1
         return len(nb.inflight) < self.pipeline
 
     def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
