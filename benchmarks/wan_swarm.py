@@ -61,7 +61,8 @@ def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, An
     published_at: dict[int, float] = {}
     for r in train:
         published_at.setdefault(int(r["published"]), float(r["wall"]))
-    installs = [{int(r["version"]): float(r["wall"]) for r in swarm.peer_records(p)} for p in peers]
+    peer_records = [swarm.peer_records(p) for p in peers]  # each peer's installed records, read once
+    installs = [{int(r["version"]): float(r["wall"]) for r in records} for records in peer_records]
     live = [max(i[v] for i in installs) - t for v, t in published_at.items() if v > 0 and all(v in i for i in installs)]
     # Every install, not only versions all peers took: a peer busy with one version skips the
     # next, so `live` is a median over few versions (9-30 of 50-70 in a 45 s run).
@@ -69,7 +70,7 @@ def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, An
     # Where an install's time went: publication until the peer began fetching (the announcement
     # reaching it, and a fetch of an older version still under way), then the fetch itself
     # (handshake and transfer: `receive_s`, then decode and the digest).
-    records = [r for p in peers for r in swarm.peer_records(p) if int(r["version"]) in published_at and int(r["version"]) > 0
+    records = [r for rs in peer_records for r in rs if int(r["version"]) in published_at and int(r["version"]) > 0
                and not r.get("renumbered")]
     parts = {
         "to_fetch_s": [float(r["wall"]) - float(r["fetch_s"]) - published_at[int(r["version"])] for r in records],
@@ -78,7 +79,7 @@ def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, An
     }
     published = sorted({int(r["published"]) for r in window})
     up = (window[-1]["learner_bytes_up"] - window[0]["learner_bytes_up"]) if len(window) > 1 else 0
-    sizes = [int(r["bytes"]) for p in peers for r in swarm.peer_records(p)]
+    sizes = [int(r["bytes"]) for rs in peer_records for r in rs]
     minutes = (window[-1]["wall"] - window[0]["wall"]) / 60 if len(window) > 1 else float("nan")
     return {
         "peers_accepted": sum(1 for p in started if summary["peers"].get(p, {}).get("accepted", 0) > 0),
