@@ -386,7 +386,9 @@ def build_task(cfg: TaskConfig) -> Task:
     """
     if cfg.dataset is not None:
         return DatasetTask(cfg)
-    if cfg.name.startswith("rg:") and not cfg.chat:  # a reasoning-gym generator (echo_node/envs/rgym.py)
+    if cfg.name.startswith("rg:"):  # a reasoning-gym generator (echo_node/envs/rgym.py)
+        if cfg.chat:
+            raise ValueError(f"task {cfg.name!r} (a reasoning-gym generator) has no chat form: set task.chat = false")
         from echo_node.envs.rgym import ReasoningGymTask
 
         return ReasoningGymTask(cfg.name)

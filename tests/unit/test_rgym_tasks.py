@@ -34,6 +34,9 @@ def test_exposed_tasks_pose_and_score(name: str) -> None:
 def test_unknown_and_foreign_prompts_are_refused() -> None:
     with pytest.raises(ValueError, match="not exposed"):
         build_task(TaskConfig(name="rg:arc_agi"))
+    # A chat form is not built for generators: said as such, not as an unknown built-in.
+    with pytest.raises(ValueError, match="reasoning-gym generator.*no chat form"):
+        build_task(TaskConfig(name="rg:chain_sum", chat=True))
     task = build_task(TaskConfig(name="rg:chain_sum"))
     with pytest.raises(ValueError, match="not one of its rows"):
         task.reward(["2+2="], ["4"])
