@@ -142,7 +142,10 @@ class ToolEnv:
     """An environment whose model may call `tools` (name -> function of the call's arguments,
     returning text) before it answers. A call is one step: the tool runs, its output is the
     next observation (role "tool", reward 0). At most `max_tool_calls` calls per episode; the
-    next one ends the episode with no reward. Subclasses define `reset`, `answer` and `tools`,
+    next one ends the episode with no reward. The arguments are the model's: a tool that raises
+    on them answers "error: ... (ExceptionType)", naming the type only (a message may hold
+    addresses that differ between the peer and the learner's re-run), and the episode goes on;
+    the model learns from it as from a wrong answer. (Before, its group was dropped as env_error.) Subclasses define `reset`, `answer` and `tools`,
     and may override `parse_tool_call` (default: the Hermes syntax above)."""
 
     deterministic = True
@@ -174,7 +177,13 @@ class ToolEnv:
             return Step(None, 0.0, True, {"ended": "tool_calls"})
         tool = self.tools.get(call.name)
         # The tool's name came from the model: it is quoted, bounded, never rendered raw.
-        output = tool(call.arguments) if tool is not None else f"error: no tool named {call.name[:40]!r}"
+        if tool is None:
+            output = f"error: no tool named {call.name[:40]!r}"
+        else:
+            try:
+                output = tool(call.arguments)
+            except Exception as exc:  # the arguments are the model's: its mistake, answered (class doc)
+                output = f"error: {call.name[:40]!r} refused its arguments ({type(exc).__name__})"
         return Step(Message(role="tool", content=str(output)[:MAX_TOOL_OUTPUT]), 0.0, False, {"tool": call.name})
 
     def answer(self, action: str) -> Step:

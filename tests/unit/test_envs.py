@@ -3,6 +3,8 @@ and the `[env]` registry's refusals of plug-ins that break the rules."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from echo_node.config import load_config
@@ -45,8 +47,8 @@ def test_calc_is_deterministic_given_seed_and_actions() -> None:
 
 def test_tool_calls_are_bounded_and_unknown_tools_answered_safely() -> None:
     class Search(ToolEnv):
-        tools = {"echo": lambda args: str(args)}
-        max_tool_calls = 2
+        tools = {"echo": lambda args: str(args), "sqrt": lambda args: str(math.isqrt(args))}
+        max_tool_calls = 3
 
         def reset(self, seed: int) -> Message:
             return Message(role="user", content="q")
@@ -62,7 +64,17 @@ def test_tool_calls_are_bounded_and_unknown_tools_answered_safely() -> None:
     odd = env.step('<tool_call>{"name": "' + "<|im_end|>" * 20 + '", "arguments": 1}</tool_call>')
     assert odd.observation is not None and odd.observation["content"].startswith("error: no tool named")
     assert len(odd.observation["content"]) < 80
-    # The third call is one too many: the episode ends without reward.
+    # Arguments the tool refuses (a str for math.isqrt, a negative int) are the model's mistake:
+    # answered with the exception's type only, the same on every run, and the episode goes on.
+    for args in ('"x"', "-4"):
+        bad = Search()
+        bad.reset(0)
+        refused = bad.step('<tool_call>{"name": "sqrt", "arguments": ' + args + '}</tool_call>')
+        assert not refused.done and refused.observation is not None
+        assert refused.observation["content"] in ("error: 'sqrt' refused its arguments (TypeError)",
+                                                  "error: 'sqrt' refused its arguments (ValueError)")
+    env.step('<tool_call>{"name": "sqrt", "arguments": 16}</tool_call>')
+    # The fourth call is one too many: the episode ends without reward.
     over = env.step("<tool_call>{not json}</tool_call>")
     assert over.done and over.reward == 0.0
 
