@@ -326,7 +326,7 @@ class MeshSim:
         for r in v.receivers.values():
             r.connected = True
         v.pending = len(v.receivers)
-        for a, b in self.overlay.links():
+        for a, b in sorted(self.overlay.links()):
             v.receivers[a].link(v.receivers[b])
         preferred = self.overlay.source_links()
         for pid in v.receivers:
@@ -368,11 +368,11 @@ class MeshSim:
         v.seed.fill()
 
     def _apply(self, v: _Version, added: set[tuple[str, str]], removed: set[tuple[str, str]]) -> None:
-        for a, b in removed:
+        for a, b in sorted(removed):
             ra, rb = v.receivers.get(a), v.receivers.get(b)
             if ra is not None and rb is not None:
                 ra.unlink(rb)
-        for a, b in added:
+        for a, b in sorted(added):
             ra, rb = v.receivers.get(a), v.receivers.get(b)
             if ra is not None and rb is not None and ra.connected and rb.connected:
                 ra.link(rb)

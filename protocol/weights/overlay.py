@@ -1,5 +1,7 @@
 """Who links to whom on the data channel: a bounded-degree overlay chosen by the learner. Pure:
-no I/O, no clock (`now` is passed in), randomness from the caller's seeded `random.Random`.
+no I/O, no clock (`now` is passed in), randomness from the caller's seeded `random.Random`: the
+same seed and events give the same links in every process (a draw from a set is made from its
+sorted members, never in the set's order, which varies with the process's string hashing).
 
 Job: keep O(N·k) data links for N peers instead of N²/2, so that a swarm of thousands is a set of
 small neighbourhoods, and keep those neighbourhoods out of any single party's hands. The learner
@@ -231,8 +233,8 @@ class Overlay:
             ma, mc = members[a], members[c]
             if not ma.links or not mc.links or c in ma.links:
                 continue
-            b = rng.choice(tuple(ma.links))
-            d = rng.choice(tuple(mc.links))
+            b = rng.choice(sorted(ma.links))
+            d = rng.choice(sorted(mc.links))
             if len({a, b, c, d}) < 4 or d in members[b].links:
                 continue
             if not (self._may_link(a, c) and self._may_link(b, d)):
@@ -352,7 +354,7 @@ class Overlay:
 
     def _split_partner(self, peer: str, other: str) -> str | None:
         me = self._members[peer]
-        candidates = [x for x in self._members[other].links if x != peer and x not in me.links and self._may_link(peer, x)]
+        candidates = [x for x in sorted(self._members[other].links) if x != peer and x not in me.links and self._may_link(peer, x)]
         return self.rng.choice(candidates) if candidates else None
 
     def _refill_source(self) -> None:
