@@ -145,8 +145,11 @@ class ToolEnv:
     next one ends the episode with no reward. The arguments are the model's: a tool that raises
     on them answers "error: ... (ExceptionType)", naming the type only (a message may hold
     addresses that differ between the peer and the learner's re-run), and the episode goes on;
-    the model learns from it as from a wrong answer. (Before, its group was dropped as env_error.) Subclasses define `reset`, `answer` and `tools`,
-    and may override `parse_tool_call` (default: the Hermes syntax above)."""
+    the model learns from it as from a wrong answer. Not MemoryError or RecursionError: they
+    depend on the process, not the arguments, so the learner's re-run could answer otherwise
+    and blame an honest peer; they fail the episode (env_error) as any environment error does.
+    Subclasses define `reset`, `answer` and `tools`, and may override `parse_tool_call`
+    (default: the Hermes syntax above)."""
 
     deterministic = True
     reward_range = (0.0, 1.0)
@@ -182,6 +185,8 @@ class ToolEnv:
         else:
             try:
                 output = tool(call.arguments)
+            except (MemoryError, RecursionError):
+                raise  # the process's limits, not the arguments (class doc)
             except Exception as exc:  # the arguments are the model's: its mistake, answered (class doc)
                 output = f"error: {call.name[:40]!r} refused its arguments ({type(exc).__name__})"
         return Step(Message(role="tool", content=str(output)[:MAX_TOOL_OUTPUT]), 0.0, False, {"tool": call.name})

@@ -46,8 +46,11 @@ def test_calc_is_deterministic_given_seed_and_actions() -> None:
 
 
 def test_tool_calls_are_bounded_and_unknown_tools_answered_safely() -> None:
+    def deep(args: object) -> str:
+        raise RecursionError("the process's stack, not the arguments")
+
     class Search(ToolEnv):
-        tools = {"echo": lambda args: str(args), "sqrt": lambda args: str(math.isqrt(args))}
+        tools = {"echo": lambda args: str(args), "sqrt": lambda args: str(math.isqrt(args)), "deep": deep}
         max_tool_calls = 3
 
         def reset(self, seed: int) -> Message:
@@ -66,13 +69,16 @@ def test_tool_calls_are_bounded_and_unknown_tools_answered_safely() -> None:
     assert len(odd.observation["content"]) < 80
     # Arguments the tool refuses (a str for math.isqrt, a negative int) are the model's mistake:
     # answered with the exception's type only, the same on every run, and the episode goes on.
-    for args in ('"x"', "-4"):
+    for args, kind in (('"x"', "TypeError"), ("-4", "ValueError")):
         bad = Search()
         bad.reset(0)
         refused = bad.step('<tool_call>{"name": "sqrt", "arguments": ' + args + '}</tool_call>')
-        assert not refused.done and refused.observation is not None
-        assert refused.observation["content"] in ("error: 'sqrt' refused its arguments (TypeError)",
-                                                  "error: 'sqrt' refused its arguments (ValueError)")
+        assert not refused.done
+        assert refused.observation == {"role": "tool", "content": f"error: 'sqrt' refused its arguments ({kind})"}
+    # A failure of the process's limits is not answered: it fails the episode (env_error), since
+    # the learner's re-run might not meet it.
+    with pytest.raises(RecursionError):
+        Search().step('<tool_call>{"name": "deep", "arguments": 1}</tool_call>')
     env.step('<tool_call>{"name": "sqrt", "arguments": 16}</tool_call>')
     # The fourth call is one too many: the episode ends without reward.
     over = env.step("<tool_call>{not json}</tool_call>")
