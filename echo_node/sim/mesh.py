@@ -326,7 +326,7 @@ class MeshSim:
         for r in v.receivers.values():
             r.connected = True
         v.pending = len(v.receivers)
-        for a, b in sorted(self.overlay.links()):
+        for a, b in self._shuffled(self.overlay.links()):
             v.receivers[a].link(v.receivers[b])
         preferred = self.overlay.source_links()
         for pid in v.receivers:
@@ -367,12 +367,21 @@ class MeshSim:
         v.seed.plan.link(pid)
         v.seed.fill()
 
+    def _shuffled(self, links: set[tuple[str, str]]) -> list[tuple[str, str]]:
+        """`links` in a seeded random order: reproducible (a set's order varies with the
+        process's string hashing) and unbiased (in sorted order every peer's neighbours are
+        linked, announced to and asked lowest id first, and on 30 symmetric peers the learner
+        sent 1.61-1.66 copies against 1.51-1.53)."""
+        out = sorted(links)
+        self.rng.shuffle(out)
+        return out
+
     def _apply(self, v: _Version, added: set[tuple[str, str]], removed: set[tuple[str, str]]) -> None:
-        for a, b in sorted(removed):
+        for a, b in self._shuffled(removed):
             ra, rb = v.receivers.get(a), v.receivers.get(b)
             if ra is not None and rb is not None:
                 ra.unlink(rb)
-        for a, b in sorted(added):
+        for a, b in self._shuffled(added):
             ra, rb = v.receivers.get(a), v.receivers.get(b)
             if ra is not None and rb is not None and ra.connected and rb.connected:
                 ra.link(rb)
