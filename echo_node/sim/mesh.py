@@ -369,9 +369,9 @@ class MeshSim:
 
     def _shuffled(self, links: set[tuple[str, str]]) -> list[tuple[str, str]]:
         """`links` in a seeded random order: reproducible (a set's order varies with the
-        process's string hashing) and unbiased (in sorted order every peer's neighbours are
-        linked, announced to and asked lowest id first, and on 30 symmetric peers the learner
-        sent 1.61-1.66 copies against 1.51-1.53)."""
+        process's string hashing) and unbiased (in sorted order every peer's neighbours would be
+        linked, announced to and asked lowest id first, which loads the low ids and costs the
+        learner copies: benchmarks/results/measurements.md)."""
         out = sorted(links)
         self.rng.shuffle(out)
         return out
