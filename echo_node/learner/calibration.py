@@ -14,10 +14,18 @@ honest peers, per pair, recorded with the command that made them:
 
 Rules:
 - A token's gap may reach `verify.lp_max_factor` times the largest honest gap measured for its
-  pair; the mean gap over the n checked tokens of one version may reach the honest mean plus
-  `verify.lp_mean_z` standard errors (honest mean + z * sd / sqrt(n)): for z = 6 the chance that
-  an honest batch's mean lies beyond is below 1e-8 where the central limit holds (n of a few
-  dozen and more), and the per-token limit covers the rest.
+  pair; the mean gap over the checked tokens of one version may reach the honest mean plus
+  `verify.lp_mean_z` standard errors (honest mean + z * sd / sqrt(k)), with k the groups those
+  tokens come from (their effective number: `spot_check.independent_units`), not the tokens.
+  Gaps within a group are not independent draws (a shared prompt, each position's rounding
+  depends on the context before it, and the level on the content), so an honest group's mean
+  can lie many per-token standard errors from the envelope's mean
+  (benchmarks/results/measurements.md). A mean of correlated gaps has at most the per-token
+  variance, so over independent groups the bound
+  holds whatever the correlation inside them; for z = 6 an honest mean lies beyond it with
+  chance below 1e-8 where the central limit holds over groups, and the per-token limit covers
+  the rest. A nudge of every log-prob below one group's limit is what check 4(b) pools across
+  batches.
 - Neither limit is ever below `FLOOR_TOKEN` / `FLOOR_MEAN`: gaps that small give a forger no
   lever (an importance weight moves by e^0.05, 5 %), and fp32 kernels other than the measured
   ones (another thread count, a GPU's TF32 matmuls) round differently by more than fp32's own
@@ -64,16 +72,16 @@ CALIBRATED: dict[tuple[str, str, str], Envelope] = {
 
 @dataclass(frozen=True, slots=True)
 class Tolerance:
-    """What a spot check lets through: `token` per token; a mean over n tokens up to
-    `mean + z * sd / sqrt(n)`."""
+    """What a spot check lets through: `token` per token; a mean over n independent units (groups)
+    up to `mean + z * sd / sqrt(n)`."""
 
     token: float
     mean: float
     sd: float = 0.0
     z: float = 0.0
 
-    def mean_limit(self, n: int) -> float:
-        return self.mean + self.z * self.sd / math.sqrt(max(1, n))
+    def mean_limit(self, n: float) -> float:
+        return self.mean + self.z * self.sd / math.sqrt(max(1.0, n))
 
 
 @dataclass(frozen=True, slots=True)

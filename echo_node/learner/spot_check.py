@@ -23,8 +23,8 @@ as large as `verify.budget` affords, per version its tokens claim, with that ver
    prod (1 + gap / mu) / 2 with mu = GAP_MARGIN x the envelope's mean gap is a test
    supermartingale while its gaps have mean at most mu (each factor is >= 1/2 and has mean
    <= 1), kept per publisher as an e-CUSUM like 5(b) and failed at 1 / `false_alarm`: a nudge
-   of every log-prob below what one small batch's mean test allows (mean + z sd / sqrt(n)
-   for a few dozen tokens) passes each batch alone and is caught pooled.
+   of every log-prob below what one small batch's mean test allows (mean + z sd / sqrt(k)
+   for its k groups: `independent_units`) passes each batch alone and is caught pooled.
 5. `sampling`: the tokens were sampled as the run samples (temperature, nucleus), q being that
    distribution. (a) No token an honest sampler draws with q below `false_alarm` / V: tokens of
    q <= eps together are drawn with probability at most V * eps. (b) Over a publisher's checked
@@ -206,6 +206,24 @@ class Row(Protocol):
 
     @property
     def token_versions(self) -> Sequence[int | None]: ...
+
+
+def independent_units(rows: Sequence[tuple[Grouped, Row]], version: int) -> float:
+    """How many independent measurements the mean log-prob gap of `rows`' tokens tagged
+    `version` is worth (echo_node/learner/calibration.py: the mean's limit): the groups' Kish
+    effective number, (sum n_g)^2 / sum n_g^2 over their token counts n_g. A group's gaps are
+    not independent draws from the envelope: its rows share a prompt, every position's rounding
+    depends on the context before it, and the level depends on the content (a run's prompts and
+    an environment's turns round differently from the ones measured), so an honest group's mean
+    can sit many per-token standard errors from the envelope's mean. Groups answer independently
+    drawn slots. The variance of a mean of correlated gaps is at most the per-token variance, so
+    the token-weighted mean of k groups' gaps has a standard error of at most sd / sqrt(Kish k),
+    whatever the correlation inside them."""
+    per: dict[int, int] = {}
+    for g, s in rows:
+        per[id(g)] = per.get(id(g), 0) + sum(v == version for v in s.token_versions)
+    total, squares = sum(per.values()), sum(n * n for n in per.values())
+    return total * total / squares if squares else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -597,13 +615,13 @@ class Verifier:
         self.stats.tokens_audited += tokens
         limits = self.judgement(peer_id).refuse
         mean = total / tokens
-        if largest <= limits.token and mean <= limits.mean_limit(tokens):
+        if largest <= limits.token and mean <= limits.mean_limit(1):  # one group: one independent unit
             return None
         return Failure(
             DropReason.BAD_LOGPROBS,
             f"group {group_id} trained on version {version}: its claimed log-probs are {mean:.3g} from the learner's "
             f"training forward on average over {tokens} tokens, {largest:.3g} at most; honest peers stay within "
-            f"{limits.mean_limit(tokens):.3g} on average and {limits.token:.3g} per token",
+            f"{limits.mean_limit(1):.3g} on average and {limits.token:.3g} per token",
         )
 
     def judgement(self, peer_id: str) -> Judgement:
@@ -803,17 +821,17 @@ class Verifier:
                 race = chunk_race if race is None else race.joined(chunk_race)
         if worst is None or not tokens:
             return tokens, low, high, race, logq_sum, drift
-        mean = gap_sum / tokens
-        if mean > judge.refuse.mean_limit(tokens):
-            return self._bad_logprobs(version, mean, tokens, worst, judge.refuse, judge.pair)
+        mean, units = gap_sum / tokens, independent_units(rows, version)
+        if mean > judge.refuse.mean_limit(units):
+            return self._bad_logprobs(version, mean, tokens, units, worst, judge.refuse, judge.pair)
         warn = judge.warn
-        if warn is not None and (worst.value > warn.token or mean > warn.mean_limit(tokens)):
-            self._excursion(peer_id, version, mean, tokens, worst, judge)
+        if warn is not None and (worst.value > warn.token or mean > warn.mean_limit(units)):
+            self._excursion(peer_id, version, mean, tokens, units, worst, judge)
         self.stats.lp_gap_max = max(self.stats.lp_gap_max, worst.value)
         self.stats.lp_gap_mean_max = max(self.stats.lp_gap_mean_max, mean)
         return tokens, low, high, race, logq_sum, drift
 
-    def _excursion(self, peer_id: str, version: int, mean: float, tokens: int, worst: _Gap, judge: Judgement) -> None:
+    def _excursion(self, peer_id: str, version: int, mean: float, tokens: int, units: float, worst: _Gap, judge: Judgement) -> None:
         """A peer on a pair never measured left the envelope honest peers of its dtype keep:
         not refused (its engine may round differently), but said, with the evidence."""
         self.stats.excursions += 1
@@ -826,17 +844,17 @@ class Verifier:
                 "%.3g from the learner's on average over %d tokens, %.3g at most, beyond what measured engines of its "
                 "dtype give (%.3g / %.3g); not refused below %.3g / %.3g. %d such check(s) so far; measure the pair "
                 "with `python -m benchmarks.logprob_calibration`",
-                peer_id, judge.pair, version, mean, tokens, worst.value, judge.warn.mean_limit(tokens), judge.warn.token,
-                judge.refuse.mean_limit(tokens), judge.refuse.token, n,
+                peer_id, judge.pair, version, mean, tokens, worst.value, judge.warn.mean_limit(units), judge.warn.token,
+                judge.refuse.mean_limit(units), judge.refuse.token, n,
             )
 
-    def _bad_logprobs(self, version: int, mean: float, tokens: int, worst: _Gap, limits: Tolerance, pair: str) -> Failure:
+    def _bad_logprobs(self, version: int, mean: float, tokens: int, units: float, worst: _Gap, limits: Tolerance, pair: str) -> Failure:
         return Failure(
             DropReason.BAD_LOGPROBS,
             f"group {worst.group_id} on version {version}: claimed log-probs are {mean:.3g} from the "
-            f"learner's on average over {tokens} tokens, {worst.value:.3g} at most (token {worst.token}: claimed "
-            f"{worst.claimed:.4g}, recomputed {worst.recomputed:.4g}); honest {pair} peers stay within "
-            f"{limits.mean_limit(tokens):.3g} on average and {limits.token:.3g} per token",
+            f"learner's on average over {tokens} tokens ({units:.3g} groups' worth), {worst.value:.3g} at most "
+            f"(token {worst.token}: claimed {worst.claimed:.4g}, recomputed {worst.recomputed:.4g}); honest {pair} "
+            f"peers stay within {limits.mean_limit(units):.3g} on average and {limits.token:.3g} per token",
         )
 
     def _rows_at(
@@ -865,7 +883,8 @@ class Verifier:
             r, t = divmod(int(diff.argmax()), t_max)
             worst = _Gap(float(gap.max()), rows[r][0].group_id, t, float(claimed[r, t]), float(recomputed[r, t]))
             if worst.value > judge.refuse.token:
-                return self._bad_logprobs(version, float(gap.mean()), int(gap.numel()), worst, judge.refuse, judge.pair)
+                return self._bad_logprobs(version, float(gap.mean()), int(gap.numel()), independent_units(rows, version), worst,
+                                          judge.refuse, judge.pair)
         # The distribution the engine samples from: tempered, then cut to the nucleus.
         logq = torch.log_softmax(top_p_filter(logp, self.top_p), dim=-1) if self.top_p < 1 else logp
         sampled = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)

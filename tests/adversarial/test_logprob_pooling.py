@@ -1,6 +1,7 @@
 """Check 4(b) (echo_node/learner/spot_check.py): a publisher's log-prob gaps pooled over all its checked
-batches. A batch of one group holds a few dozen tokens, where the per-batch mean test must allow
-the honest spread of so few (mean + z sd / sqrt(n)); a forger nudging every log-prob by less
+batches. A batch of one group holds a few dozen correlated tokens, where the per-batch mean test
+must allow the honest spread of one group (mean + z sd / sqrt(k), k the groups'
+`independent_units`); a forger nudging every log-prob by less
 than that passes each batch alone. The pooled statistic, prod (1 + gap / mu) / 2 with mu twice
 the envelope's mean, is a test supermartingale for honest gaps, kept per publisher as an e-CUSUM.
 """
@@ -16,7 +17,7 @@ import torch
 from echo_node.config import VerifyConfig
 from echo_node.learner import spot_check as verify_module
 from echo_node.learner.calibration import Judgement, Tolerance
-from echo_node.learner.spot_check import GAP_MARGIN, Verifier, gap_log_e
+from echo_node.learner.spot_check import GAP_MARGIN, Verifier, gap_log_e, independent_units
 from echo_node.ml.model import state_to_bytes
 from protocol import DropReason, RolloutBatch
 from tests.factories import TASK, TOKENIZER
@@ -114,3 +115,19 @@ def test_a_small_nudge_in_small_batches_passes_each_alone_and_is_caught_pooled(
     honest = verifier(model, monkeypatch)
     assert all(honest.spot(b, [0]) is None for b in batches)
     assert honest.stats.log_e_max["logprob_drift"] == 0.0
+
+
+def test_the_mean_test_counts_groups_not_tokens() -> None:
+    """Gaps inside a group are correlated, so the mean's standard error shrinks with the number
+    of groups (their Kish effective number over the tokens tagged with the version judged), not
+    with the tokens: one group is one unit however long, equal groups count one each, a large and
+    a small group count less than two, and tokens of other versions none."""
+    batch = sample_batch(tiny_model(), groups=3)
+    g0, g1, g2 = batch.groups
+    rows = lambda *gs: [(g, s) for g in gs for s in g.samples]  # noqa: E731
+    assert independent_units(rows(g0), 0) == 1.0
+    assert independent_units(rows(g0, g1, g2), 0) == pytest.approx(3.0, rel=0.2)
+    one_row = [(g1, g1.samples[0])]  # a group of which one row was checked
+    n0, n1 = sum(len(s.token_versions) for s in g0.samples), len(g1.samples[0].token_versions)
+    assert n1 < n0 and independent_units(rows(g0) + one_row, 0) == pytest.approx((n0 + n1) ** 2 / (n0 * n0 + n1 * n1))
+    assert independent_units(rows(g0, g1), 7) == 1.0  # no token of version 7: nothing to judge

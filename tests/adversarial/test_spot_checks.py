@@ -347,8 +347,9 @@ def test_evidence_of_a_weak_bias_accumulates_across_checks(model: torch.nn.Modul
 def test_the_training_forward_audits_every_on_policy_token_it_trains(tmp_path: Path) -> None:
     """No spot check runs here (no probation, spot rate 0): the step's own forward re-checks
     the claimed log-probs of the tokens sampled on the weights it trains, at no cost. Alice's
-    are the model's, Mallory's are moved by 0.3 nats: Mallory is caught after the step, banned
-    and purged; Alice is not."""
+    are the model's, Mallory's are moved by 1.5 nats (past one group's mean limit for peers that
+    claim no engine, whose envelope is the widest measured, with slack): Mallory is caught after
+    the step, banned and purged; Alice is not."""
     cfg = RunConfig(run_id=RUN, runs_dir=tmp_path, rl=RLConfig(groups_per_step=2, staleness=4),
                     verify=VerifyConfig(probation_batches=0, spot_rate=0.0, trust_tokens=0))
     tok = CharTokenizer()
@@ -374,7 +375,7 @@ def test_the_training_forward_audits_every_on_policy_token_it_trains(tmp_path: P
         for who in (ALICE, MALLORY):
             learner.peers.join(who.peer_id, 0.0)
         for seq in (1, 2):
-            for who, shift in ((ALICE, 0.0), (MALLORY, 0.3)):
+            for who, shift in ((ALICE, 0.0), (MALLORY, 1.5)):
                 data = batch(who, seq, shift)
                 assert learner.intake.validate(who.peer_id, who.peer_id, data)
                 await learner.intake.deliver(data, who.peer_id)
