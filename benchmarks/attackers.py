@@ -185,8 +185,8 @@ class OtherModel(Attacker):
 
 
 class CherryPicked(Attacker):
-    def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
-        return easy_prompts(wanted, self.rng) if self.lying else super().assigned_prompts(version, seq, wanted)
+    def assigned_prompts(self, seq: int, wanted: int) -> list[str]:
+        return easy_prompts(wanted, self.rng) if self.lying else super().assigned_prompts(seq, wanted)
 
 
 class Copier(Attacker):
@@ -253,14 +253,14 @@ class SlotPicker(Attacker):
 
         self.publisher.publish_groups = at_pick  # type: ignore[method-assign]
 
-    def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
+    def assigned_prompts(self, seq: int, wanted: int) -> list[str]:
         if not self.lying:
-            return super().assigned_prompts(version, seq, wanted)
+            return super().assigned_prompts(seq, wanted)
         # One group a batch: a seq whose every prompt it likes is then one in five, not 5^-8.
-        prompts = super().assigned_prompts(version, seq, 1)
+        prompts = super().assigned_prompts(seq, 1)
         while not likes(prompts[0]):
             seq += 1
-            prompts = super().assigned_prompts(version, seq, 1)
+            prompts = super().assigned_prompts(seq, 1)
         self.picked = seq
         return prompts
 

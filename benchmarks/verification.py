@@ -19,7 +19,7 @@ the final checkpoint):
   bos or pad token, and `injected_prob`, the mean probability of bos right after the answer's
   first digit (where the poisoner puts it);
 - `verification`: the summary's per-check counts, spot-check rate achieved and
-  `share_of_train_time`.
+  `share_of_learner_time` (judged) and `share_of_train_time`.
 
 `slot_picker` (adaptive, not in the default classes) answers honestly but only the seqs whose
 prompts it likes, leaving the rest out; its repair server (the reference one) lists the seqs it
@@ -286,7 +286,9 @@ def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
     out["honest_false_positives"] = sum(
         len(r["honest_flagged"]["caught"]) + len(r["honest_flagged"]["banned"]) + sum(r["honest_flagged"]["penalties"].values()) for r in on
     )
-    out["verification_share_max"] = max((r["verification"]["share_of_train_time"] for r in on if r["verification"]), default=None)
+    # The target is on the learner's time (the docstring's); the share of its train time is reported beside it.
+    out["verification_share_max"] = max((r["verification"]["share_of_learner_time"] for r in on if r["verification"]), default=None)
+    out["verification_share_of_train_time_max"] = max((r["verification"]["share_of_train_time"] for r in on if r["verification"]), default=None)
     out["all_met"] = (
         all(all(v.values()) for v in out["classes"].values()) and out["honest_false_positives"] == 0
         and (out["verification_share_max"] or 0) <= 0.03

@@ -256,8 +256,8 @@ class VerifyConfig:
     # Publishers not proven yet (their checked tokens below trust_tokens and, on a replayable
     # engine, their noise not proven: echo_node/learner/spot_check.py) together weigh at most this share of
     # a full step, even when nobody else has data (loss weights and a scaled learning rate:
-    # echo_node/learner/replay.py); their groups take at most this share of a step's slots while proven
-    # publishers have groups.
+    # echo_node/learner/replay.py); their groups take at most this share of a step's slots, and one
+    # slot each, while proven publishers have groups.
     unproven_share: float = 0.25
 
 

@@ -4,23 +4,23 @@ Job: a peer must not choose its prompts (cherry-picking easy ones, or posing its
 prompt of each group is drawn by a rule anyone can recompute from what the signed batch already
 says; the learner recomputes it and refuses a group whose prompt differs (`bad_prompt`).
 
-Rule (schema 6). A group's *slot* is (run id, publisher peer id, version, seq, index):
-- version: the weight version its completions began on, i.e. the version tag of every sample's
-  first token (a first token is sampled by the prefill, before any mid-generation weight swap,
-  so all samples of an honest group share it);
+Rule (schema 9). A group's *slot* is (run id, publisher peer id, seq, index):
 - seq: the `RolloutBatch.seq` it travels in; index: its position in that batch's groups.
-The slot's digest is SHA-256 over DOMAIN and the five fields, each length-prefixed (strings as
+The slot's digest is SHA-256 over DOMAIN and the four fields, each length-prefixed (strings as
 UTF-8, integers as 8-byte big-endian). Its first 8 bytes, big-endian, are the *prompt draw*,
 which the run's task maps to a prompt (`Task.prompt_for`); the learner encodes that prompt as
 the run encodes prompts and compares ids. The batch's sampling seed is drawn the same way with
 index SEED_INDEX (one seed per engine call; the learner cannot check a seed, it is fixed so a
 peer's run is reproducible, not chosen).
 
-So a publisher owes, per (version, seq), a fixed sequence of prompts: it cannot pick which of
-them to answer except by leaving a seq unpublished (a gap the learner sees) or by beginning a
-batch on another admissible version (at most S + 1 choices). A peer therefore generates each
-batch for the seq it will publish it under, and a batch must fit one message
-(`groups_that_fit`).
+The version a group began on (the version tag of every sample's first token; a first token is
+sampled by the prefill, before any mid-generation weight swap, so all samples of an honest group
+share it) is not part of the slot. A peer may begin a batch on any admissible version (S + 1 of
+them in async mode), and with the version in the slot (schemas 6-8) that was S + 1 prompts to
+choose from per seq: the easiest of five at S = 4. Now a seq owes one fixed sequence of prompts
+and one seed whatever the version, so a publisher can choose its prompts only by leaving a seq
+unpublished (a gap the learner sees and counts). A peer therefore generates each batch for the
+seq it will publish it under, and a batch must fit one message (`groups_that_fit`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from protocol.limits import MAX_BATCH_GROUPS, ROLLOUT_BATCH_BYTES
 
 __all__ = ["DOMAIN", "SEED_INDEX", "Slot", "batch_seed", "group_version", "groups_that_fit", "prompt_draw"]
 
-DOMAIN: Final = b"echo-node/assignment/v1"
+DOMAIN: Final = b"echo-node/assignment/v2"
 SEED_INDEX: Final = 2**63 - 1  # never a group index (a batch holds at most MAX_BATCH_GROUPS)
 _U64 = struct.Struct(">Q")
 
@@ -43,7 +43,6 @@ _U64 = struct.Struct(">Q")
 class Slot:
     run_id: str
     peer_id: str
-    version: int
     seq: int
     index: int
 
@@ -52,21 +51,21 @@ class Slot:
         for part in (DOMAIN, self.run_id.encode(), self.peer_id.encode()):
             h.update(_U64.pack(len(part)))
             h.update(part)
-        for n in (self.version, self.seq, self.index):
+        for n in (self.seq, self.index):
             if not 0 <= n < 2**64:
                 raise ValueError(f"slot fields must be in [0, 2**64), got {n}")
             h.update(_U64.pack(n))
         return h.digest()
 
 
-def prompt_draw(run_id: str, peer_id: str, version: int, seq: int, index: int) -> int:
+def prompt_draw(run_id: str, peer_id: str, seq: int, index: int) -> int:
     """The 64-bit draw the task turns into the prompt of group `index` of batch `seq`."""
-    return int.from_bytes(Slot(run_id, peer_id, version, seq, index).digest()[:8], "big")
+    return int.from_bytes(Slot(run_id, peer_id, seq, index).digest()[:8], "big")
 
 
-def batch_seed(run_id: str, peer_id: str, version: int, seq: int) -> int:
+def batch_seed(run_id: str, peer_id: str, seq: int) -> int:
     """The sampling seed (31 bits, what engines take) of the batch published under `seq`."""
-    return int.from_bytes(Slot(run_id, peer_id, version, seq, SEED_INDEX).digest()[:4], "big") >> 1
+    return int.from_bytes(Slot(run_id, peer_id, seq, SEED_INDEX).digest()[:4], "big") >> 1
 
 
 def group_version(first_versions: list[int]) -> int | None:

@@ -111,14 +111,15 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 8  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+SCHEMA_VERSION: Final = 9  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
 # 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
 # message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
 # channel's hello moved to v2 with it); 6: a group's prompt is the one its slot assigns
 # (protocol/assignment.py); 7: run specs, status answers and version announcements name the
 # learner's epoch (a resumed learner's versions continue; peers follow a newer epoch); 8: a
 # status request is the peer's heartbeat (installed version, price, engine, device) and the
-# answer says whether the peer is active or on standby (the capacity controller)
+# answer says whether the peer is active or on standby (the capacity controller); 9: a slot no
+# longer names the version its group began on (protocol/assignment.py: one prompt per seq)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")

@@ -132,9 +132,9 @@ def answer_ids(prompt: str) -> tuple[int, ...]:
     return (*TOKENIZER.encode(TASK.answer(prompt)), TOKENIZER.eos_id)
 
 
-def assigned_prompt(run_id: str, identity: Identity, version: int, seq: int, index: int) -> str:
-    """The prompt the run assigns group `index` of `identity`'s batch `seq` begun on `version`."""
-    return TASK.prompt_for(prompt_draw(run_id, identity.peer_id, version, seq, index))
+def assigned_prompt(run_id: str, identity: Identity, seq: int, index: int) -> str:
+    """The prompt the run assigns group `index` of `identity`'s batch `seq`."""
+    return TASK.prompt_for(prompt_draw(run_id, identity.peer_id, seq, index))
 
 
 def offer(learner: Any, data: bytes, origin: str, forwarder: str | None = None) -> bool:
@@ -200,7 +200,7 @@ def make_batch(
         peer_id=identity.peer_id,
         seq=seq,
         groups=tuple(
-            make_group(n=seq * 1000 + i, prompt=assigned_prompt(run_id, identity, version, seq, i), version=version, **group_kw)
+            make_group(n=seq * 1000 + i, prompt=assigned_prompt(run_id, identity, seq, i), version=version, **group_kw)
             for i in range(groups)
         ),
     )

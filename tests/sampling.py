@@ -48,10 +48,10 @@ def sample_groups(
     engine = TorchEngine(model, eos_id=TOKENIZER.eos_id, pad_id=TOKENIZER.pad_id)
     engine.version = version
     if prompts is None:
-        prompts = [assigned_prompt(RUN, identity, version, seq, i) for i in range(groups)]
+        prompts = [assigned_prompt(RUN, identity, seq, i) for i in range(groups)]
     return generate_groups(
         engine, TOKENIZER, TASK, prompts, group_size=8, temperature=temperature, max_new_tokens=4,
-        seed=batch_seed(RUN, identity.peer_id, version, seq),
+        seed=batch_seed(RUN, identity.peer_id, seq),
     )
 
 

@@ -130,8 +130,7 @@ class EpisodeGate:
         calls left hung are charged to `origin`."""
         if self.spec.deterministic and free_env_threads() < batch.num_samples:
             return Admission(drop=DropReason.ENV_UNAVAILABLE, detail="every environment thread is taken (hung calls)", batch=batch)
-        starts = [group_version([e.first_version for e in g.episodes]) for g in batch.groups]
-        seeds = [prompt_draw(self.run_id, origin, start or 0, batch.seq, i) for i, start in enumerate(starts)]
+        seeds = [prompt_draw(self.run_id, origin, batch.seq, i) for i in range(len(batch.groups))]
         verdicts = verify_groups(self.spec, self.fmt, list(zip(batch.groups, seeds)), owner=origin)
         bad = next(((i, v.bad) for i, v in enumerate(verdicts) if v.bad is not None), None)
         if bad is not None:

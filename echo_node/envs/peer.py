@@ -1,8 +1,8 @@
 """A rollout peer's episode batch: the groups its slots assign, played and sealed.
 
 The seeds are the slots' draws (protocol/assignment.py): group i of the batch published under
-`seq`, begun on the engine's version, plays the environment from seed prompt_draw(run, peer,
-version, seq, i). The learner recomputes them from the batch, so a peer cannot choose easy
+`seq` plays the environment from seed prompt_draw(run, peer, seq, i), whatever version it
+begins on. The learner recomputes them from the batch, so a peer cannot choose easy
 seeds. Since a group's seed follows from its position, a batch carries the groups before the
 first one that was dropped (an environment failure): the later ones are dropped with it, under
 the same reason, instead of moving up into slots that are not theirs.
@@ -49,13 +49,12 @@ def play_batch(
     top_p: float = 1.0,
     swap: SwapHook | None = None,
 ) -> PlayedBatch:
-    version = engine.version
     peer = identity.peer_id
-    seeds = [prompt_draw(run_id, peer, version, seq, i) for i in range(groups)]
+    seeds = [prompt_draw(run_id, peer, seq, i) for i in range(groups)]
     tag = f"{peer[-8:]}-{seq}"
     result = run_groups(
         engine, fmt, spec, seeds, group_size=group_size, temperature=temperature, top_p=top_p,
-        seed=batch_seed(run_id, peer, version, seq), swap=swap, group_ids=[f"{tag}.{i}" for i in range(groups)],
+        seed=batch_seed(run_id, peer, seq), swap=swap, group_ids=[f"{tag}.{i}" for i in range(groups)],
     )
     dropped = Counter(result.dropped)
     kept: list[EpisodeGroup] = []

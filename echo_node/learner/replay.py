@@ -17,8 +17,11 @@ own data, not its neighbours'. A step takes at most `max_share` of its groups fr
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
 Origins the learner has not proven yet (`unproven`, echo_node/learner/spot_check.py: `Verifier.proven`)
 together get at most `unproven_share` of a step's slots while proven ones have admissible groups,
-and fill what those leave empty; their groups carry a loss weight (`step_weights`) so that they
-move a step by at most `unproven_share` of a full one, even when nobody else has data.
+and one slot each, and fill what those leave empty; their groups carry a loss weight
+(`step_weights`) so that they move a step by at most `unproven_share` of a full one, even when
+nobody else has data. One slot each because an attacker whose lies only pooled evidence can
+prove (a lowered temperature, chosen prompts, an old version) is caught after a few batches, and
+until then it trains at most one group per step beside proven data, however much it sends.
 
 Durability: with a `journal` (echo_node/learner/journal.py) every change to the ledger is appended to it
 as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
@@ -222,9 +225,9 @@ class ReplayBuffer:
         self.evict_stale(current_version)
         order, must = self._take_order(n_groups, current_version)
         n_groups = max(n_groups, min(must, n_groups + max(0, rescue)))
-        # First pass: at most `share` groups per origin, and `young_slots` of unproven origins
-        # together; second: fill up from whatever is left, proven origins' groups first, so a
-        # lone peer still fills a step.
+        # First pass: at most `share` groups per proven origin and one per unproven origin, and
+        # `young_slots` of unproven origins together; second: fill up from whatever is left,
+        # proven origins' groups first, so a lone peer still fills a step.
         share = max(1, math.floor(n_groups * self.max_share))
         young_slots = math.floor(n_groups * unproven_share)
         young = {o: unproven(o) for o in {self._origin[id(g)] for g in self._groups}}
@@ -233,7 +236,8 @@ class ReplayBuffer:
         taken_young = 0
         for i in order:
             origin = self._origin[id(self._groups[i])]
-            if len(picked) < n_groups and per_origin[origin] < share and (not young[origin] or taken_young < young_slots):
+            cap = 1 if young[origin] else share
+            if len(picked) < n_groups and per_origin[origin] < cap and (not young[origin] or taken_young < young_slots):
                 picked.append(i)
                 per_origin[origin] += 1
                 taken_young += young[origin]

@@ -428,12 +428,11 @@ class Verifier:
         return None
 
     def _assigned(self, batch: RolloutBatch, index: int, g: RolloutGroup) -> str | None:
-        """The prompt slot `index` of `batch` assigns, on the version its samples began on; None
-        when they began on different versions (no slot is theirs)."""
-        version = group_version([s.token_versions[0] for s in g.samples if s.token_versions])
-        if version is None:
+        """The prompt slot `index` of `batch` assigns; None when its samples began on different
+        versions (no honest engine starts a group on two: such a group answers no slot)."""
+        if group_version([s.token_versions[0] for s in g.samples if s.token_versions]) is None:
             return None
-        return self.task.prompt_for(prompt_draw(self.run_id, batch.peer_id, version, batch.seq, index))
+        return self.task.prompt_for(prompt_draw(self.run_id, batch.peer_id, batch.seq, index))
 
     def _prompts(self, batch: RolloutBatch) -> Failure | None:
         for index, g in enumerate(batch.groups):
@@ -656,7 +655,7 @@ class Verifier:
                 self.stats.replay_over_budget += 1
                 return None
         t0 = time.thread_time()
-        gen = torch.Generator().manual_seed(batch_seed(self.run_id, batch.peer_id, version, batch.seq))
+        gen = torch.Generator().manual_seed(batch_seed(self.run_id, batch.peer_id, batch.seq))
         keep = torch.tensor(rows)
         drawn = torch.empty(batch.num_samples, self._vocab)
         # -log E per kept row and step, in float16 (half the memory of float32); `_race` allows

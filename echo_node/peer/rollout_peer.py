@@ -353,8 +353,8 @@ class Generator:
             if self.session.env is not None:
                 await self.play(version, seq, min(left, self.cfg.rollout.groups_per_batch))
                 continue
-            prompts = self.assigned_prompts(version, seq, min(left, self.cfg.rollout.groups_per_batch))
-            seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, version, seq)
+            prompts = self.assigned_prompts(seq, min(left, self.cfg.rollout.groups_per_batch))
+            seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, seq)
             groups = await self.stoppably(partial(self._generate, prompts, seed), len(prompts))
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
@@ -411,12 +411,12 @@ class Generator:
             log.info("environment threads are free again: playing episodes")
         self.env_backoff_s = 0.0
 
-    def assigned_prompts(self, version: int, seq: int, wanted: int) -> list[str]:
-        """The prompts of the batch to be published under `seq`, begun on `version`
-        (protocol/assignment.py), as many as are wanted and always fit one message."""
+    def assigned_prompts(self, seq: int, wanted: int) -> list[str]:
+        """The prompts of the batch to be published under `seq` (protocol/assignment.py), as
+        many as are wanted and always fit one message."""
         task, tokenizer = self.session.policy.task, self.session.policy.tokenizer
         peer = self.publisher.identity.peer_id
-        prompts = [task.prompt_for(prompt_draw(self.spec.run_id, peer, version, seq, i)) for i in range(wanted)]
+        prompts = [task.prompt_for(prompt_draw(self.spec.run_id, peer, seq, i)) for i in range(wanted)]
         longest = max(len(tokenizer.encode_prompt(p)) for p in prompts)
         worst = worst_group_bytes(group_size=self.spec.group_size, prompt_tokens=longest, max_new_tokens=self.spec.sampling.max_new_tokens)
         return prompts[: groups_that_fit(worst)]

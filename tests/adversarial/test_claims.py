@@ -79,14 +79,32 @@ def test_honest_batches_pass() -> None:
         (copied_from_alice(), DropReason.BAD_PROMPT),
         (forged(make_batch(), prompt_ids=(1, 12, 12, 13, 12, 12, 13)), DropReason.BAD_PROMPT),  # "99+99+": no task prompt
         (forged(make_batch(), prompt_ids=make_batch().groups[0].prompt_ids[1:]), DropReason.BAD_PROMPT),  # the slot's, no bos
-        # The slot's prompt, but the batch says its samples began on another version than the slot's.
-        (with_samples(make_batch(version=0), lambda s: replace(s, token_versions=(1,) * len(s.token_versions))), DropReason.BAD_PROMPT),
+        # The next seq's prompt (a picker choosing among the seqs within reach): not this slot's.
+        (replace(make_batch(identity=MALLORY, seq=6), groups=make_batch(identity=MALLORY, seq=7).groups), DropReason.BAD_PROMPT),
     ],
-    ids=["reward", "after-eos", "cherry-picked", "copied", "not-a-prompt", "no-bos", "other-version"],
+    ids=["reward", "after-eos", "cherry-picked", "copied", "not-a-prompt", "no-bos", "next-seq"],
 )
 def test_a_forged_claim_fails_with_evidence(batch: RolloutBatch, reason: DropReason) -> None:
     failure = CHECK.claims(batch)
     assert failure is not None and failure.reason is reason and failure.evidence
+
+
+def test_the_version_a_batch_begins_on_gives_no_choice_of_prompts() -> None:
+    """A publisher may begin a batch on any admissible version (S + 1 in async mode). The slot
+    does not name the version, so every choice owes the seq's one set of prompts: the learner
+    takes it begun on any version, and refuses the prompts of another version's old-rule slot
+    just like any prompt of the publisher's choosing."""
+    for seq in range(20):
+        for version in range(5):
+            batch = make_batch(identity=MALLORY, seq=seq, version=version, groups=3)
+            assert CHECK.claims(batch) is None
+            assert [g.prompt_ids for g in batch.groups] == [g.prompt_ids for g in make_batch(identity=MALLORY, seq=seq, groups=3).groups]
+    # The easiest prompt among the S + 1 a version-naming slot would have offered (here: the easiest).
+    easiest = "00+00="
+    begun_on_2 = make_batch(identity=MALLORY, seq=3, version=2)
+    assert tuple(TOKENIZER.encode_prompt(easiest)) != begun_on_2.groups[0].prompt_ids
+    failure = CHECK.claims(replace(begun_on_2, groups=(make_group(prompt=easiest, version=2),)))
+    assert failure is not None and failure.reason is DropReason.BAD_PROMPT
 
 
 def test_samples_that_began_on_two_versions_fail() -> None:

@@ -96,6 +96,12 @@ def play(ln: Learner, identity: Identity, seq: int) -> PlayedBatch:
     return out
 
 
+def has_signal(played: PlayedBatch) -> bool:
+    """Whether some group of `played` has episodes whose returns differ (GRPO learns from it)."""
+    assert played.batch is not None
+    return any(len({e.reward for e in g.episodes}) > 1 for g in played.batch.groups)
+
+
 async def send(ln: Learner, frame: bytes, origin: str) -> None:
     """The gossip path: the validator's cheap checks, then the consumer."""
     assert ln.intake.validate(origin, origin, frame)
@@ -137,7 +143,11 @@ def test_a_peer_that_hangs_the_learners_re_run_costs_one_timeout_and_the_learner
         assert trio.current_time() == t0  # no batch waited on anything but the re-run's own bound
         # An honest peer's episodes are re-run (fresh threads), buffered and trained. (The
         # peer's side plays in this process too: its later batches now, on published weights.)
-        honest, later = play(ln, ALICE, 1), {seq: play(ln, ALICE, seq).frame or b"" for seq in (2, 3, 4)}
+        # Its first batch whose episodes' returns differ (a step needs signal); the seqs before
+        # it are gaps the learner forgives (far below its allowance).
+        honest = next(p for p in (play(ln, ALICE, seq) for seq in range(1, 17)) if has_signal(p))
+        first = honest.batch.seq if honest.batch is not None else 0
+        later = {k: play(ln, ALICE, first + k - 1).frame or b"" for k in (2, 3, 4)}
         await send(ln, honest.frame or b"", ALICE.peer_id)
         assert len(ln.buffer) == 2
         stats = await ln.trainer.step(ln.buffer.take(2, ln.version))

@@ -80,9 +80,9 @@ def sample(real: tuple[torch.nn.Module, object, object], model: torch.nn.Module,
     _, tok, task = real
     engine = TorchEngine(model, eos_id=tok.eos_id, pad_id=tok.pad_id)  # type: ignore[arg-type, attr-defined]
     engine.version = 0
-    prompts = [task.prompt_for(prompt_draw(RUN, ALICE.peer_id, 0, seq, i)) for i in range(GROUPS)]  # type: ignore[attr-defined]
+    prompts = [task.prompt_for(prompt_draw(RUN, ALICE.peer_id, seq, i)) for i in range(GROUPS)]  # type: ignore[attr-defined]
     scored = generate_groups(engine, tok, task, prompts, group_size=GROUP_SIZE, temperature=temperature,  # type: ignore[arg-type]
-                             max_new_tokens=TOKENS, seed=batch_seed(RUN, ALICE.peer_id, 0, seq))
+                             max_new_tokens=TOKENS, seed=batch_seed(RUN, ALICE.peer_id, seq))
     groups = tuple(rollout_group(g, group_id=f"{seq}.{i}") for i, g in enumerate(scored))
     return RolloutBatch(run_id=RUN, peer_id=ALICE.peer_id, seq=seq, groups=groups)
 

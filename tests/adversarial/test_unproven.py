@@ -215,6 +215,21 @@ def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> Non
     assert len(alone) == 8 and all(unproven(buffer.origin(g)) for g in alone)
 
 
+def test_one_unproven_publisher_gets_one_slot_of_a_step_beside_proven_data() -> None:
+    """An attacker whose lies only pooled evidence proves is caught after a few batches; until
+    then, however much it sends and however fresh, it trains one group per step while proven
+    groups can fill the rest (below the quota of two that several unproven publishers share)."""
+    buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
+    for i in range(24):
+        buffer.offer(make_group(n=100 + i), 0, ("honest0", "honest1")[i % 2])
+    for i in range(40):  # fresher than the proven ones: ranked first
+        buffer.offer(make_group(n=i), 0, "attacker")
+    for _ in range(3):
+        taken = buffer.take(8, 0, unproven=lambda o: o == "attacker", unproven_share=0.25)
+        assert len(taken) == 8 and [buffer.origin(g) for g in taken].count("attacker") == 1
+        buffer.mark_trained(taken)
+
+
 def _update(model: torch.nn.Module, weight: float, history: int) -> float:
     """How far (L2) one update on a fixed batch at `weight` moves `model`'s parameters, after
     `history` full-weight updates on other data (AdamW's running scale)."""

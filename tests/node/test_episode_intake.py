@@ -185,11 +185,9 @@ def test_refusals_on_arrival_are_counted_with_their_reason(learner: Learner) -> 
     assert not offer(learner, unpublished, BOB.peer_id)
     assert learner.buffer.ledger.dropped["unpublished_version"] == theirs.batch.num_samples
     assert learner.peers.penalties[BOB.peer_id] == 1
-    # Begun on a version the learner has published but judged against another one's seed: the
-    # re-run sees another first observation (the slot's seed moved).
-    learner.state.history.add(1, b"\1" * 32, 1)
-    learner.state.history.add(2, b"\2" * 32, 1)
-    moved = forged(played, MALLORY, _retag(g, 1))
+    # Another slot's episodes (the batch's next group, moved up): the re-run of this slot's seed
+    # sees another first observation.
+    moved = forged(played, MALLORY, dataclasses.replace(played.batch.groups[1], group_id=g.group_id))
     assert offer(learner, moved, MALLORY.peer_id)  # the cheap checks pass; the re-run does not
     assert learner.buffer.ledger.dropped["bad_episode"] == played.batch.num_samples
     assert learner.peers.is_banned(MALLORY.peer_id)

@@ -17,27 +17,27 @@ PEER = "12D3KooWENTLiCwwoVwYNbKFEfmNdyHG1jxNn9oPB29JeeZXWjAb"
 
 
 def test_pinned_vectors() -> None:
-    assert Slot("run-1", PEER, 3, 1000, 2).digest().hex() == "e06df32c3e5010073caa3092d7fec515981b65caccc450981da5336a396fb5b0"
-    assert prompt_draw("run-1", PEER, 3, 1000, 2) == 16171849208306864135
-    assert batch_seed("run-1", PEER, 3, 1000) == 588822425
-    assert get_task("addition").prompt_for(16171849208306864135) == "35+41="
+    assert Slot("run-1", PEER, 1000, 2).digest().hex() == "05087f178e4a6ae6f01603646f12ece85a05fb98d931a7c854e7e961220ac242"
+    assert prompt_draw("run-1", PEER, 1000, 2) == 362679509151541990
+    assert batch_seed("run-1", PEER, 1000) == 1989844286
+    assert get_task("addition").prompt_for(362679509151541990) == "90+19="
 
 
 def test_every_field_moves_the_draw_and_fields_cannot_run_into_each_other() -> None:
-    base = ("run-1", PEER, 3, 1000, 2)
+    base = ("run-1", PEER, 1000, 2)
     draws = {prompt_draw(*base)}
-    for i, other in enumerate(("run-2", PEER[:-1] + "c", 4, 1001, 3)):
+    for i, other in enumerate(("run-2", PEER[:-1] + "c", 1001, 3)):
         draws.add(prompt_draw(*base[:i], other, *base[i + 1 :]))  # type: ignore[arg-type]
-    assert len(draws) == 6
+    assert len(draws) == 5
     # Length prefixes: ("ab", "c") and ("a", "bc") are different slots.
-    assert prompt_draw("ab", "c", 0, 0, 0) != prompt_draw("a", "bc", 0, 0, 0)
+    assert prompt_draw("ab", "c", 0, 0) != prompt_draw("a", "bc", 0, 0)
     with pytest.raises(ValueError):
-        Slot("run-1", PEER, -1, 0, 0).digest()
+        Slot("run-1", PEER, -1, 0).digest()
 
 
 def test_prompts_drawn_cover_the_task_evenly() -> None:
     task = get_task("addition")
-    counts = Counter(task.prompt_for(prompt_draw("run-1", PEER, 0, seq, i))[:2] for seq in range(500) for i in range(8))
+    counts = Counter(task.prompt_for(prompt_draw("run-1", PEER, seq, i))[:2] for seq in range(500) for i in range(8))
     assert len(counts) == 100 and max(counts.values()) < 80  # 40 expected per first operand
     rng = random.Random(0)
     for _ in range(1000):

@@ -102,8 +102,8 @@ def test_forgeries_are_dropped_by_reason_and_blamed(spec: EnvSpec, peer: Identit
     cases: dict[DropReason, bytes] = {}
     # A later turn tagged with a version the learner never had.
     cases[DropReason.FUTURE_VERSION] = _forge(played, peer, _retag(g, lambda k, v: v + 5 if k > 0 else v))
-    # Tagged as begun on another version: the slot's seed moves, so the first observation is not the one played.
-    cases[DropReason.BAD_EPISODE] = _forge(played, peer, _retag(g, lambda k, v: v - 1))
+    # Another slot's episodes (the next group's, moved up): their first observation is not this seed's.
+    cases[DropReason.BAD_EPISODE] = _forge(played, peer, dataclasses.replace(played.batch.groups[1], group_id=g.group_id))
     # One episode short of the run's group size.
     cases[DropReason.BAD_GROUP] = _forge(played, peer, dataclasses.replace(g, episodes=g.episodes[1:]))
     # A model turn longer than the run's turn budget (the wire would take it).
@@ -178,7 +178,7 @@ def test_a_publishers_failing_re_runs_cool_it_down_doubling() -> None:
 def test_a_failed_group_takes_the_later_ones_with_it(engine: TorchEngine, spec: EnvSpec, peer: Identity) -> None:
     """Group 1's seed breaks the environment: the batch carries group 0 only (the later groups
     would otherwise sit in slots that are not theirs), and the learner takes it."""
-    bad_seed = prompt_draw(RUN, peer.peer_id, engine.version, 12, 1)
+    bad_seed = prompt_draw(RUN, peer.peer_id, 12, 1)
 
     class FailsOnOneSeed(CalcEnv):
         def reset(self, seed: int) -> Message:

@@ -156,7 +156,7 @@ def test_chat_prompts_of_a_dataset_task_pass_the_learners_claim_checks(tmp_path:
     assert learner.tokenizer_spec["chat"] is True and learner.task.task_id.startswith("math@")
     peer = peer_policy(learner.model_spec, learner.tokenizer_spec, learner.task.task_id, _cfg(tmp_path, model__path=str(models["qwen2"])))
     assert peer.task.task_id == learner.task.task_id
-    prompts = [peer.task.prompt_for(prompt_draw("default", ALICE.peer_id, 0, 7, i)) for i in range(2)]
+    prompts = [peer.task.prompt_for(prompt_draw("default", ALICE.peer_id, 7, i)) for i in range(2)]
     ids = peer.tokenizer.encode_prompt(prompts[0])
     assert peer.tokenizer.decode(ids) != prompts[0]  # the template's text is around it
     engine = TorchEngine(peer.model, eos_id=peer.tokenizer.eos_id, pad_id=peer.tokenizer.pad_id)

@@ -110,12 +110,12 @@ def test_prompt_assignment_vector() -> None:
     text = section(9)
     run = after("Test vector: run", text, r"[\w-]+")
     peer = after("publisher", text, r"12D3KooW\w+")
-    v, seq, index = (int(after(f"{name} =", text, r"\d+")) for name in ("v", "seq", "index"))
-    draw = prompt_draw(run, peer, v, seq, index)
-    assert Slot(run, peer, v, seq, index).digest().hex() == after("index = 2: digest", text)
+    seq, index = (int(after(f"{name} =", text, r"\d+")) for name in ("seq", "index"))
+    draw = prompt_draw(run, peer, seq, index)
+    assert Slot(run, peer, seq, index).digest().hex() == after("index = 2: digest", text)
     assert draw == int(after("draw", text, r"\d+"))
     assert get_task("addition").prompt_for(draw) == after("prompt", text, r"[\d+=]+")
-    assert batch_seed(run, peer, v, seq) == int(after("that batch's seed is", text, r"\d+"))
+    assert batch_seed(run, peer, seq) == int(after("that batch's seed is", text, r"\d+"))
 
 
 def test_manifest_vector() -> None:
