@@ -16,9 +16,9 @@ peer's run is reproducible, not chosen).
 The version a group began on (the version tag of every sample's first token; a first token is
 sampled by the prefill, before any mid-generation weight swap, so all samples of an honest group
 share it) is not part of the slot. A peer may begin a batch on any admissible version (S + 1 of
-them in async mode), and with the version in the slot (schemas 6-8) that was S + 1 prompts to
-choose from per seq: the easiest of five at S = 4. Now a seq owes one fixed sequence of prompts
-and one seed whatever the version, so a publisher can choose its prompts only by leaving a seq
+them in async mode), and were the version in the slot that would be S + 1 prompts to choose
+from per seq: the easiest of five at S = 4. A seq owes one fixed sequence of prompts and one
+seed whatever the version, so a publisher can choose its prompts only by leaving a seq
 unpublished (a gap the learner sees and counts). A peer therefore generates each batch for the
 seq it will publish it under, and a batch must fit one message (`groups_that_fit`).
 """
