@@ -94,9 +94,15 @@ rows is caught per checked batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
 checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
-of its is judged exactly). Until then every batch of it is checked, and until its check rate
-is down to EARNING_RATE every batch chosen for a check is: the budget does not excuse one (it
-gets `min_rows` rows whatever the credit), and the intake drops one that finds no room to wait
+of its is judged exactly). Until then every batch of it is checked, every row of it (at most
+UNPROVEN_ROWS) whatever the credit: a bias that only pooled evidence proves (a lowered
+temperature, an old version, greedy picks) is caught after as many batches as its evidence
+needs, and until then it trains a group of every step, so each batch of evidence saved is
+steps it does not train. The price: a Sybil's batch costs the checker up to UNPROVEN_ROWS
+rows instead of `min_rows` (the checker's queue is bounded either way: `BESIDE_WAITING`). Past
+that, until its check rate is down to EARNING_RATE every batch chosen for a check is checked:
+the budget does not excuse one (it gets `min_rows` rows whatever the credit), and the intake
+drops one that finds no room to wait
 for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
 less in a step (`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust
 over; noise evidence is kept.
@@ -171,6 +177,8 @@ SPOT_CHUNK_ROWS = 64
 # Check 4(b) takes honest peers' mean log-prob gap to be at most this many times the envelope's
 # mean (a run's prompts and model may round a little differently from the ones measured).
 GAP_MARGIN = 2.0
+# The rows of an unproven publisher's batch every check of it covers (all of a batch up to this).
+UNPROVEN_ROWS = 64
 # Check 6 keeps -log E in float16: a stored value is within NOISE_ULP of itself (the relative
 # rounding of float16's 11-bit significand) plus NOISE_SUBNORMAL (its smallest step) of the drawn one.
 NOISE_ULP = 2.0**-11
@@ -505,14 +513,16 @@ class Verifier:
         if peer not in self._probation:
             self.suspect(peer)
         everything = list(range(len(batch.groups)))
+        # Every row of an unproven publisher's batch, else at least min_rows (module docstring).
+        floor = self.cfg.min_rows if self.proven(peer) else max(self.cfg.min_rows, min(batch.num_samples, UNPROVEN_ROWS))
         left = self._probation[peer]
         if left > 0:
             self._probation[peer] = left - 1
-            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows), probation=True)
+            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=floor), probation=True)
         if self._rng.random() >= self.check_rate(peer):
             return None
         if self.earning(peer):  # never unchecked (module docstring, unproven publishers)
-            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=self.cfg.min_rows))
+            return SpotPlan(everything, self._affordable_rows(batch.num_samples, floor=floor))
         rows = self._affordable_rows(batch.num_samples, floor=0)
         if rows < min(self.cfg.min_rows, batch.num_samples):
             self.stats.over_budget += 1

@@ -272,15 +272,15 @@ def test_log_probs_are_judged_by_the_envelope_of_the_peers_engine(model: torch.n
 
 def test_spot_checks_stay_within_their_budget(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows checked follow the credit the budget left: none beyond probation when it is spent
-    (for a proven publisher: an unproven one's batch is never left unchecked,
-    tests/adversarial/test_unproven.py), the smallest check on probation whatever the credit,
-    more rows as credit accrues."""
+    (for a proven publisher: an unproven one's batch is never left unchecked and is checked in
+    full, tests/adversarial/test_unproven.py), the smallest check on probation whatever the
+    credit, more rows as credit accrues."""
     v = verifier(model, spot_rate=1.0, probation_batches=1, budget=0.05, min_rows=2)
     batch = sample_batch(model, groups=8)
     first = v.plan(batch)
-    assert first is not None and first.rows == 2  # probation, nothing measured yet
+    assert first is not None and first.rows == batch.num_samples  # unproven: every row
     assert spot_rows(v, batch, first.rows) is None
-    assert v.stats.rows_spot_checked == 2 and v.stats.spot_s > 0
+    assert v.stats.rows_spot_checked == batch.num_samples and v.stats.spot_s > 0
     v._shared_noise[ALICE.peer_id] = (25.0, None)  # proven: its tokens showed it draws the assigned noise
     clock = [1000.0]
     monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])

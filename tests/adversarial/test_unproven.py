@@ -96,8 +96,9 @@ def model() -> torch.nn.Module:
 def test_no_credit_never_excuses_an_unproven_publishers_batch(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """A publisher cannot get its batch past the checks by sending it when the budget is spent
     (the learner's credit is not something it can see, but it can flood to spend it): while
-    unproven, its batch gets the smallest check anyway; once proven, by tokens that passed or by
-    its noise, an unaffordable batch goes unchecked (`over_budget`), as every proven peer's."""
+    unproven, its batch is checked in full anyway (every row, up to UNPROVEN_ROWS); once proven,
+    by tokens that passed or by its noise, an unaffordable batch goes unchecked (`over_budget`),
+    as every proven peer's."""
     from echo_node.learner import spot_check as verify_module
 
     v = Verifier(VerifyConfig(spot_rate=1.0, probation_batches=0, budget=0.05, min_rows=2), run_id=RUN, tokenizer=TOKENIZER,
@@ -109,7 +110,7 @@ def test_no_credit_never_excuses_an_unproven_publishers_batch(model: torch.nn.Mo
     v._cost_per_row = 1.0  # no credit for a single row
     for _ in range(5):
         plan = v.plan(batch)
-        assert plan is not None and plan.rows == 2
+        assert plan is not None and plan.rows == min(batch.num_samples, verify_module.UNPROVEN_ROWS) > 2
     assert v.stats.over_budget == 0 and not v.proven(ALICE.peer_id)
     v._shared_noise[ALICE.peer_id] = (25.0, None)  # its tokens proved it draws the assigned noise
     assert v.proven(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 1
