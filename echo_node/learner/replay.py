@@ -16,12 +16,13 @@ oldest group *of the origin holding the most* goes, as "overload": a peer that f
 own data, not its neighbours'. A step takes at most `max_share` of its groups from one origin
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
 Origins the learner has not proven yet (`unproven`, echo_node/learner/spot_check.py: `Verifier.proven`)
-together get at most `unproven_share` of a step's slots while proven ones have admissible groups,
-and one slot each, and fill what those leave empty; their groups carry a loss weight
-(`step_weights`) so that they move a step by at most `unproven_share` of a full one, even when
-nobody else has data. One slot each because an attacker whose lies only pooled evidence can
-prove (a lowered temperature, chosen prompts, an old version) is caught after a few batches, and
-until then it trains at most one group per step beside proven data, however much it sends.
+together get at most `unproven_share` of a step's slots, and one slot each, while proven ones
+have admissible groups (the step is smaller rather than filled with theirs); a step with no
+proven group is theirs to fill, their groups carrying a loss weight (`step_weights`) so that they
+move it by at most `unproven_share` of a full one. One slot each, and no filling beside proven
+data, because an attacker whose lies only pooled evidence can prove (a lowered temperature,
+chosen prompts, an old version) is caught after a few batches, and until then it trains at most
+one group per step beside proven data, however much it sends.
 
 Durability: with a `journal` (echo_node/learner/journal.py) every change to the ledger is appended to it
 as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
@@ -227,7 +228,8 @@ class ReplayBuffer:
         n_groups = max(n_groups, min(must, n_groups + max(0, rescue)))
         # First pass: at most `share` groups per proven origin and one per unproven origin, and
         # `young_slots` of unproven origins together; second: fill up from whatever is left,
-        # proven origins' groups first, so a lone peer still fills a step.
+        # proven origins' groups first (so a lone peer still fills a step), unproven ones only
+        # into a step that has no proven group.
         share = max(1, math.floor(n_groups * self.max_share))
         young_slots = math.floor(n_groups * unproven_share)
         young = {o: unproven(o) for o in {self._origin[id(g)] for g in self._groups}}
@@ -244,6 +246,8 @@ class ReplayBuffer:
         chosen = set(picked)
         rest = [i for i in order if i not in chosen]
         rest.sort(key=lambda i: young[self._origin[id(self._groups[i])]])  # stable: proven first, in rank order
+        if any(not young[self._origin[id(self._groups[i])]] for i in picked + rest):
+            rest = [i for i in rest if not young[self._origin[id(self._groups[i])]]]
         picked += rest[: n_groups - len(picked)]
         chosen = set(picked)
         batch = [self._groups[i] for i in picked]

@@ -93,8 +93,8 @@ uniformly at random (the publisher cannot tell which), so a forger who forges a 
 rows is caught per checked batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
-checks, or once check 6 proved that it draws the assigned noise (from then on every checked token
-of its is judged exactly). Until then every batch of it is checked, every row of it (at most
+checks, or a quarter of that (`NOISE_TRUST`) once check 6 proved that it draws the assigned noise
+(from then on every checked token of its is judged exactly). Until then every batch of it is checked, every row of it (at most
 UNPROVEN_ROWS) whatever the credit: a bias that only pooled evidence proves (a lowered
 temperature, an old version, greedy picks) is caught after as many batches as its evidence
 needs, and until then it trains a group of every step, so each batch of evidence saved is
@@ -179,6 +179,8 @@ SPOT_CHUNK_ROWS = 64
 GAP_MARGIN = 2.0
 # The rows of an unproven publisher's batch every check of it covers (all of a batch up to this).
 UNPROVEN_ROWS = 64
+# A publisher whose noise is proven is proven once trust_tokens / NOISE_TRUST of its tokens passed.
+NOISE_TRUST = 4
 # Check 6 keeps -log E in float16: a stored value is within NOISE_ULP of itself (the relative
 # rounding of float16's 11-bit significand) plus NOISE_SUBNORMAL (its smallest step) of the drawn one.
 NOISE_ULP = 2.0**-11
@@ -550,11 +552,15 @@ class Verifier:
     def proven(self, peer_id: str) -> bool:
         """Whether `peer_id`'s checked work proved it (module docstring, unproven publishers):
         its tokens that passed checks reached `trust_tokens`, or check 6 proved that it draws the
-        assigned noise (every checked token of its is then judged exactly). Without log-prob
-        checks every peer counts as proven (nothing could prove one)."""
-        if self._model is None or self._trusted_tokens.get(peer_id, 0) >= self.cfg.trust_tokens:
+        assigned noise and 1 / NOISE_TRUST of those tokens passed (judged exactly: a token that
+        loses the race proves a lie, but an old version or a lowered temperature makes only some
+        tokens lose, so the proof of noise alone says nothing yet of its distribution). Without
+        log-prob checks every peer counts as proven (nothing could prove one)."""
+        passed = self._trusted_tokens.get(peer_id, 0)
+        if self._model is None or passed >= self.cfg.trust_tokens:
             return True
-        return self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
+        noise = self._shared_noise.get(peer_id, (0.0, None))[0] >= -math.log(self.cfg.false_alarm)
+        return noise and passed * NOISE_TRUST >= self.cfg.trust_tokens
 
     def credit_s(self) -> float:
         """CPU seconds the budget still allows the checks it chooses to spend now."""

@@ -112,9 +112,12 @@ def test_no_credit_never_excuses_an_unproven_publishers_batch(model: torch.nn.Mo
         plan = v.plan(batch)
         assert plan is not None and plan.rows == min(batch.num_samples, verify_module.UNPROVEN_ROWS) > 2
     assert v.stats.over_budget == 0 and not v.proven(ALICE.peer_id)
-    v._shared_noise[ALICE.peer_id] = (25.0, None)  # its tokens proved it draws the assigned noise
+    v._shared_noise[ALICE.peer_id] = (25.0, None)  # its tokens proved it draws the assigned noise ...
+    assert not v.proven(ALICE.peer_id)  # ... which says nothing yet of its distribution
+    v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens // verify_module.NOISE_TRUST  # judged exactly, passed
     assert v.proven(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 1
     del v._shared_noise[ALICE.peer_id]
+    assert not v.proven(ALICE.peer_id)
     v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens
     assert v.proven(ALICE.peer_id) and v.plan(batch) is None and v.stats.over_budget == 2
     v.suspect(ALICE.peer_id)  # a refused message starts trust over
@@ -195,7 +198,8 @@ def test_unproven_publishers_share_one_quota_of_a_step_however_many_identities(i
 
 def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> None:
     """With proven groups admissible, unproven publishers (any number of identities) get at most
-    share x N slots of a step; alone, they fill it (the learner does not wait for proven data)."""
+    share x N slots of a step, one each, and do not fill what proven ones leave empty (the step
+    is smaller); alone, they fill it (the learner does not wait for proven data)."""
     buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
     sybils = [f"sybil{i}" for i in range(20)]
     for i in range(8):
@@ -210,7 +214,7 @@ def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> Non
     assert sum(unproven(buffer.origin(g)) for g in taken) == 2 and len(taken) == 8
     buffer.mark_trained(taken)
     taken = buffer.take(8, 0, unproven=unproven, unproven_share=0.25)
-    assert sum(unproven(buffer.origin(g)) for g in taken) == 6  # 2 proven groups left: the rest is filled
+    assert sum(unproven(buffer.origin(g)) for g in taken) == 2 and len(taken) == 4  # 2 proven groups left: not filled
     buffer.mark_trained(taken)
     alone = buffer.take(8, 0, unproven=unproven, unproven_share=0.25)
     assert len(alone) == 8 and all(unproven(buffer.origin(g)) for g in alone)
