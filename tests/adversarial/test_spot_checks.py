@@ -273,22 +273,24 @@ def test_log_probs_are_judged_by_the_envelope_of_the_peers_engine(model: torch.n
 def test_spot_checks_stay_within_their_budget(model: torch.nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows checked follow the credit the budget left: none beyond probation when it is spent
     (for a proven publisher: an unproven one's batch is never left unchecked and is checked in
-    full, tests/adversarial/test_unproven.py), the smallest check on probation whatever the
-    credit, more rows as credit accrues."""
+    full, tests/adversarial/test_unproven.py, as after a refusal starts its trust over), more
+    rows as credit accrues."""
     v = verifier(model, spot_rate=1.0, probation_batches=1, budget=0.05, min_rows=2)
     batch = sample_batch(model, groups=8)
     first = v.plan(batch)
     assert first is not None and first.rows == batch.num_samples  # unproven: every row
     assert spot_rows(v, batch, first.rows) is None
     assert v.stats.rows_spot_checked == batch.num_samples and v.stats.spot_s > 0
-    v._shared_noise[ALICE.peer_id] = (25.0, None)  # proven: its tokens showed it draws the assigned noise
+    v._shared_noise[ALICE.peer_id] = (25.0, None)  # proven: its tokens showed it draws the assigned noise,
+    v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens // verify_module.NOISE_TRUST  # and enough of them passed
     clock = [1000.0]
     monkeypatch.setattr(verify_module.time, "monotonic", lambda: clock[0])
     v._budget_from = clock[0]
     assert v.plan(batch) is None and v.stats.over_budget == 1  # no credit: not checked
-    v.suspect(ALICE.peer_id)  # back on probation (its noise stays proven)
+    v.suspect(ALICE.peer_id)  # back on probation: its noise stays proven, its passed tokens start over
     again = v.plan(batch)
-    assert again is not None and again.rows == 2  # probation: the smallest check anyway
+    assert again is not None and again.rows == batch.num_samples  # unproven again: every row
+    v._trusted_tokens[ALICE.peer_id] = v.cfg.trust_tokens // verify_module.NOISE_TRUST  # proven again
     assert v._cost_per_row is not None
     clock[0] += (v._budgeted_s + 10 * v._cost_per_row) / 0.05  # credit for ~10 rows
     rows = v.plan(batch)
