@@ -93,19 +93,19 @@ uniformly at random (the publisher cannot tell which), so a forger who forges a 
 rows is caught per checked batch with chance at least 1 - (1 - f)^rows.
 
 Unproven publishers (`proven`): a publisher is proven once `trust_tokens` of its tokens passed
-checks, or a quarter of that (`NOISE_TRUST`) once check 6 proved that it draws the assigned noise
-(from then on every checked token of its is judged exactly). Until then every batch of it is checked, every row of it (at most
-UNPROVEN_ROWS) whatever the credit: a bias that only pooled evidence proves (a lowered
-temperature, an old version, greedy picks) is caught after as many batches as its evidence
-needs, and until then it trains a group of every step, so each batch of evidence saved is
-steps it does not train. The price: a Sybil's batch costs the checker up to UNPROVEN_ROWS
-rows instead of `min_rows` (the checker's queue is bounded either way: `BESIDE_WAITING`). Past
-that, until its check rate is down to EARNING_RATE every batch chosen for a check is checked:
-the budget does not excuse one (it gets `min_rows` rows whatever the credit), and the intake
-drops one that finds no room to wait
-for a busy checker as `unchecked` rather than train it unchecked. Its groups also weigh
-less in a step (`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust
-over; noise evidence is kept.
+checks, or a quarter of that (`NOISE_TRUST`) once check 6 proved that it draws the assigned
+noise (from then on every checked token of its is judged exactly). Until then every batch of it
+is checked, every row of it (at most UNPROVEN_ROWS) whatever the credit: a bias that only
+pooled evidence proves (a lowered temperature, an old version, greedy picks) is caught after as
+many batches as its evidence needs, and until then it trains a group of every step, so each
+batch of evidence saved is steps it does not train. The price: a Sybil's batch costs the
+checker up to UNPROVEN_ROWS rows instead of `min_rows` (the checker's queue is bounded either
+way: `BESIDE_WAITING`). Past that, until its check rate is down to EARNING_RATE every batch
+chosen for a check is checked: the budget does not excuse one (it gets `min_rows` rows whatever
+the credit), and the intake drops one that finds no room to wait for a busy checker as
+`unchecked` rather than train it unchecked. Its groups also weigh less in a step
+(`verify.unproven_share`, echo_node/learner/replay.py). A refused message starts trust over;
+noise evidence is kept.
 
 Copies (`Copies`, in the intake's consumer): a group whose prompt and completions another
 publisher sent first is dropped as `copied`; the first publisher keeps credit. The fingerprint is
