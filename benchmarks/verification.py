@@ -61,11 +61,13 @@ without verification, in --png.
     .venv/bin/python -m benchmarks.verification --out benchmarks/results/verification.json \\
         --png benchmarks/results/verification.png
     .venv/bin/python -m benchmarks.verification --classes clean,poison --versions 150 --off no
+    .venv/bin/python -m benchmarks.verification --classes clean,stale_1 --off no --versions 60 --key-set 2
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import signal
@@ -106,9 +108,17 @@ def attacker_key(i: int) -> str:
     return "attacker" if i == 0 else f"attacker{i}"
 
 
+# Which set of keys the nodes use (`--key-set`). Every run of one invocation has the same keys, so
+# the same seqs assign the same prompts and noise in every class: one invocation is one draw of
+# them, and a class's numbers from one set can sit far from another's.
+KEY_SET = 0
+
+
 def identity(name: str) -> Identity:
     """Every run's nodes have the same keys, so the same slots assign the same prompts."""
-    return Identity.from_seed(bytes([40 + NAMES.index(name)]) * 32)
+    if KEY_SET == 0:
+        return Identity.from_seed(bytes([40 + NAMES.index(name)]) * 32)
+    return Identity.from_seed(hashlib.sha256(f"echo-node/verification-keys/{KEY_SET}/{name}".encode()).digest())
 
 
 def write_keys(keys: Path) -> None:
@@ -345,7 +355,10 @@ def main() -> None:
     p.add_argument("--off", choices=["yes", "no"], default="yes", help="also run each class with verification off")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--png", type=Path, default=None)
+    p.add_argument("--key-set", type=int, default=0, help="another set of node keys: another draw of the prompts and noise")
     args = p.parse_args()
+    global KEY_SET
+    KEY_SET = args.key_set
     classes = [c for c in args.classes.split(",") if c]
     unknown = set(classes) - set(CLASSES) - set(LATE) - set(ADAPTIVE)
     if unknown:
@@ -370,6 +383,7 @@ def main() -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     report = {
         "benchmark": "verification",
+        "key_set": args.key_set,
         "versions_per_run": args.versions,
         "wall_s": round(time.monotonic() - t0, 1),
         "verdict": verdict(results),
