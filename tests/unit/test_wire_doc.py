@@ -152,3 +152,15 @@ def test_the_data_channels_constants_are_the_codes() -> None:
     for names, values in rows:
         for name, value in zip(re.findall(r"`([A-Z_]+)`", names), values.split(" / "), strict=True):
             assert getattr(broadcast, name) == float(value.replace(",", "")), name
+
+
+def test_what_an_unproven_peer_gets_is_the_codes() -> None:
+    """§ 14's paragraph on unproven peers states the learner's numbers as the code has them."""
+    from echo_node.config import VerifyConfig
+    from echo_node.learner.spot_check import NOISE_TRUST, UNPROVEN_ROWS
+
+    cfg = VerifyConfig()
+    rule = " ".join(section(14).split())
+    assert f"until {cfg.trust_tokens:,} of a peer's tokens passed checks ({cfg.trust_tokens // NOISE_TRUST:,} once" in rule
+    assert f"every row up to {UNPROVEN_ROWS}" in rule
+    assert cfg.unproven_share == 0.25 and "a quarter of the step's slots" in rule
