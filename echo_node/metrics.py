@@ -163,6 +163,7 @@ def summarize_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     - `tokens_total`: sum of `tokens`;
     - `staleness_hist`: {k: trained tokens k versions behind}, summed over the run, sorted by k;
     - `staleness_token_mean`: mean k over those tokens, or None;
+    - `spanning`: sum of `spanning`, the rollouts trained whose tokens carry several versions;
     - `idle_ratio_update_mean`: mean over updates of wait_s / (wait_s + train_s), or None;
     - `idle_ratio_final`: the last cumulative `idle_ratio`, or None;
     - `dropped`: the last cumulative `dropped` dict (reason -> rollouts), sorted by reason;
@@ -182,6 +183,7 @@ def summarize_run(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "tokens_total": sum(x for x in (_num(r, "tokens") for r in steps) if x is not None),
         "staleness_hist": hist,
         "staleness_token_mean": sum(k * n for k, n in hist.items()) / hist_tokens if hist_tokens > 0 else None,
+        "spanning": sum(x for x in (_num(r, "spanning") for r in steps) if x is not None),
         "idle_ratio_update_mean": sum(idles) / len(idles) if idles else None,
         "idle_ratio_final": cumulative_idle[-1] if cumulative_idle else None,
         "dropped": dict(sorted(drops[-1].items())) if drops else {},

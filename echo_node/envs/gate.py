@@ -13,7 +13,7 @@ publisher lies, as for rollout batches):
    which the staleness rule judges (stale: no blame).
 4. The episodes against the runner's rules and, for a deterministic environment, the re-run
    (echo_node/envs/verify.py, every episode of the batch at once) with the seed of the group's
-   slot: the first 8 bytes of the slot digest of (run, publisher, version, seq, index)
+   slot: the first 8 bytes of the slot digest of (run, publisher, seq, index)
    (protocol/assignment.py), so a peer cannot choose its seeds. A forgery in any group is
    bad_episode. The environment failing on the learner is env_failed (raised or malformed),
    env_timeout or env_unavailable (no free environment thread), blamed on nobody. An

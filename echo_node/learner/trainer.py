@@ -229,15 +229,20 @@ def _train_group(g: Group, version: int, weight: float = 1.0) -> TrainGroup:
 
 def staleness(groups: list[Group], trained_on: int) -> dict[str, Any]:
     """How old a batch was when version `trained_on` trained on it: per group by its oldest
-    token, and a histogram over every token."""
+    token, a histogram over every token, and how many rollouts are partial (`spanning`: their
+    sampled tokens carry more than one version, a weight swap landed inside the completion or
+    between an episode's turns)."""
     per_group = [trained_on - g.min_version for g in groups]
     hist: dict[int, int] = {}
+    spanning = 0
     for g in groups:
         for versions in token_versions(g):
+            spanning += len(set(versions)) > 1
             for v in versions:
                 hist[trained_on - v] = hist.get(trained_on - v, 0) + 1
     return {
         "staleness_mean": sum(per_group) / len(per_group),
         "staleness_max": max(per_group),
         "staleness_hist": {str(k): hist[k] for k in sorted(hist)},
+        "spanning": spanning,
     }

@@ -4,8 +4,9 @@ model learns the built-in calculator environment.
 
 The peer learns the run's environment from the spec (its id, built from its own `[env]`), plays
 episode batches on its slots' seeds and gossips them; the learner re-runs every episode and
-trains on them. The hostile peer gossips a signed, in-budget episode batch whose observations it
-made up: the re-run catches it, the learner bans it and goes on training the honest peer's.
+trains on them, partial ones too (weights swapped in between or inside an episode's turns). The
+hostile peer gossips a signed, in-budget episode batch whose observations it made up: the re-run
+catches it, the learner bans it and goes on training the honest peer's.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from echo_node.metrics import summarize_run
 from echo_node.net.p2p import P2PNode
 from protocol import Identity, seal
 from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
@@ -86,6 +88,9 @@ def test_a_swarm_trains_on_verified_episodes_and_bans_a_peer_that_makes_them_up(
     assert_ledger(s)
     records = train_records(cluster, run_id)
     assert len(records) >= VERSIONS and all(int(r["groups"]) > 0 for r in records)  # type: ignore[call-overload]
+    # Partial rollouts: weights swapped in mid-episode (between or inside turns) and the learner
+    # re-ran and trained those episodes like any other.
+    assert summarize_run(records)["spanning"] > 0
     gain = reward_gain(records)
     assert gain >= MIN_GAIN, (gain, s["reward_first"], s["reward_last"])
     assert s["train_errors"] == 0 and str(s["task"]).startswith("env:calc@")

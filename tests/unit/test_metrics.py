@@ -26,11 +26,12 @@ def old_step(
 
 
 def new_step(
-    *, tokens: float, hist: dict[str, float], is_mean: float, is_min: float, is_max: float, trunc: float, **old: Any
+    *, tokens: float, hist: dict[str, float], is_mean: float, is_min: float, is_max: float, trunc: float,
+    spanning: int = 0, **old: Any,
 ) -> dict[str, Any]:
     return {
         **old_step(**old), "tokens": tokens, "staleness_hist": hist, "is_weight_mean": is_mean,
-        "is_weight_min": is_min, "is_weight_max": is_max, "is_truncated_frac": trunc,
+        "is_weight_min": is_min, "is_weight_max": is_max, "is_truncated_frac": trunc, "spanning": spanning,
     }
 
 
@@ -39,12 +40,12 @@ def mixed_run() -> list[dict[str, Any]]:
     return [
         new_step(
             t=1.0, version=1, wait_s=3.0, train_s=1.0, idle_ratio=0.75, dropped={},
-            tokens=100.0, hist={"0": 60, "1": 40}, is_mean=1.0, is_min=0.5, is_max=2.0, trunc=0.0,
+            tokens=100.0, hist={"0": 60, "1": 40}, is_mean=1.0, is_min=0.5, is_max=2.0, trunc=0.0, spanning=3,
         ),
         {"event": "first_accept", "peer": "p", "wall": 0.0, "version": 1},
         new_step(
             t=2.0, version=2, wait_s=1.0, train_s=1.0, idle_ratio=0.625, dropped={"stale": 8, "overload": 4},
-            tokens=300.0, hist={"1": 200, "2": 100}, is_mean=2.0, is_min=0.25, is_max=8.0, trunc=0.5,
+            tokens=300.0, hist={"1": 200, "2": 100}, is_mean=2.0, is_min=0.25, is_max=8.0, trunc=0.5, spanning=5,
         ),
         # Neither waited nor trained: no per-update idle share, and it must not count as 0.
         old_step(t=3.0, version=3, wait_s=0.0, train_s=0.0, idle_ratio=0.6, dropped={"stale": 16, "overload": 4}),
@@ -59,6 +60,7 @@ def test_summarize_run_aggregates_over_train_records_weighting_by_tokens() -> No
         "tokens_total": 400.0,
         "staleness_hist": {0: 60.0, 1: 240.0, 2: 100.0},
         "staleness_token_mean": 440 / 400,
+        "spanning": 8,
         "idle_ratio_update_mean": (0.75 + 0.5) / 2,
         "idle_ratio_final": 0.6,
         "dropped": {"overload": 4, "stale": 16},
@@ -77,6 +79,7 @@ def test_summarize_run_on_records_without_the_new_keys() -> None:
         "tokens_total": 0,
         "staleness_hist": {},
         "staleness_token_mean": None,
+        "spanning": 0,
         "idle_ratio_update_mean": 0.25,
         "idle_ratio_final": 0.25,
         "dropped": {"stale": 2},

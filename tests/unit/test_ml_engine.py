@@ -227,6 +227,7 @@ def test_swapped_version_tags_reach_the_learners_staleness_rule() -> None:
     """Engine -> the peer's wire record -> sealed -> opened by the learner: a completion that
     spans the swap keeps both versions, and the learner judges it by its oldest token."""
     from echo_node.learner.replay import ReplayBuffer
+    from echo_node.learner.trainer import staleness
     from echo_node.ml.rollout import ScoredGroup
     from echo_node.peer.rollout_peer import rollout_group
     from protocol import Identity, RolloutBatch, open_envelope, seal
@@ -241,5 +242,7 @@ def test_swapped_version_tags_reach_the_learners_staleness_rule() -> None:
     (group,) = batch.groups
     assert all(s.token_versions[0] == 0 and s.token_versions[-1] == 7 for s in group.samples)
     assert (group.min_version, group.max_version) == (0, 7)
+    # The train record counts each of them as a partial rollout.
+    assert staleness([group], 7)["spanning"] == len(spanning) > 0
     assert ReplayBuffer(mode="async", staleness=4, capacity_groups=4).offer(group, current_version=7) == DropReason.STALE
     assert ReplayBuffer(mode="async", staleness=8, capacity_groups=4).offer(group, current_version=7) is None
