@@ -13,6 +13,10 @@ gives the environment's answer (ignored when `done`), the reward of this step (a
 return is their sum) and whether the episode is over. A tool call is a step like any other: a
 `ToolEnv` parses the model's turn, and when it is a call of one of its `tools` answers with the
 tool's output as a "tool" message (reward 0, not done); anything else goes to its `answer`.
+Its `tool_schemas` (the JSON schemas chat templates take, `{"type": "function", "function":
+{"name", "description", "parameters"}}`) are rendered into the first observation by a chat
+template that lists tools (Qwen's, Hermes', Llama 3.1's: the template says how the model is to
+call them); a template without tools, and the embedded model's character format, leave them out.
 
 Rules an environment keeps (the learner depends on them):
 - Deterministic given (seed, actions): the learner re-runs the environment on a peer's actions
@@ -68,6 +72,11 @@ ENV_PREFIX = "env:"
 # is failing: its episode ends as env_error).
 MAX_CONTENT_CHARS = 16384
 ROLES = ("user", "tool")
+# A run's tool schemas: at most this many, this long as JSON in all (they are rendered into
+# every episode's first observation), each function named so.
+MAX_TOOLS = 32
+MAX_TOOLS_JSON = 16384
+_TOOL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]{0,63}")
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -148,12 +157,14 @@ class ToolEnv:
     the model learns from it as from a wrong answer. Not MemoryError or RecursionError: they
     depend on the process, not the arguments, so the learner's re-run could answer otherwise
     and blame an honest peer; they fail the episode (env_error) as any environment error does.
-    Subclasses define `reset`, `answer` and `tools`, and may override `parse_tool_call`
-    (default: the Hermes syntax above)."""
+    Subclasses define `reset`, `answer` and `tools`, may declare `tool_schemas` (the module
+    docstring), and may override `parse_tool_call` (default: the Hermes syntax above, the one
+    tool-listing templates ask for)."""
 
     deterministic = True
     reward_range = (0.0, 1.0)
     tools: Mapping[str, Callable[[Any], str]] = {}
+    tool_schemas: Sequence[Mapping[str, Any]] = ()
     max_tool_calls = 4
 
     def __init__(self) -> None:
@@ -209,6 +220,40 @@ class EnvSpec:
     step_timeout_s: float
     reward_range: tuple[float, float]
     deterministic: bool
+    # The environment's tool schemas, checked (`check_tools`); () when it declares none.
+    tools: tuple[dict[str, Any], ...] = ()
+
+
+def check_tools(name: str, declared: object, callable_names: object) -> tuple[dict[str, Any], ...]:
+    """An environment's `tool_schemas` as the chat template takes them (JSON objects, copied),
+    or EnvError naming what is wrong: a list of at most MAX_TOOLS `{"type": "function",
+    "function": {"name": ..., ...}}` with distinct names, MAX_TOOLS_JSON characters as JSON in
+    all, and each name one of the environment's `tools` (a schema the model could call and no
+    tool answers would teach it a tool that is not there)."""
+    if not isinstance(declared, (list, tuple)) or len(declared) > MAX_TOOLS:
+        raise EnvError(f"env {name!r}: tool_schemas is a list of at most {MAX_TOOLS} schemas")
+    try:
+        text = json.dumps(list(declared), sort_keys=True, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise EnvError(f"env {name!r}: tool_schemas must be JSON: {exc}") from None
+    if len(text) > MAX_TOOLS_JSON:
+        raise EnvError(f"env {name!r}: tool_schemas take {len(text)} characters as JSON, above {MAX_TOOLS_JSON}")
+    schemas = json.loads(text)
+    names: list[str] = []
+    for tool in schemas:
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        tool_name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(tool_name, str) or not _TOOL_NAME.fullmatch(tool_name):
+            raise EnvError(f"env {name!r}: each tool schema is {{'type': 'function', 'function': {{'name': NAME, ...}}}}, "
+                           f"NAME matching {_TOOL_NAME.pattern}")
+        names.append(tool_name)
+    if len(set(names)) != len(names):
+        raise EnvError(f"env {name!r}: tool_schemas name a tool twice")
+    callable_set = set(callable_names) if isinstance(callable_names, Mapping) else set()
+    missing = sorted(set(names) - callable_set)
+    if missing:
+        raise EnvError(f"env {name!r}: tool_schemas describe {missing}, which are not among its tools")
+    return tuple(schemas)
 
 
 def _import_class(spec: str) -> type:
@@ -232,12 +277,14 @@ def _source_digest(cls: type) -> str | None:
         return None
 
 
-def env_id(name: str, options: Mapping[str, Any], budgets: Budgets, source: str | None) -> str:
-    blob = json.dumps(
-        {"env": name, "options": dict(options), "budgets": [budgets.max_turns, budgets.turn_tokens, budgets.episode_tokens],
-         "source": source},
-        sort_keys=True, separators=(",", ":"),
-    ).encode()
+def env_id(name: str, options: Mapping[str, Any], budgets: Budgets, source: str | None,
+           tools: Sequence[Mapping[str, Any]] = ()) -> str:
+    fields: dict[str, Any] = {"env": name, "options": dict(options), "source": source,
+                              "budgets": [budgets.max_turns, budgets.turn_tokens, budgets.episode_tokens]}
+    # The tools are rendered into every first observation: a peer must render the same ones.
+    if tools:
+        fields["tools"] = list(tools)
+    blob = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return f"{ENV_PREFIX}{name.replace(':', '.')}@{hashlib.sha256(blob).hexdigest()[:32]}"
 
 
@@ -334,10 +381,11 @@ def load_env(cfg: RunConfig) -> EnvSpec:
                 raise EnvError(f"env {e.name!r} failed its load-time probe: {failed}")
             if runs[0].value != runs[1].value:
                 raise EnvError(f"env {e.name!r} declares itself deterministic but answered one seed's actions differently twice")
-    eid = env_id(e.name, options, budgets, source)
+    tools = check_tools(e.name, getattr(cls, "tool_schemas", ()), getattr(cls, "tools", {}))
+    eid = env_id(e.name, options, budgets, source, tools)
     if len(eid) > MAX_ENV_ID:
         raise EnvError(f"env id {eid[:40]!r}... is longer than {MAX_ENV_ID} characters; use a shorter name")
-    return EnvSpec(e.name, eid, factory, budgets, e.step_timeout_s, (float(low), float(high)), deterministic)
+    return EnvSpec(e.name, eid, factory, budgets, e.step_timeout_s, (float(low), float(high)), deterministic, tools)
 
 
 # Built-ins, after ToolEnv (calc subclasses it): their ids hash name, options and budgets only,

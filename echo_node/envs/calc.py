@@ -7,6 +7,9 @@ embedded tiny Llama, warmed up on one addition, can learn it:
   `random.Random(seed)`: deterministic, and independent of any global state).
 - The model's turn is either an answer (the sum, three digits: "042") or a call of the
   calculator tool, written as the key presses "AB+CD=" (two 2-digit operands, "+", "=").
+  A chat model may call it in the Hermes form its template asks for instead,
+  `<tool_call>{"name": "calculator", "arguments": {"a": 12, "b": 34}}</tool_call>`
+  (`tool_schemas` describes it to templates that list tools).
 - A call is answered with the tool's result as a "tool" message ("042"); calls are free but
   each costs a turn of the run's budget, and at most `problems` calls are allowed.
 - An answer scores 1 / problems when right; either way the next problem is posed (a "user"
@@ -28,17 +31,32 @@ _KEYS = re.compile(r"([0-9]{2})\+([0-9]{2})=")
 
 
 def calculator(arguments: object) -> str:
-    """The tool: "AB+CD" (or a pair of ints) -> the sum as three digits."""
+    """The tool: two operands (a pair of ints, or {"a": int, "b": int}) in 0..99 -> the sum as
+    three digits; "error" for anything else."""
+    if isinstance(arguments, dict) and set(arguments) == {"a", "b"}:
+        arguments = [arguments["a"], arguments["b"]]
     if isinstance(arguments, (list, tuple)) and len(arguments) == 2 and all(type(a) is int and 0 <= a <= 99 for a in arguments):
         a, b = arguments
         return f"{a + b:03d}"
     return "error"
 
 
+_OPERAND = {"type": "integer", "minimum": 0, "maximum": 99}
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Adds two numbers from 0 to 99 and returns the sum as three digits.",
+        "parameters": {"type": "object", "properties": {"a": _OPERAND, "b": _OPERAND}, "required": ["a", "b"]},
+    },
+}
+
+
 class CalcEnv(ToolEnv):
     deterministic = True
     reward_range = (0.0, 1.0)
     tools = {"calculator": calculator}
+    tool_schemas = (CALCULATOR_SCHEMA,)
     # Load-time probe (echo_node.envs.load_env): an answer, a tool call, a wrong answer.
     probe_actions = ("042", "12+34=", "046", "x")
 
@@ -64,7 +82,7 @@ class CalcEnv(ToolEnv):
 
     def parse_tool_call(self, action: str) -> ToolCall | None:
         m = _KEYS.fullmatch(action.strip())
-        return None if m is None else ToolCall("calculator", [int(m.group(1)), int(m.group(2))])
+        return super().parse_tool_call(action) if m is None else ToolCall("calculator", [int(m.group(1)), int(m.group(2))])
 
     def answer(self, action: str) -> Step:
         if not self._todo:

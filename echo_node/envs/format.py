@@ -8,10 +8,12 @@ of the model's turn and the start of its next one. Peer and learner render with 
 so the learner's re-run of the environment reproduces every environment turn token for token.
 
 - `CharFormat` (the embedded model's character tokenizer): the first observation is the prompt
-  (bos + text); an answer is its text. A model turn that hit its token budget without eos is
+  (bos + text; no template, so no tool schemas: its tools are conventions of the prompt's
+  alphabet); an answer is its text. A model turn that hit its token budget without eos is
   closed by an eos the environment's turn supplies.
 - `ChatFormat` (a Hugging Face tokenizer with a chat template): the first observation is one
-  user turn plus the generation prompt; an answer is the template's close of the assistant turn,
+  user turn plus the generation prompt, rendered with the environment's tool schemas (a
+  template that lists tools puts them in its system turn; one that does not ignores them); an answer is the template's close of the assistant turn,
   the answer's message, and the next generation prompt, found by rendering a conversation around
   a sentinel. An answer's content is rendered with every special-token string of the tokenizer
   removed: tool output (which may echo the model's text) cannot close a turn or open a role.
@@ -19,8 +21,8 @@ so the learner's re-run of the environment reproduces every environment turn tok
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from echo_node.envs import EnvError, Message
 from echo_node.ml.tokenizer import CharTokenizer, HFTokenizerAdapter, Tokenizer
@@ -31,7 +33,7 @@ _SENTINEL = "\u2063ECHO-NODE-ACTION\u2063"
 class EpisodeFormat(Protocol):
     eos_id: int
 
-    def first_ids(self, observation: Message) -> list[int]: ...
+    def first_ids(self, observation: Message, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]: ...
 
     def next_ids(self, observation: Message, *, after_eos: bool) -> list[int]: ...
 
@@ -49,7 +51,7 @@ class CharFormat:
         except ValueError as exc:
             raise EnvError(f"an observation the tokenizer cannot encode: {exc}") from None
 
-    def first_ids(self, observation: Message) -> list[int]:
+    def first_ids(self, observation: Message, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
         return [self.tokenizer.bos_id, *self._encode(observation["content"])]
 
     def next_ids(self, observation: Message, *, after_eos: bool) -> list[int]:
@@ -72,8 +74,10 @@ class ChatFormat:
         self._specials = sorted((s for s in specials if s), key=len, reverse=True)
         self._eos_text = str(hf.convert_ids_to_tokens(self.eos_id))
 
-    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool) -> str:
-        return str(self.hf.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False))
+    def _render(self, messages: list[dict[str, str]], *, generation_prompt: bool,
+                tools: Sequence[Mapping[str, Any]] = ()) -> str:
+        return str(self.hf.apply_chat_template(messages, tools=[dict(t) for t in tools] or None,
+                                               add_generation_prompt=generation_prompt, tokenize=False))
 
     def clean(self, content: str) -> str:
         """`content` without any special-token string, repeated until none is left (removing
@@ -88,8 +92,8 @@ class ChatFormat:
     def _message(self, observation: Message) -> dict[str, str]:
         return {"role": observation["role"], "content": self.clean(observation["content"])}
 
-    def first_ids(self, observation: Message) -> list[int]:
-        return self.tokenizer.encode(self._render([self._message(observation)], generation_prompt=True))
+    def first_ids(self, observation: Message, tools: Sequence[Mapping[str, Any]] = ()) -> list[int]:
+        return self.tokenizer.encode(self._render([self._message(observation)], generation_prompt=True, tools=tools))
 
     def next_ids(self, observation: Message, *, after_eos: bool) -> list[int]:
         user = {"role": "user", "content": "q"}

@@ -119,7 +119,7 @@ def _start_group(spec: EnvSpec, fmt: EpisodeFormat, group: list[_Episode], outs:
     for e, (env, _) in zip(group, made):
         e.env = env
     try:
-        return fmt.first_ids(first)
+        return fmt.first_ids(first, spec.tools)
     except EnvError as exc:
         fail(f"env_error: {exc}")
         return None

@@ -138,7 +138,7 @@ def _rerun(spec: EnvSpec, fmt: EpisodeFormat, replays: list[_Replay], owner: str
             continue
         r.env, message = first.value
         try:
-            if tuple(fmt.first_ids(message)) != r.group.prompt_ids:
+            if tuple(fmt.first_ids(message, spec.tools)) != r.group.prompt_ids:
                 r.verdict = Verdict(bad="the first observation is not the one the environment gives for the group's seed")
         except EnvError:
             r.verdict = Verdict(env_failed="env_error")

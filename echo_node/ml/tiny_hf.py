@@ -74,10 +74,19 @@ _SPECIALS: dict[str, tuple[str | None, str, str]] = {
     "llama": ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"),
 }
 
-# ChatML as Qwen's template renders it without tools, minus its default system message;
-# `bos_token` renders empty for qwen2.
+# ChatML as Qwen's template renders it, minus its default system message: tools, when given, as
+# its system turn lists them (one JSON schema a line inside <tools></tools>, and the Hermes call
+# syntax); `bos_token` renders empty for qwen2.
 CHAT_TEMPLATE = (
     "{{ bos_token if bos_token else '' }}"
+    "{%- if tools %}"
+    "{{ '<|im_start|>system\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{ '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{ '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{%- endfor %}"
