@@ -13,8 +13,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/echo-node demo $(ARGS)
 
+# Two workers: the multi-process tests one after another on one, the in-process modules on the
+# other (tests/conftest.py). `make test XDIST=` runs everything in one process.
+XDIST ?= -n 2 --dist loadgroup
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
 # mypy --strict on protocol/, the default checks on echo_node/, bootstrap/ and benchmarks/.
 typecheck: $(STAMP)
