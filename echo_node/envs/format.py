@@ -13,10 +13,11 @@ so the learner's re-run of the environment reproduces every environment turn tok
   closed by an eos the environment's turn supplies.
 - `ChatFormat` (a Hugging Face tokenizer with a chat template): the first observation is one
   user turn plus the generation prompt, rendered with the environment's tool schemas (a
-  template that lists tools puts them in its system turn; one that does not ignores them); an answer is the template's close of the assistant turn,
-  the answer's message, and the next generation prompt, found by rendering a conversation around
-  a sentinel. An answer's content is rendered with every special-token string of the tokenizer
-  removed: tool output (which may echo the model's text) cannot close a turn or open a role.
+  template that lists tools puts them in its system turn; one that does not ignores them); an
+  answer is the template's close of the assistant turn, the answer's message, and the next
+  generation prompt, found by rendering a conversation around a sentinel. An answer's content
+  is rendered with every special-token string of the tokenizer removed: tool output (which may
+  echo the model's text) cannot close a turn or open a role.
 """
 
 from __future__ import annotations
