@@ -15,7 +15,7 @@ demo: $(STAMP)
 
 # Two workers: the multi-process tests one after another on one, the in-process modules on the
 # other (tests/conftest.py). `make test XDIST=` runs everything in one process.
-XDIST ?= -n 2 --dist loadgroup
+XDIST ?= -n 2
 test: $(STAMP)
 	$(PY) -m pytest $(XDIST) $(PYTEST_ARGS)
 
