@@ -33,7 +33,7 @@ def unit_of(nodeid: str) -> str:
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own scheduler for --dist load
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    from xdist.scheduler import LoadScopeScheduling
+    from xdist.scheduler import LoadScopeScheduling  # type: ignore[import-untyped]
 
     class Units(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
