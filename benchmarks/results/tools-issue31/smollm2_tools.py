@@ -1,6 +1,6 @@
 """SmolLM2-135M-Instruct (GGUF): what the chat format renders for calc's tool schema, and the
 cost of the schemas in first-observation tokens. Run from the repository root:
-`PYTHONPATH=. .venv/bin/python benchmarks/results/tools-issue31/probe.py`."""
+`PYTHONPATH=. .venv/bin/python benchmarks/results/tools-issue31/smollm2_tools.py`."""
 import time
 from transformers import AutoTokenizer
 from tests.smollm2 import smollm2_or_exit
