@@ -103,7 +103,7 @@ import trio
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
 from echo_node.metrics import read_metrics
 from echo_node.net import rpc
-from echo_node.net.discovery import PeerAddr
+from echo_node.net.transport import PeerAddr
 from echo_node.net.framing import read_frame, write_frame
 from echo_node.net.p2p import P2PNode
 from echo_node.topics import rollouts_topic

@@ -169,7 +169,7 @@ def peer(mode: str, port: int, targets: list[list[Any]], core: int, run_dir: Pat
     from echo_node.config import RunConfig
     from echo_node.ml.engine import TorchEngine
     from echo_node.ml.model import load_pretrained, state_to_bytes
-    from echo_node.net.discovery import PeerAddr
+    from echo_node.net.transport import PeerAddr
     from echo_node.peer.weight_follower import Target, WeightFollower
     from echo_node.weights.broadcast import DataServer
     from protocol import Identity
@@ -197,7 +197,7 @@ def peer(mode: str, port: int, targets: list[list[Any]], core: int, run_dir: Pat
             kwargs: dict[str, Any] = {}
             if "versions_dir" in inspect.signature(WeightFollower).parameters:  # the new tree
                 kwargs["versions_dir"] = cfg.run_dir / "peers" / f"{data.identity.peer_id}.versions"
-            follower = WeightFollower(cfg, None, data, session, **kwargs)
+            follower = WeightFollower(cfg, None, data, session, **kwargs)  # type: ignore[arg-type]  # no node: the benchmark fetches only
             follower._nursery = nursery
             for v, size, sha in targets:
                 t0 = time.perf_counter()

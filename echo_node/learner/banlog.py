@@ -28,6 +28,7 @@ from pathlib import Path
 
 import trio
 
+from echo_node import offload
 from echo_node.durable import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -147,7 +148,7 @@ class BanLog:
                 continue
             lines, compact_to = self.take(live)
             try:
-                await trio.to_thread.run_sync(self.write, lines, compact_to)
+                await offload.run_sync(self.write, lines, compact_to)
             except OSError as exc:
                 log.error("could not write %s: %s (the bans hold in memory; retried)", self.path, exc)
                 self._pending.insert(0, lines)

@@ -56,10 +56,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import trio
 
+from echo_node import offload
 from echo_node.envs.bounded import hung_threads
 from echo_node.envs.gate import EpisodeGate, RerunCooldown
 from echo_node.learner.banlog import BanLog
@@ -67,6 +68,7 @@ from echo_node.learner.journal import Journal
 from echo_node.learner.replay import ReplayBuffer
 from echo_node.learner.spot_check import COPIES_PER_STRIKE, Copies, Failure, SpotPlan, Verifier
 from echo_node.net import rpc
+from echo_node.net.transport import Host
 from protocol.admission import RunBounds, judge_batch
 from protocol.drops import DropReason
 from protocol.envelope import open_envelope
@@ -297,14 +299,6 @@ def _prune(window: deque[tuple[float, int]], now: float) -> None:
         window.popleft()
 
 
-class Gossip(Protocol):
-    """What the intake needs of the libp2p node."""
-
-    async def open_stream(self, peer_id: str, protocol_id: str) -> Any: ...
-
-    def penalize(self, peer_id: str, topic: str) -> None: ...
-
-
 class RolloutIntake:
     def __init__(
         self,
@@ -320,7 +314,7 @@ class RolloutIntake:
         on_caught: Callable[[dict[str, Any]], None] = lambda record: None,
         verify: Verifier | None = None,
         ban_versions: int = 1000,
-        node: Gossip | None = None,
+        node: Host | None = None,
         journal: Journal | None = None,
         published: Callable[[int], bool] | None = None,
         episodes: EpisodeGate | None = None,
@@ -656,7 +650,7 @@ class RolloutIntake:
             self.ingest(batch, origin, take=False, drop=DropReason.ENV_UNAVAILABLE)
             return
         async with self._spot_lock:
-            verdict = await trio.to_thread.run_sync(self.episodes.rerun, batch, origin)
+            verdict = await offload.run_sync(self.episodes.rerun, batch, origin)
         self._env_health(verdict.drop, origin, trio.current_time(), verdict.detail)
         if verdict.drop is DropReason.BAD_EPISODE:
             self.buffer.reject(verdict.drop, batch.num_samples)
@@ -711,7 +705,7 @@ class RolloutIntake:
         assert self.verify is not None
         async with self._spot_lock:
             check = partial(self.verify.spot, batch, plan.groups, rows=plan.rows, budgeted=plan.budgeted)
-            failure = await trio.to_thread.run_sync(check)
+            failure = await offload.run_sync(check)
         if failure is not None:
             self.buffer.reject(failure.reason, batch.num_samples)
             if not self.peers.is_banned(origin):

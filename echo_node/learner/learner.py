@@ -30,6 +30,7 @@ from typing import Any, TypedDict
 import torch
 import trio
 
+from echo_node import offload
 from echo_node.config import RunConfig, VerifyConfig, to_dict
 from echo_node.envs import load_env
 from echo_node.envs.format import episode_format
@@ -53,6 +54,7 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_settings, provider_key
 from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
+from echo_node.net.transport import TCP, DataNet, Host
 from echo_node.policy import Policy
 from echo_node.prom import run_exporter
 from echo_node.topics import rollouts_topic, versions_topic
@@ -135,10 +137,11 @@ class Learner:
 
     def __init__(
         self, cfg: RunConfig, identity: Identity, policy: Policy, *, fresh: bool = False,
-        dist: DistInfo | None = None,
+        dist: DistInfo | None = None, host: Host | None = None, data_net: DataNet = TCP,
     ) -> None:
         """`dist`: this process is rank 0 of a torchrun job and the update is sharded over its
-        ranks (echo_node/ml/sharded.py); the other ranks run `follow_learner`."""
+        ranks (echo_node/ml/sharded.py); the other ranks run `follow_learner`. `host` and
+        `data_net`: the network (echo_node/net/transport.py; default: a libp2p host and TCP)."""
         self.cfg = cfg
         # `fresh`: start the run over even if its folder holds one (the old state is moved aside;
         # version numbers still go on from the newest one published, so that no old rollout can
@@ -184,7 +187,8 @@ class Learner:
             rollout_dtype=policy.rollout_dtype, check_dtype=check_dtype(cfg.verify, policy),
             engine_of=self.capacity.engine_of,
         ) if cfg.verify.enabled else None
-        self.node = P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
+        self.node: Host = host or P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
+        self.data_net = data_net
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
             bans_path=cfg.run_dir / "bans.log", on_first_accept=self._first_accept, verify=self.verifier,
@@ -205,7 +209,7 @@ class Learner:
             data_server=partial(
                 DataServer, identity, cfg.run_id, bind_host=listen_host(cfg.net.listen),
                 advertise_host=self.node.advertise_host, port=cfg.net.data_port, ban_s=cfg.net.ban_s,
-                on_ban=lambda peer, why: self.intake.ban(peer, f"data channel: {why}"),
+                on_ban=lambda peer, why: self.intake.ban(peer, f"data channel: {why}"), net=data_net,
             ),
         )
         self.data = self.weights.data
@@ -420,7 +424,7 @@ class Learner:
             delays = iter(IO_RETRY_DELAYS_S)
             while True:
                 try:
-                    await trio.to_thread.run_sync(self.profile.timed("journal_write", self.state.journal.write), data)
+                    await offload.run_sync(self.profile.timed("journal_write", self.state.journal.write), data)
                     return
                 except OSError as exc:
                     self.io_errors["journal"] += 1
@@ -459,7 +463,7 @@ class Learner:
         segments since the last good one are kept, and the next due checkpoint tries again. A
         stop waits for a write in flight (a worker thread is not abandoned)."""
         try:
-            await trio.to_thread.run_sync(self.profile.timed("checkpoint_write", self.state.write), prepared)
+            await offload.run_sync(self.profile.timed("checkpoint_write", self.state.write), prepared)
         except OSError as exc:
             self._checkpoint_failed(prepared.version, exc)
         finally:
@@ -571,7 +575,7 @@ class Learner:
                 for host, port in candidates:
                     with trio.move_on_after(PROBE_TIMEOUT_S):
                         try:
-                            await probe(self.identity, self.cfg.run_id, peer_id, host, port)
+                            await probe(self.identity, self.cfg.run_id, peer_id, host, port, connect=self.data_net.connect)
                         except ProbeFailed as exc:
                             failures.append(str(exc))
                             continue
@@ -716,7 +720,7 @@ class Learner:
                 return
             due = self.version % self.capacity.kappa == 0
             t2 = time.monotonic()
-            blob = await trio.to_thread.run_sync(
+            blob = await offload.run_sync(
                 profile.timed("snapshot", self.weights.snapshot), self.version, self.policy.publication_into) if due else None
             t3 = time.monotonic()
             trainer.train_s += t3 - t2  # the snapshot is the learner's work too
@@ -809,7 +813,7 @@ class Learner:
         a version number anyone saw names these weights for the life of the run."""
         version = self.version
         self.capacity.published(version, trio.current_time())
-        manifest: WeightManifest = await trio.to_thread.run_sync(self.profile.timed("manifest", self.weights.build), version, blob)
+        manifest: WeightManifest = await offload.run_sync(self.profile.timed("manifest", self.weights.build), version, blob)
         history = self.state.history
         if history.versions.get(version) != (manifest.weights_sha256, manifest.weights_size):
             history.add(version, manifest.weights_sha256, manifest.weights_size)
@@ -847,7 +851,7 @@ class Learner:
         it: the thread works on the evaluation's own model and is abandoned."""
         assert self.held_out is not None
         try:
-            result = await trio.to_thread.run_sync(self.held_out.evaluate, version, blob, abandon_on_cancel=True)
+            result = await offload.run_sync(self.held_out.evaluate, version, blob, abandon_on_cancel=True)
         except Exception as exc:  # the operator's view only: training goes on
             log.warning("held-out evaluation of version %d failed: %s", version, exc)
             return

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import trio
 
+from echo_node import offload
 from echo_node.config import RunConfig
 from echo_node.learner.journal import Journal
 from echo_node.learner.profile import Profile
@@ -95,7 +96,7 @@ class Trainer:
         try:
             batch = [_train_group(g, self.version, w) for g, w in zip(groups, weights or [1.0] * len(groups))]
             optimize = self._optimize if self.profile is None else self.profile.timed("train_step", self._optimize)
-            stats: dict[str, float] = await trio.to_thread.run_sync(optimize, batch)
+            stats: dict[str, float] = await offload.run_sync(optimize, batch)
         except Exception:
             self._failed(groups)
             return None

@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from echo_node import offload
 from echo_node.learner.profile import Profile
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
 from echo_node.weights.delta_encoder import encode_delta, worker_count
@@ -201,12 +202,12 @@ class WeightPublisher:
         blob, previous = self.store.get(version), self.store.get(base)
         if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:
             return None
-        if await trio.to_thread.run_sync(estimate_delta_ratio, memoryview(blob), memoryview(previous)) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
+        if await offload.run_sync(estimate_delta_ratio, memoryview(blob), memoryview(previous)) > 1 - DELTA_MIN_SAVING + DELTA_ESTIMATE_SLACK:
             self._no_delta.add((version, base))
             return None
         self.deltas_encoded += 1
         # The encode stops at its next chunk when the learner stops (nothing waits for it then).
-        delta = await trio.to_thread.run_sync(
+        delta = await offload.run_sync(
             partial(self.profile.timed("delta_encode", encode_delta), memoryview(blob), memoryview(previous),
                     check=trio.from_thread.check_cancelled))
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:

@@ -202,12 +202,25 @@ def listener_caps(share: tuple[float, Caps], limit: int | None = None) -> Caps:
 
 
 def peer_host(stream: object) -> str:
-    """The IP address a trio socket stream comes from ("" when it has none: a memory stream)."""
+    """The IP address a stream comes from: a socket's peer, or what an in-memory stream says
+    (`remote_host`); "" when it has none."""
     sock = getattr(stream, "socket", None)
+    if sock is None:
+        return str(getattr(stream, "remote_host", None) or "")
     try:
-        return str(sock.getpeername()[0]) if sock is not None else ""
+        return str(sock.getpeername()[0])
     except OSError:  # already reset by the peer
         return ""
+
+
+def close_now(resource: object) -> None:
+    """Close a socket stream or listener (or an in-memory one, which has `close`) without
+    waiting: a refused or finished connection must not hold a descriptor past this line."""
+    sock = getattr(resource, "socket", None)
+    if sock is not None:
+        sock.close()
+    else:
+        resource.close()  # type: ignore[attr-defined]
 
 
 # accept() errors that mean "out of descriptors or memory for a moment", not a broken listener.
@@ -216,7 +229,7 @@ PRESSURE_PAUSE_S = 0.1
 
 
 async def serve_admitted(
-    listeners: Sequence[trio.SocketListener], handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]],
+    listeners: Sequence[trio.abc.Listener[trio.abc.Stream]], handler: Callable[[trio.abc.Stream, Ticket], Awaitable[None]],
     inbound: Inbound,
 ) -> None:
     """Accept on `listeners` until cancelled; each connection `inbound` admits runs
@@ -229,11 +242,11 @@ async def serve_admitted(
                 nursery.start_soon(_accept_loop, listener, handler, inbound, nursery)
     finally:
         for listener in listeners:
-            listener.socket.close()
+            close_now(listener)
 
 
 async def _accept_loop(
-    listener: trio.SocketListener, handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]], inbound: Inbound,
+    listener: trio.abc.Listener[trio.abc.Stream], handler: Callable[[trio.abc.Stream, Ticket], Awaitable[None]], inbound: Inbound,
     nursery: trio.Nursery,
 ) -> None:
     while True:
@@ -248,13 +261,13 @@ async def _accept_loop(
         scope = trio.CancelScope()
         ticket = inbound.arrive(peer_host(stream), scope, trio.current_time())
         if ticket is None:
-            stream.socket.close()
+            close_now(stream)
             continue
         nursery.start_soon(_serve_one, stream, ticket, handler, inbound)
 
 
 async def _serve_one(
-    stream: trio.SocketStream, ticket: Ticket, handler: Callable[[trio.SocketStream, Ticket], Awaitable[None]],
+    stream: trio.abc.Stream, ticket: Ticket, handler: Callable[[trio.abc.Stream, Ticket], Awaitable[None]],
     inbound: Inbound,
 ) -> None:
     try:
@@ -264,4 +277,4 @@ async def _serve_one(
         inbound.leave(ticket)
         # Served, cut before it proved itself, or the node stopping: the socket goes with the
         # task (closing twice is harmless; a handler done with it may have closed it already).
-        stream.socket.close()
+        close_now(stream)

@@ -1,6 +1,6 @@
 """Joining the swarm: bootstrap dialing and learner lookup, with backoff and one deadline.
 
-Written against the small `Dialer` seam rather than libp2p, so retries and deadlines are tested
+Written against the transport's `Discovery` seam (echo_node/net/transport.py) rather than libp2p, so retries and deadlines are tested
 on trio's virtual clock. A volunteer on a flaky link should get in if any bootstrap answers
 before the deadline; if none does, `JoinError` names every address tried and why it failed, and
 the CLI prints that one line instead of a traceback.
@@ -15,10 +15,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import trio
 
+from echo_node.net.transport import Discovery, PeerAddr
 from protocol.addresses import AddressError, is_loopback, parse_tcp_multiaddr
 
 log = logging.getLogger(__name__)
@@ -63,22 +63,8 @@ class Backoff:
             delay = min(self.max_s, delay * self.factor)
 
 
-@dataclass(frozen=True, slots=True)
-class PeerAddr:
-    """A peer and the multiaddrs it can be dialed at."""
-
-    peer_id: str
-    addrs: tuple[str, ...]
-
-
-class Dialer(Protocol):
-    async def connect_multiaddr(self, maddr: str) -> str: ...
-
-    async def find_providers(self, key: str, count: int = ...) -> Sequence[PeerAddr]: ...
-
-
 async def connect_bootstrap(
-    node: Dialer, addrs: Sequence[str], *, deadline_s: float, backoff: Backoff = Backoff()
+    node: Discovery, addrs: Sequence[str], *, deadline_s: float, backoff: Backoff = Backoff()
 ) -> list[str]:
     """Dial every bootstrap address each round until at least one connects."""
     if not addrs:
@@ -106,7 +92,7 @@ async def connect_bootstrap(
 
 
 async def find_providers(
-    node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
+    node: Discovery, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
 ) -> list[PeerAddr]:
     """Look provider records up until one appears (the learner may still be warming up); with
     `pin`, until the record of that peer id appears, and only it is returned. Anyone can
@@ -128,7 +114,7 @@ async def find_providers(
 
 
 async def find_provider(
-    node: Dialer, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
+    node: Discovery, key: str, *, what: str, deadline_s: float, backoff: Backoff = Backoff(), pin: str | None = None
 ) -> PeerAddr:
     """The first of `find_providers`."""
     return (await find_providers(node, key, what=what, deadline_s=deadline_s, backoff=backoff, pin=pin))[0]
@@ -147,7 +133,7 @@ ProbeFn = Callable[[PeerAddr], Awaitable[Probe]]
 
 
 async def find_sole_learner(
-    node: Dialer, key: str, *, run_id: str, deadline_s: float, probe: ProbeFn, backoff: Backoff = Backoff(),
+    node: Discovery, key: str, *, run_id: str, deadline_s: float, probe: ProbeFn, backoff: Backoff = Backoff(),
     second_look_s: float = SECOND_LOOK_S,
 ) -> PeerAddr:
     """The one provider of `run_id` that answers as its learner, joined by nothing yet.
@@ -188,7 +174,7 @@ def several_learners(run_id: str, peer_ids: Sequence[str]) -> JoinError:
     )
 
 
-async def _look_once(node: Dialer, key: str) -> list[PeerAddr]:
+async def _look_once(node: Discovery, key: str) -> list[PeerAddr]:
     try:
         return list(await node.find_providers(key))
     except Exception as exc:  # the first look found records: this one only adds to them

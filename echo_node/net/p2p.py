@@ -4,7 +4,8 @@ It turns a libp2p host (Noise, Yamux, Kademlia, GossipSub v1.1) into a small tri
 surface: `P2PNode.run` starts everything inside the caller's nursery; streams come out as
 `PeerStream` objects with plain `receive_some`/`send_all`; gossip comes out as
 `(sender, data)` pairs that already passed the caller's validator. No libp2p type leaves this
-module, so the rest of the node can be tested over trio memory streams.
+module: `P2PNode` is one implementation of echo_node/net/transport.py's `Host`, and the in-memory
+swarm of echo_node/net/memory.py is the other.
 
 Choices below follow what py-libp2p 0.8.1 does, measured (docs/platform.md):
 - Noise-only security and Yamux-only muxing: the default host also accepts plaintext and
@@ -60,7 +61,8 @@ from libp2p.tools.anyio_service import background_trio_service
 
 from echo_node.config import NetConfig
 from echo_node.net.budget import LIBP2P, Caps, Inbound, listener_caps
-from echo_node.net.discovery import DialError, PeerAddr
+from echo_node.net.discovery import DialError
+from echo_node.net.transport import GossipMessage, GossipValidator, PeerAddr, StreamHandler, StreamUnavailable
 from protocol.addresses import (
     AddressError,
     TcpAddr,
@@ -194,17 +196,6 @@ class PeerStream:
             log.debug("closing stream to %s failed", self.remote_peer_id, exc_info=True)
 
 
-StreamHandler = Callable[[PeerStream], Awaitable[None]]
-# (forwarder peer id, originator peer id, payload) -> accept?
-GossipValidator = Callable[[str, str, bytes], bool]
-
-
-@dataclass(frozen=True, slots=True)
-class GossipMessage:
-    sender: str
-    data: bytes
-
-
 class _Delivery:
     """Stands in for the subscription channel py-libp2p delivers validated messages into. It
     calls `send_nowait` and, when the channel is full, drops the message with a log line; this
@@ -333,9 +324,6 @@ async def _close_quietly(conn: Any) -> None:
     except Exception:  # already reset or closed by the other side
         log.debug("closing a connection failed", exc_info=True)
 
-
-class StreamUnavailable(ConnectionError):
-    """A stream to a peer could not be opened (it is gone, unreachable, or refused the protocol)."""
 
 
 class P2PNode:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
-from echo_node.net.framing import ByteStream, read_frame, write_frame
+from echo_node.net.framing import read_frame, write_frame
+from echo_node.net.transport import Stream, Streams
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_DECOMPRESSED_BYTES
 from protocol.messages import ErrorResponse, decode_message, encode_message
@@ -25,21 +26,11 @@ REPAIR = "/echo-node/repair/1"
 T = TypeVar("T")
 
 
-class Stream(ByteStream, Protocol):
-    remote_peer_id: str
-
-    async def aclose(self) -> None: ...
-
-
 class RequestFailed(Exception):
     """The remote answered with an ErrorResponse."""
 
 
-class Opener(Protocol):
-    async def open_stream(self, peer_id: str, protocol_id: str) -> Any: ...
-
-
-async def call(node: Opener, peer_id: str, protocol_id: str, request: Any, expected: type[T]) -> T:
+async def call(node: Streams, peer_id: str, protocol_id: str, request: Any, expected: type[T]) -> T:
     """Send one request and return the typed response; the caller bounds it with a deadline."""
     stream = await node.open_stream(peer_id, protocol_id)
     try:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import trio
 
+from echo_node import offload
 from echo_node.config import RunConfig
 from echo_node.durable import replace_durable
 from echo_node.envs import EnvSpec, peer_env
@@ -59,6 +60,7 @@ from echo_node.net.discovery import (
     on_loopback,
 )
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
+from echo_node.net.transport import TCP, DataNet, Host
 from echo_node.peer.weight_follower import REFRESH_ERRORS, WeightFollower
 from echo_node.policy import Policy, build_engine, peer_policy
 from echo_node.prom import run_exporter
@@ -145,7 +147,7 @@ def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
     )
 
 
-async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
+async def join_run(cfg: RunConfig, node: Host, data: DataServer) -> Session:
     """Find the run's learner, join it, and build the policy its spec describes."""
     net = cfg.net
     pin = net.learner
@@ -192,15 +194,15 @@ async def join_run(cfg: RunConfig, node: P2PNode, data: DataServer) -> Session:
     if pin is None:
         log.warning("joined run %s without a pin: to join only this learner next time, pass --run-id %s@%s",
                     cfg.run_id, cfg.run_id, learner.peer_id)
-    policy = await trio.to_thread.run_sync(peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, cfg)
-    env = await trio.to_thread.run_sync(peer_env, join.spec.task, cfg)
+    policy = await offload.run_sync(peer_policy, dict(join.spec.model), dict(join.spec.tokenizer), join.spec.task, cfg)
+    env = await offload.run_sync(peer_env, join.spec.task, cfg)
     if cfg.rollout.engine == "vllm":
         from echo_node.ml.vllm_engine import check_sampling
 
         # Refused at join, in one line, rather than on every batch (vllm_engine.py says why).
         s = join.spec.sampling
         check_sampling([[0]], max_new_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p)
-    engine = await trio.to_thread.run_sync(build_engine, policy, cfg)
+    engine = await offload.run_sync(build_engine, policy, cfg)
     engine.version = -1
     spec = join.spec
     log.info(
@@ -220,7 +222,7 @@ def spec_changes(old: RunSpec, new: RunSpec) -> list[str]:
     return [n for n, a, b in zip(names, old.to_wire(), new.to_wire()) if a != b and n not in SPEC_MAY_CHANGE]
 
 
-async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Session) -> None:
+async def rejoin(cfg: RunConfig, node: Host, data: DataServer, session: Session) -> None:
     """Find the session's learner again (the DHT, pinned to its peer id) and join it; the
     session takes its new addresses. JoinError while it cannot be found or refuses; ValueError
     if it now runs another config (this peer cannot follow that)."""
@@ -242,7 +244,7 @@ async def rejoin(cfg: RunConfig, node: P2PNode, data: DataServer, session: Sessi
     session.data_host, session.data_port = join.data_host, join.data_port
 
 
-async def _probe_learner(cfg: RunConfig, node: P2PNode, candidate: PeerAddr) -> Probe:
+async def _probe_learner(cfg: RunConfig, node: Host, candidate: PeerAddr) -> Probe:
     """Whether `candidate` answers as the run's learner, asked without joining it: a status
     request from a peer that has not joined is no heartbeat and registers nothing (learner.py),
     and the stream is authenticated to the candidate's peer id, so an answer for this run is that
@@ -257,7 +259,7 @@ async def _probe_learner(cfg: RunConfig, node: P2PNode, candidate: PeerAddr) -> 
         return Probe(answers=False, why=f"{type(exc).__name__}: {exc}")
 
 
-async def _ask_status(cfg: RunConfig, node: P2PNode, peer_id: str) -> Probe:
+async def _ask_status(cfg: RunConfig, node: Host, peer_id: str) -> Probe:
     pauses = iter(RATE_LIMITED_RETRIES_S)
     while True:
         try:
@@ -275,7 +277,7 @@ async def _ask_status(cfg: RunConfig, node: P2PNode, peer_id: str) -> Probe:
         return Probe(answers=True)
 
 
-async def _join_learner(cfg: RunConfig, node: P2PNode, data: DataServer, learner: PeerAddr) -> JoinResponse:
+async def _join_learner(cfg: RunConfig, node: Host, data: DataServer, learner: PeerAddr) -> JoinResponse:
     try:
         await node.connect(learner)
     except DialError as exc:
@@ -336,7 +338,7 @@ class Generator:
                     await follower.refresh_failed(exc)
                     continue
             else:
-                await trio.to_thread.run_sync(follower.load_pending)
+                await offload.run_sync(follower.load_pending)
             self.track_version()
             if not follower.active:  # standby (the learner's capacity controller): follow, do not sample
                 await follower.active_changed.wait()
@@ -501,7 +503,7 @@ class Generator:
             try:
                 # Not abandoned on cancel: the thread holds the engine, and the process must not
                 # exit (or start another batch) while it still runs; it ends at the next step.
-                return await trio.to_thread.run_sync(work)
+                return await offload.run_sync(work)
             except DoomedBatch:
                 return None
             except GenerationCancelled:
@@ -600,7 +602,7 @@ class SeqReservation:
 class RolloutPublisher:
     """Signs and gossips rollout batches, one seq each, and answers gap repair from its history."""
 
-    def __init__(self, cfg: RunConfig, identity: Identity, node: Any, *, metrics: MetricsWriter | None = None) -> None:
+    def __init__(self, cfg: RunConfig, identity: Identity, node: Host, *, metrics: MetricsWriter | None = None) -> None:
         self.cfg = cfg
         self.identity = identity
         self.node = node
@@ -694,13 +696,14 @@ class RolloutPeer:
     generator_class: type[Generator] = Generator
     publisher_class: type[RolloutPublisher] = RolloutPublisher
 
-    def __init__(self, cfg: RunConfig, identity: Identity) -> None:
+    def __init__(self, cfg: RunConfig, identity: Identity, *, host: Host | None = None, data_net: DataNet = TCP) -> None:
+        """`host` and `data_net`: the network (echo_node/net/transport.py; default: a libp2p host and TCP)."""
         self.cfg = cfg
         self.identity = identity
-        self.node = P2PNode(identity, p2p_settings(cfg.net))
+        self.node: Host = host or P2PNode(identity, p2p_settings(cfg.net))
         self.data = DataServer(
             identity, cfg.run_id, bind_host=listen_host(cfg.net.listen), advertise_host=self.node.advertise_host,
-            port=cfg.net.data_port, ban_s=cfg.net.ban_s,
+            port=cfg.net.data_port, ban_s=cfg.net.ban_s, net=data_net,
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -730,7 +733,7 @@ class JoinedPeer:
     and generator, its operator's view (status line, Prometheus snapshot), and the end of the run."""
 
     def __init__(
-        self, cfg: RunConfig, identity: Identity, node: P2PNode, data: DataServer, session: Session, metrics: MetricsWriter,
+        self, cfg: RunConfig, identity: Identity, node: Host, data: DataServer, session: Session, metrics: MetricsWriter,
         *, publisher_class: type[RolloutPublisher] = RolloutPublisher, generator_class: type[Generator] = Generator,
     ) -> None:
         self.cfg = cfg

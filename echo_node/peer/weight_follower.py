@@ -48,10 +48,12 @@ from typing import Any, Protocol
 
 import trio
 
+from echo_node import offload
 from echo_node.config import RunConfig
 from echo_node.metrics import MetricsWriter
 from echo_node.net import rpc
-from echo_node.net.discovery import Backoff, JoinError, PeerAddr
+from echo_node.net.discovery import Backoff, JoinError
+from echo_node.net.transport import Host, PeerAddr
 from echo_node.topics import versions_topic
 from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version, receive_version
 from echo_node.weights.store import VersionStore
@@ -130,7 +132,7 @@ class Joined(Protocol):
 
 class WeightFollower:
     def __init__(
-        self, cfg: RunConfig, node: Any, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None,
+        self, cfg: RunConfig, node: Host, data: DataServer, session: Joined, *, metrics: MetricsWriter | None = None,
         rejoin: Callable[[], Awaitable[None]] | None = None, versions_dir: Path | None = None, device: str = "",
     ) -> None:
         self.cfg = cfg
@@ -257,7 +259,7 @@ class WeightFollower:
         target = target or await self.status()
         if self.needs(target):
             await self._fetch(target)
-        await trio.to_thread.run_sync(self.load_pending)
+        await offload.run_sync(self.load_pending)
 
     def needs(self, target: Target) -> bool:
         """Whether this peer should move to `target`: a newer version, or a newer epoch's
@@ -397,8 +399,8 @@ class WeightFollower:
             def decode() -> memoryview:  # (a partial hides which overload of decode_delta applies)
                 return decode_delta(delta, base_blob, max_size=target.size, out=memoryview(out))
 
-            blob = await trio.to_thread.run_sync(decode)
-            if await trio.to_thread.run_sync(payload_digest, blob) != target.sha256:
+            blob = await offload.run_sync(decode)
+            if await offload.run_sync(payload_digest, blob) != target.sha256:
                 raise RemoteProtocolError(f"delta for version {target.version} decodes to the wrong weights")
         except BaseException:
             if self.decoded.get(target.version) is out:

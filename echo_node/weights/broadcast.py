@@ -61,6 +61,7 @@ import trio
 
 from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, serve_admitted
 from echo_node.net.framing import read_frame, write_frame
+from echo_node.net.transport import TCP, DataNet
 from protocol.envelope import open_manifest
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
@@ -382,9 +383,11 @@ class DataServer:
     def __init__(
         self, identity: Identity, run_id: str, *, bind_host: str = "127.0.0.1", advertise_host: str | None = None, port: int = 0,
         caps: Caps | None = None, ban_s: float = DATA_BAN_S, on_ban: Callable[[str, str], None] | None = None,
-        resolve: Callable[[int, int], Awaitable[VersionHandler | None]] | None = None,
+        resolve: Callable[[int, int], Awaitable[VersionHandler | None]] | None = None, net: DataNet = TCP,
     ) -> None:
+        """`net`: where connections come from and go to (TCP; a test's in-memory swarm)."""
         self.identity = identity
+        self.net = net
         self.inbound = Inbound(caps or listener_caps(DATA_CHANNEL), name="data channel")
         # Inbound connections that ended on an error, by its type (what used to be log lines).
         self.closed: Counter[str] = Counter()
@@ -438,12 +441,11 @@ class DataServer:
         return until is not None
 
     async def run(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(self.port, host=self.bind_host)
-        self.port = listeners[0].socket.getsockname()[1]
+        self.port, listeners = await self.net.listen(self.bind_host, self.port)
         task_status.started(self.port)
         await serve_admitted(listeners, self._handle, self.inbound)
 
-    async def _handle(self, stream: trio.SocketStream, ticket: Ticket) -> None:
+    async def _handle(self, stream: trio.abc.Stream, ticket: Ticket) -> None:
         try:
             with trio.fail_after(HELLO_DEADLINE_S):
                 raw = await read_frame(stream, max_len=HELLO_MAX)
@@ -643,9 +645,11 @@ class Source:
 
 
 def _unsent(stream: trio.abc.Stream) -> int:
-    """Bytes a TCP stream's kernel buffer holds that were not sent yet (0 for other streams)."""
+    """Bytes a TCP stream's kernel buffer holds that were not sent yet (an in-memory stream says
+    itself; 0 for other streams)."""
     if not isinstance(stream, trio.SocketStream):
-        return 0
+        unsent = getattr(stream, "unsent", None)
+        return int(unsent()) if callable(unsent) else 0
     try:
         return int(struct.unpack("i", fcntl.ioctl(stream.socket.fileno(), _SIOCOUTQNSD, b"\0" * 4))[0])
     except OSError:
@@ -659,8 +663,7 @@ class Misbehaved(RemoteProtocolError):
 Connector = Callable[[str, int], Awaitable[trio.abc.Stream]]
 
 
-async def tcp_connect(host: str, port: int) -> trio.abc.Stream:
-    return await trio.open_tcp_stream(host, port)
+tcp_connect: Connector = TCP.connect
 
 
 class Receiver:
@@ -668,7 +671,7 @@ class Receiver:
 
     def __init__(
         self, server: DataServer, manifest: WeightManifest, *, source_id: str, request_timeout: float = 5.0,
-        into: bytearray | memoryview | mmap.mmap | None = None, connect: Connector = tcp_connect,
+        into: bytearray | memoryview | mmap.mmap | None = None, connect: Connector | None = None,
     ) -> None:
         self.server = server
         self.identity = server.identity
@@ -695,7 +698,8 @@ class Receiver:
         self._relay_busy_since: float | None = None
         self._wake = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self.connect = connect  # how links to other peers are opened (a test's own transport)
+        # How links to other peers are opened: the server's network unless a test says otherwise.
+        self.connect = connect or server.net.connect
 
     # -- connections -------------------------------------------------------------------------
 
@@ -922,7 +926,7 @@ async def fetch_version(
     version: int,
     base: int = FULL,
     weights_sha256: bytes | None = None,
-    connect: Connector = tcp_connect,
+    connect: Connector | None = None,
 ) -> tuple[WeightManifest, memoryview, Receiver]:
     """Join the broadcast of `version`: manifest from the learner, pieces from the swarm.
 
@@ -944,7 +948,7 @@ async def receive_version(
     source_stream: trio.abc.Stream,
     *,
     learner_id: str,
-    connect: Connector = tcp_connect,
+    connect: Connector | None = None,
     on_start: Callable[[Receiver], None] | None = None,
     into: bytearray | memoryview | mmap.mmap | None = None,
 ) -> tuple[memoryview, Receiver]:
@@ -967,10 +971,10 @@ async def open_version(
     version: int,
     base: int = FULL,
     weights_sha256: bytes | None = None,
-    connect: Connector = tcp_connect,
+    connect: Connector | None = None,
 ) -> tuple[WeightManifest, trio.abc.Stream]:
     """The handshake with the learner: our hello, its signed manifest (checked) or `Unavailable`."""
-    stream = await connect(host, port)
+    stream = await (connect or server.net.connect)(host, port)
     try:
         return await _handshake(server, stream, learner_id=learner_id, version=version, base=base, weights_sha256=weights_sha256)
     except BaseException:

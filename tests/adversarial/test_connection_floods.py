@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from echo_node.net.budget import CUT_AGE_S, Caps, Inbound
-from echo_node.net.discovery import PeerAddr
+from echo_node.net.transport import PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings
 from echo_node.weights.broadcast import DataServer, probe
 from protocol import Identity

@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from echo_node.config import RunConfig
-from echo_node.net.discovery import PeerAddr
+from echo_node.net.transport import PeerAddr
 from echo_node.net.p2p import P2PNode  # libp2p only via the adapter
 from echo_node.peer.weight_follower import WeightFollower
 from echo_node.topics import versions_topic

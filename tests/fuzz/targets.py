@@ -1277,6 +1277,9 @@ def _rpc_targets() -> list[Target]:
         async def open_stream(self, peer_id: str, protocol_id: str) -> FakeStream:
             return FakeStream(self.data, remote_peer_id=peer_id)
 
+        def set_stream_handler(self, protocol_id: str, handler: Any) -> None:
+            raise AssertionError("a caller serves nothing")
+
     def call(data: bytes) -> None:
         reply = drive(rpc.call(Opener(data), LEARNER.peer_id, rpc.STATUS, StatusRequest(run_id=RUN_ID), StatusResponse))
         assert isinstance(reply, StatusResponse)

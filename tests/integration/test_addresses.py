@@ -9,7 +9,8 @@ import gc
 import pytest
 import trio
 
-from echo_node.net.discovery import DialError, PeerAddr
+from echo_node.net.discovery import DialError
+from echo_node.net.transport import PeerAddr
 from echo_node.net.p2p import P2PNode, P2PSettings, provider_key
 from protocol import Identity
 from tests.factories import closed_port, silent_listener

@@ -8,7 +8,8 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.net.discovery import Backoff, JoinError, PeerAddr, connect_bootstrap, find_provider
+from echo_node.net.discovery import Backoff, JoinError, connect_bootstrap, find_provider
+from echo_node.net.transport import PeerAddr
 
 
 @dataclass

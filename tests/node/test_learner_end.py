@@ -24,7 +24,7 @@ from echo_node.learner.learner import Learner
 from echo_node.ml.model import build_model, tiny_llama_config
 from echo_node.ml.tasks import get_task
 from echo_node.ml.tokenizer import CharTokenizer
-from echo_node.net.discovery import PeerAddr
+from echo_node.net.transport import PeerAddr
 from echo_node.net.p2p import P2PNode  # libp2p only via the adapter
 from echo_node.peer.weight_follower import WeightFollower
 from echo_node.policy import Policy

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from echo_node.config import RunConfig
-from echo_node.net.discovery import PeerAddr
+from echo_node.net.transport import PeerAddr
 from echo_node.peer import weight_follower as follower_module
 from echo_node.peer.weight_follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
 from echo_node.weights.broadcast import DataServer, Source

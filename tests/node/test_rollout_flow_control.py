@@ -141,7 +141,7 @@ def test_only_the_learners_own_announcement_can_doom_a_batch() -> None:
     """A batch is dropped by the peer itself when an announcement puts the learner past S of its
     weights, so a forged announcement of a far version would throw away every batch: the
     versions topic's validator takes only the run's learner's signed word for its own run."""
-    from echo_node.net.discovery import PeerAddr
+    from echo_node.net.transport import PeerAddr
     from protocol import Identity
     from protocol.envelope import seal
     from protocol.messages import VersionAnnounce
