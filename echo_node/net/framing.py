@@ -23,12 +23,18 @@ class ByteStream(Protocol):
     async def send_all(self, data: bytes, /) -> None: ...
 
 
+class StreamEnded(RemoteProtocolError):
+    """The stream ended before a whole frame arrived: the sender hung up (or was cancelled)
+    mid-message. A protocol error for the reader, but no proof of malice: a peer whose call was
+    cancelled between opening a stream and writing to it ends it just so."""
+
+
 async def receive_exactly(stream: ByteStream, n: int, *, chunk: int = 1 << 16) -> bytes:
     buf = bytearray()
     while len(buf) < n:
         data = await stream.receive_some(min(chunk, n - len(buf)))
         if not data:
-            raise RemoteProtocolError(f"stream ended after {len(buf)} of {n} bytes")
+            raise StreamEnded(f"stream ended after {len(buf)} of {n} bytes")
         buf += data
     return bytes(buf)
 

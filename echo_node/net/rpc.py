@@ -11,7 +11,9 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from echo_node.net.framing import read_frame, write_frame
+import trio
+
+from echo_node.net.framing import StreamEnded, read_frame, write_frame
 from echo_node.net.transport import Stream, Streams
 from protocol.errors import RemoteProtocolError
 from protocol.limits import MAX_DECOMPRESSED_BYTES
@@ -54,12 +56,21 @@ async def serve_one(stream: Stream, handler: Handler, *, on_bad: Callable[[str, 
     try:
         request = decode_message(await read_frame(stream, max_len=MAX_DECOMPRESSED_BYTES))
         response = await handler(request, stream.remote_peer_id)
+    except StreamEnded as exc:
+        # A hang-up before the whole request came: what a cancelled call leaves. Answered (the
+        # answer may not arrive), not penalized: strikes are for bytes that break the protocol,
+        # and an empty stream costs its sender as much as it costs us.
+        log.debug("request stream from %s ended early: %s", stream.remote_peer_id, exc)
+        response = ErrorResponse(code="bad_request", message=str(exc)[:200])
     except RemoteProtocolError as exc:
         on_bad(stream.remote_peer_id, exc)
         response = ErrorResponse(code="bad_request", message=str(exc)[:200])
     except RequestRefused as exc:
         response = ErrorResponse(code=exc.code, message=str(exc)[:200])
-    await write_frame(stream, encode_message(response))
+    try:
+        await write_frame(stream, encode_message(response))
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        log.debug("%s hung up before its answer: %s", stream.remote_peer_id, exc)
 
 
 class RequestRefused(Exception):

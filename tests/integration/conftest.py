@@ -6,22 +6,11 @@ import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from echo_node.demo import Child, Swarm, _is_ready, _wait_line
 from tests.smollm2 import smollm2_gguf
-
-
-def reward_gain(records: list[dict[str, Any]]) -> float:
-    """The mean reward of a run's last quarter of updates minus its first quarter's, from its
-    `train` records. One update's reward is too noisy to compare with another's (on the embedded
-    task its standard deviation about the trend is several times the trend's gain per version);
-    a quarter's mean is not."""
-    rewards = [float(r["reward_mean"]) for r in sorted(records, key=lambda r: int(r["version"]))]
-    k = max(1, len(rewards) // 4)
-    return sum(rewards[-k:]) / k - sum(rewards[:k]) / k
 
 
 class Cluster:

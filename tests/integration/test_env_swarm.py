@@ -21,7 +21,8 @@ from echo_node.metrics import summarize_run
 from echo_node.net.p2p import P2PNode
 from protocol import Identity, seal
 from protocol.episodes import Episode, EpisodeBatch, EpisodeGroup, Turn
-from tests.integration.conftest import Cluster, reward_gain
+from tests.factories import reward_gain
+from tests.integration.conftest import Cluster
 from tests.integration.test_swarm import assert_ledger, join_to_publish, summary, train_records, wait_for_versions
 
 pytestmark = pytest.mark.integration

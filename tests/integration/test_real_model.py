@@ -21,7 +21,8 @@ from echo_node.metrics import read_metrics
 from echo_node.ml.engine import TorchEngine
 from echo_node.ml.model import cast_state, canonical_state
 from echo_node.ml.tiny_hf import DEMO_WARMUP_STEPS, build_tiny_model
-from tests.integration.conftest import Cluster, reward_gain
+from tests.factories import reward_gain
+from tests.integration.conftest import Cluster
 
 pytestmark = pytest.mark.integration
 

@@ -23,7 +23,8 @@ from echo_node.net.p2p import P2PNode, provider_key
 from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse
 from tests.factories import bad_rollout_messages
-from tests.integration.conftest import Cluster, reward_gain
+from tests.factories import reward_gain
+from tests.integration.conftest import Cluster
 
 pytestmark = pytest.mark.integration
 
