@@ -358,9 +358,10 @@ class MemoryHost:
         except trio.ClosedResourceError:
             pass
 
-    async def messages(self, topic: str) -> AsyncIterator[GossipMessage]:
-        async for msg in self._subscriptions[topic].receive:
-            yield msg
+    def messages(self, topic: str) -> AsyncIterator[GossipMessage]:
+        """Validated messages of a subscribed topic, in arrival order (the subscription's channel:
+        a reader that stops early leaves no generator to finalize)."""
+        return self._subscriptions[topic].receive
 
     async def publish(self, topic: str, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
