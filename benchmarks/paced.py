@@ -10,8 +10,9 @@ peers have known, different speeds and a learner whose step is as slow as a larg
 which on two shared cores cannot be had otherwise (every process here runs the same tiny model
 at about the same speed). A rollout peer's floor is per group of the engine call
 (`Generator._generate(prompts, seed)`: one group per prompt, in a subclass the peer is given as
-its generator), so the peer has a rate, as a GPU does, whatever the batch; a learner's is per update (`Trainer._optimize`: the optimizer step,
-not the snapshot or publication).
+its generator), so the peer has a rate, as a GPU does, whatever the batch; a learner's is per
+update (`Trainer._optimize` of the subclass the learner is given as `Learner.trainer_class`: the
+optimizer step, not the snapshot or publication).
 """
 
 from __future__ import annotations
@@ -56,6 +57,19 @@ def paced_generator(group_s: float) -> type[Any]:
     return PacedGenerator
 
 
+def paced_trainer(train_s: float) -> type[Any]:
+    """A `Trainer` whose optimizer step takes at least `train_s`: injected as the learner's
+    `Learner.trainer_class`, the real trainer otherwise."""
+    from echo_node.learner.trainer import Trainer
+    from echo_node.ml.grpo import TrainGroup
+
+    class PacedTrainer(Trainer):
+        def _optimize(self, batch: list[TrainGroup]) -> dict[str, float]:
+            return at_least(lambda *_: train_s, super()._optimize)(batch)
+
+    return PacedTrainer
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=False)
     p.add_argument("--group-s", type=float, default=0.0, help="a rollout peer takes at least this long per group")
@@ -64,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (args.group_s >= 0 and args.train_s >= 0):
         p.error("--group-s and --train-s must be >= 0")
     from echo_node import cli
-    from echo_node.learner.trainer import Trainer
+    from echo_node.learner.learner import Learner
     from echo_node.peer.rollout_peer import RolloutPeer
 
     if args.group_s:
         RolloutPeer.generator_class = paced_generator(args.group_s)
     if args.train_s:
-        Trainer._optimize = at_least(lambda self, batch: args.train_s, Trainer._optimize)  # type: ignore[method-assign]
+        Learner.trainer_class = paced_trainer(args.train_s)
     return cli.main(rest)
 
 

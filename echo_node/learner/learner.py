@@ -135,6 +135,10 @@ class Learner:
     `RunReport` (metrics, summary, plots); and keeps the joins, status answers, dial-back probes
     and announcements."""
 
+    # What runs the updates; benchmarks/paced.py gives a learner a slower one (the extension
+    # point `RolloutPeer.generator_class` is for a peer).
+    trainer_class: type[Trainer] = Trainer
+
     def __init__(
         self, cfg: RunConfig, identity: Identity, policy: Policy, *, fresh: bool = False,
         dist: DistInfo | None = None, host: Host | None = None, data_net: DataNet = TCP,
@@ -213,7 +217,7 @@ class Learner:
             ),
         )
         self.data = self.weights.data
-        self.trainer = Trainer(cfg, policy, self.buffer, dist=dist, journal=journal, profile=self.profile)
+        self.trainer = self.trainer_class(cfg, policy, self.buffer, dist=dist, journal=journal, profile=self.profile)
         # Checkpoints, the journal and the history of published versions.
         self.state = RunState(self, journal, history)
         self._journal_lock = trio.Lock()

@@ -396,8 +396,9 @@ class DataServer:
         self.host = advertise_host or bind_host
         self.port = port
         self.checker = HelloChecker(identity.peer_id, run_id)
-        # Peers caught sending a bad piece or frame -> wall-clock end of their ban, for every
-        # version this node serves or fetches; `on_ban` tells the owner (the learner penalizes).
+        # Peers caught sending a bad piece or frame -> end of their ban on trio's clock (a
+        # deadline of this process: it is not kept across restarts, the learner's own ban is),
+        # for every version this node serves or fetches; `on_ban` tells the owner (the learner bans).
         self.bans: dict[str, float] = {}
         self.ban_s = ban_s
         self.on_ban = on_ban
@@ -428,14 +429,14 @@ class DataServer:
             return
         while len(self.bans) >= MAX_DATA_BANS:
             del self.bans[min(self.bans, key=self.bans.__getitem__)]
-        self.bans[peer_id] = time.time() + self.ban_s
+        self.bans[peer_id] = trio.current_time() + self.ban_s
         log.warning("banned %s from the data channel for %.0fs: %s", peer_id, self.ban_s, why)
         if self.on_ban is not None:
             self.on_ban(peer_id, why)
 
     def is_banned(self, peer_id: str) -> bool:
         until = self.bans.get(peer_id)
-        if until is not None and until <= time.time():
+        if until is not None and until <= trio.current_time():
             del self.bans[peer_id]
             return False
         return until is not None
