@@ -60,8 +60,10 @@ def test_progress_tracking_and_the_end_of_the_run_reach_everyone(cluster: Cluste
     time.sleep(3)
     assert peer.proc.poll() is None, "a stopped run's peer waits for the restart"
 
-    # The restart resumes and spends its budget: the peer rejoins, then leaves with a summary line.
-    learner2, _ = cluster.start_learner(run, *flags, "--seconds", "30", name="learner2")
+    # The restart resumes and spends its budget (a number of versions, not seconds: on a loaded
+    # machine a time budget may hold none): the peer rejoins, then leaves with a summary line.
+    stopped_at = next(int(r["version"]) for r in read_metrics(metrics) if r.get("event") == "run_ended")
+    learner2, _ = cluster.start_learner(run, *flags, "--max-versions", str(stopped_at + 6), name="learner2")
     assert learner2.proc.wait(240) == 0
     assert peer.proc.wait(60) == 0, "the peer leaves on its own when the run finished"
     line = re.search(rf"run {run} finished at version (\d+): this peer published (\d+) rollouts", log_of(cluster, "peer0"))
