@@ -36,8 +36,9 @@ from echo_node.envs import load_env
 from echo_node.envs.format import episode_format
 from echo_node.envs.gate import EpisodeGate
 from echo_node.learner.capacity_controller import CapacityController
+from echo_node.learner.door import Door
 from echo_node.learner.evaluation import HeldOutEval, evaluator
-from echo_node.learner.intake import JoinRefused, PeerBook, RolloutIntake
+from echo_node.learner.intake import PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
 from echo_node.learner.progress import Progress, Totals
@@ -50,31 +51,23 @@ from echo_node.learner.trainer import Trainer, staleness
 from echo_node.learner.weight_publisher import WeightPublisher
 from echo_node.metrics import first_last_update_rewards, json_safe, read_metrics
 from echo_node.ml.sharded import DistInfo
-from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, connect_bootstrap
-from echo_node.net.p2p import P2PNode, interface_hosts, listen_host, p2p_settings, provider_key
-from echo_node.net.ratelimit import JoinLimits, RateLimits, RecentlySeen, TokenBucket
+from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
 from echo_node.net.transport import TCP, DataNet, Host
 from echo_node.policy import Policy
 from echo_node.prom import run_exporter
 from echo_node.topics import rollouts_topic, versions_topic
-from echo_node.weights.broadcast import DataServer, ProbeFailed, probe
-from protocol.addresses import dial_back_refusal
+from echo_node.weights.broadcast import DataServer
 from protocol.admission import RunBounds
 from protocol.capacity import groups_to_ask
 from protocol.envelope import seal
-from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.limits import MAX_PROMPT_TOKENS
 from protocol.messages import (
-    JoinRequest,
-    JoinResponse,
     RunEnded,
     RunEndReason,
     RunSpec,
     SamplingParams,
-    StatusRequest,
-    StatusResponse,
     VersionAnnounce,
 )
 from protocol.weights.manifest import WeightManifest, payload_digest
@@ -83,23 +76,6 @@ log = logging.getLogger(__name__)
 
 # The capacity controller measures peers' throughput this often (it decides on its own tick).
 CAPACITY_MEASURE_S = 1.0
-# A joining peer's data address must answer a dial-back within this to be handed out as a relay
-# (behind a NAT that drops inbound connections nothing answers at all); probes run this many at
-# once, so a burst of joins cannot make the learner open sockets without bound.
-PROBE_TIMEOUT_S = 5.0
-PROBES_AT_ONCE = 8
-# Joins whose dial-back waits for a slot: beyond this a joiner is not probed (so not a relay)
-# until it joins again, and a flood of joins cannot queue tasks without bound.
-MAX_PENDING_PROBES = 256
-# A peer dialed back at an address is not dialed there again within this (a re-join keeps its
-# verdict); at most this many (peer, address) pairs are remembered, the oldest forgotten.
-DIAL_BACK_WINDOW_S = 600.0
-MAX_DIALED = 8192
-# Status requests answered per second: per joined peer (a pull-mode peer asks before every
-# batch), and for all peers that have not joined together (they are answered, but Sybils cannot
-# make the learner spend more than this on them).
-STATUS_PER_PEER = (50.0, 100.0)  # rate, burst
-STATUS_STRANGERS = (20.0, 40.0)
 
 
 # The end of a run is announced within END_ANNOUNCE_S (a stop never waits longer for it): END_REPEATS
@@ -131,9 +107,9 @@ class Ready(TypedDict):
 
 class Learner:
     """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
-    gap repair), `Trainer` (GRPO updates), `WeightPublisher` (versions on the data channel),
-    `RunReport` (metrics, summary, plots); and keeps the joins, status answers, dial-back probes
-    and announcements."""
+    gap repair), `Door` (joins, status answers, dial-back probes), `Trainer` (GRPO updates),
+    `WeightPublisher` (versions on the data channel), `RunReport` (metrics, summary, plots); and
+    keeps the announcements."""
 
     # What runs the updates; benchmarks/paced.py gives a learner a slower one (the extension
     # point `RolloutPeer.generator_class` is for a peer).
@@ -192,7 +168,6 @@ class Learner:
             engine_of=self.capacity.engine_of,
         ) if cfg.verify.enabled else None
         self.node: Host = host or P2PNode(identity, p2p_settings(cfg.net, app_score=self.peers.score))
-        self.data_net = data_net
         self.intake = RolloutIntake(
             run_bounds(cfg, policy), self.buffer, self.peers, version=lambda: self.version, topic=self.rollouts_topic,
             bans_path=cfg.run_dir / "bans.log", on_first_accept=self._first_accept, verify=self.verifier,
@@ -230,17 +205,12 @@ class Learner:
         self._checkpoint_written.set()
         # The version and trio time of the last checkpoint taken (from a start: where it went on from).
         self._checkpointed = (0, 0.0)
-        self._allowed = frozenset(cfg.net.allow_peers)
-        self._status_joined = RateLimits(*STATUS_PER_PEER, max_keys=cfg.net.max_peers)
-        self._status_strangers = TokenBucket(*STATUS_STRANGERS, STATUS_STRANGERS[1], 0.0)
-        self._probes = trio.CapacityLimiter(PROBES_AT_ONCE)
-        self._probing: set[str] = set()
-        self._joins = JoinLimits()
-        # (peer, host, port) decided within DIAL_BACK_WINDOW_S: not dialed or recorded again.
-        self._dialed = RecentlySeen(DIAL_BACK_WINDOW_S, MAX_DIALED)
-        # This machine's addresses: a private, link-local or loopback address is dialed back
-        # only on a network of that scope this learner is on itself.
-        self._own_hosts = (*interface_hosts(), self.data.host)
+        # Joins and status answers, and the dial-backs that pick relays (echo_node/learner/door.py).
+        self.door = Door(
+            cfg, identity, peers=self.peers, intake=self.intake, journal=journal, capacity=self.capacity,
+            weights=self.weights, data=self.data, node=self.node, report=self.report, spec=self.spec,
+            epoch=lambda: self.epoch, demand_groups=self.demand_groups,
+        )
         self._last_staleness = 0.0
         # Groups each peer is asked for per version: decided at each publication (`_ask`), and
         # the same in every status answer until the next one (a peer counts what it sampled
@@ -323,8 +293,7 @@ class Learner:
                 deadline_s=self.cfg.net.join_deadline_s,
                 backoff=Backoff(self.cfg.net.backoff_initial_s, self.cfg.net.backoff_max_s),
             )
-        self.node.set_stream_handler(rpc.JOIN, self._serve_join)
-        self.node.set_stream_handler(rpc.STATUS, self._serve(self._on_status))
+        await nursery.start(self.door.run)
         await self.node.subscribe(self.rollouts_topic, self.profile.timed("intake_validate", self.intake.validate),
                                   on_overflow=self.intake.overflowed,
                                   admit=self.intake.queue_admits)
@@ -477,19 +446,7 @@ class Learner:
         self.io_errors["checkpoint"] += 1
         log.error("could not write the checkpoint of version %d (%s): a restart replays the journal since the last one", version, exc)
 
-    # -- request handlers ----------------------------------------------------------------------
-
-    def _serve(self, handler: rpc.Handler) -> Any:
-        async def on_stream(stream: Any) -> None:
-            with trio.move_on_after(30):
-                await rpc.serve_one(stream, handler, on_bad=self._bad_request)
-
-        return on_stream
-
-    async def _serve_join(self, stream: Any) -> None:
-        # The join handler also needs where the connection came from (a dial-back candidate).
-        observed = getattr(stream, "remote_host", None)
-        await self._serve(partial(self._on_join, observed=observed))(stream)
+    # -- what peers are told -------------------------------------------------------------------
 
     @property
     def task_id(self) -> str:
@@ -512,125 +469,8 @@ class Learner:
             epoch=self.epoch,
         )
 
-    async def _on_join(self, request: Any, remote: str, *, observed: str | None = None) -> JoinResponse:
-        if not isinstance(request, JoinRequest):
-            raise RemoteProtocolError(f"join stream carried a {type(request).__name__}")
-        self._check_run(request.run_id)
-        if request.peer_id != remote:
-            raise RemoteProtocolError(f"join request names {request.peer_id}, but the stream is from {remote}")
-        if self._allowed and remote not in self._allowed:
-            raise rpc.RequestRefused("not_allowed", "this run takes only the peers its operator listed")
-        now = trio.current_time()
-        if not self._joins.take(now, remote, observed or ""):
-            raise rpc.RequestRefused("rate_limited", "too many joins; try again in a few seconds")
-        again = remote in self.peers.joined
-        try:
-            self.peers.join(remote, now)
-        except JoinRefused as exc:
-            raise rpc.RequestRefused(exc.code, str(exc)) from None
-        # A peer joins again after a restart, with a new base for its seqs: that gap is not a
-        # choice of prompts (intake.py, skipped seqs). Journaled, so a replay counts the same.
-        if remote in self.intake.tracker:
-            self.intake.tracker.excuse_next_gap(remote)
-            self.state.journal.append(["excuse", remote])
-        if again:  # a peer that lost its learner for a while: nothing new to journal or say
-            log.debug("peer %s joined again", remote)
-        else:
-            self.state.journal.append(["join", remote])
-            log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
-        self._dial_back(remote, observed, request.data_port, now)
-        return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
-
-    def _dial_back(self, peer_id: str, observed: str | None, port: int, now: float) -> None:
-        """Decide, by a dial-back, whether `peer_id` is handed out as a relay: at the address its
-        join came from (the port may be the one it named: a 1:1 NAT or a port forward keeps it),
-        never one it names (protocol/addresses.py: `dial_back_refusal`), and once per (peer,
-        address) within `DIAL_BACK_WINDOW_S` (a re-join within it keeps the verdict)."""
-        if not self._dialed.fresh((peer_id, observed, port), now):
-            return  # decided within the window, dialed or not: no second probe, record or line
-        if observed is None:
-            self._verdict(peer_id, None, "the address its join came from is unknown")
-            return
-        target = (observed, port)
-        if target == (self.data.host, self.data.port):
-            self._verdict(peer_id, None, "it named this learner's own data address")
-            return
-        refusal = dial_back_refusal(observed, own_hosts=self._own_hosts, allow_private=self.cfg.net.dial_private)
-        if refusal is not None:
-            self._verdict(peer_id, None, f"{observed} is not dialed back: {refusal}")
-            return
-        self._schedule_probe(peer_id, [target])
-
-    def _schedule_probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
-        if self._nursery is None or peer_id in self._probing:
-            return
-        if len(self._probing) >= MAX_PENDING_PROBES:
-            self._verdict(peer_id, None, f"not probed: {MAX_PENDING_PROBES} dial-backs already pending")
-            return
-        self._probing.add(peer_id)
-        self._nursery.start_soon(self._probe, peer_id, candidates)
-
-    async def _probe(self, peer_id: str, candidates: list[tuple[str, int]]) -> None:
-        """Decide whether `peer_id` is handed out as a relay: only a data address that answered
-        a dial-back as that peer is."""
-        failures = []
-        try:
-            async with self._probes:
-                for host, port in candidates:
-                    with trio.move_on_after(PROBE_TIMEOUT_S):
-                        try:
-                            await probe(self.identity, self.cfg.run_id, peer_id, host, port, connect=self.data_net.connect)
-                        except ProbeFailed as exc:
-                            failures.append(str(exc))
-                            continue
-                        self._verdict(peer_id, (host, port), "")
-                        return
-                    failures.append(f"{host}:{port}: no answer within {PROBE_TIMEOUT_S:g}s")
-            self._verdict(peer_id, None, "; ".join(failures) or "it named no address this learner may dial")
-        finally:
-            self._probing.discard(peer_id)
-
-    def _verdict(self, peer_id: str, relay: tuple[str, int] | None, why: str) -> None:
-        """Record whether `peer_id` is a relay (at `relay`) or not (and `why`); logged and written."""
-        if relay is not None:
-            self.peers.relays[peer_id] = relay
-            self.peers.unreachable.pop(peer_id, None)
-            log.info("peer %s is reachable at %s:%d: handed out as a relay", peer_id, *relay)
-            self._write({"event": "reachability", "peer": peer_id, "relay": True, "addr": "%s:%d" % relay})
-            return
-        why = why[:500]  # it quotes what the peer's address answered
-        self.peers.relays.pop(peer_id, None)
-        self.peers.unreachable[peer_id] = why
-        log.info("peer %s is not reachable from outside (%s): it downloads and contributes, but is not a relay", peer_id, why)
-        self._write({"event": "reachability", "peer": peer_id, "relay": False, "why": why})
-
     def _write(self, record: dict[str, Any]) -> None:
         self.report.write(record)
-
-    async def _on_status(self, request: Any, remote: str) -> StatusResponse:
-        if not isinstance(request, StatusRequest):
-            raise RemoteProtocolError(f"status stream carried a {type(request).__name__}")
-        self._check_run(request.run_id)
-        now = trio.current_time()
-        allowed = self._status_joined.take(remote, now) if remote in self.peers.joined else self._status_strangers.take(now)
-        if not allowed:
-            raise rpc.RequestRefused("rate_limited", "too many status requests; peers that joined get their own budget")
-        manifest = self.weights.manifest(self.weights.published)
-        joined = remote in self.peers.joined
-        if joined:  # the request is this peer's heartbeat (its claims: rank and report only)
-            # A version not published yet cannot be installed: such a claim counts as the newest.
-            installed = min(request.installed_version, self.weights.published)
-            self.capacity.heartbeat(remote, now, installed=installed, price=request.price_per_hour,
-                                    engine=request.engine, device=request.device)
-        return StatusResponse(
-            run_id=self.cfg.run_id,
-            version=self.weights.published,
-            weights_size=manifest.weights_size,
-            weights_sha256=manifest.weights_sha256,
-            demand_groups=self.demand_groups(),
-            epoch=self.epoch,
-            active=not joined or self.capacity.is_active(remote),
-        )
 
     def demand_groups(self) -> int:
         return self._demand
@@ -643,14 +483,6 @@ class Learner:
         need = groups_to_ask(mode=rl.mode, groups_per_step=rl.groups_per_step, kappa=self.capacity.kappa,
                              buffered=self.buffer.count_admissible(self.version))
         return self.intake.demand_groups(need, 1.0)
-
-    def _check_run(self, run_id: str) -> None:
-        if run_id != self.cfg.run_id:
-            raise rpc.RequestRefused("wrong_run", f"this learner serves run {self.cfg.run_id!r}, not {run_id!r}")
-
-    def _bad_request(self, peer_id: str, exc: Exception) -> None:
-        log.warning("bad request from %s: %s", peer_id, exc)
-        self.intake.penalize(peer_id, f"bad request: {exc}")
 
     def _first_accept(self, peer_id: str) -> None:
         # Wall-clock time, so a benchmark can compare it with when it started the peer.

@@ -16,13 +16,13 @@ from tests.factories import ALICE, MALLORY
 
 
 def test_only_listed_peers_join(learner: Learner) -> None:
-    learner._allowed = frozenset({ALICE.peer_id})
+    learner.door._allowed = frozenset({ALICE.peer_id})
     learner.data.port = 4002  # as if its data channel listened (not started here)
 
     async def join(who: Identity) -> object:
         request = JoinRequest(run_id="run-1", peer_id=who.peer_id, data_host="127.0.0.1", data_port=9)
         try:
-            return await learner._on_join(request, who.peer_id)
+            return await learner.door.on_join(request, who.peer_id)
         except rpc.RequestRefused as exc:
             return exc.code
 

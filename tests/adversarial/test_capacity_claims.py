@@ -24,7 +24,7 @@ def test_an_install_claimed_beyond_the_published_version_is_capped(learner: Lear
     async def main() -> None:
         learner.peers.join(peer, trio.current_time())
         for claim in (2**62, 10**6, -1):
-            await learner._on_status(StatusRequest(run_id="run-1", installed_version=claim), peer)
+            await learner.door.on_status(StatusRequest(run_id="run-1", installed_version=claim), peer)
 
     try:
         trio.run(main)

@@ -42,7 +42,7 @@ def test_three_strikes_ban_across_restarts(learner: Learner, tmp_path: Any) -> N
     async def rejoin(l: Learner) -> Any:
         request = JoinRequest(run_id="run-1", peer_id=MALLORY.peer_id, data_host="127.0.0.1", data_port=9)
         with pytest.raises(rpc.RequestRefused) as refused:
-            await l._on_join(request, MALLORY.peer_id)
+            await l.door.on_join(request, MALLORY.peer_id)
         return refused.value
 
     assert trio.run(rejoin, learner).code == "banned"

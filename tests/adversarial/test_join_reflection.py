@@ -34,16 +34,17 @@ async def counting_listener(nursery: trio.Nursery, host: str) -> tuple[int, list
     return listeners[0].socket.getsockname()[1], seen
 
 
-def attach(learner: Learner, nursery: trio.Nursery) -> None:
-    """What `Learner.run` sets up that a join needs: a nursery for probes, a data port to name."""
-    learner._nursery = nursery
+async def attach(learner: Learner, nursery: trio.Nursery) -> None:
+    """What `Learner.run` sets up that a join needs: its door open (the nursery of probes), a
+    data port to name."""
     learner.data.port = 4002
+    await nursery.start(learner.door.run)
 
 
 async def join(learner: Learner, identity: Identity, observed: str, host: str, port: int) -> str:
     """One join as the learner's handler sees it: "ok", or the refusal's code."""
     try:
-        await learner._on_join(request(identity, host, port), identity.peer_id, observed=observed)
+        await learner.door.on_join(request(identity, host, port), identity.peer_id, observed=observed)
     except rpc.RequestRefused as exc:
         return exc.code
     return "ok"
@@ -56,7 +57,7 @@ def test_a_named_third_party_is_never_dialed_only_the_joiners_own_address(learne
 
     async def main() -> tuple[list[str], list[str]]:
         async with trio.open_nursery() as nursery:
-            attach(learner, nursery)
+            await attach(learner, nursery)
             port, victim = await counting_listener(nursery, "127.0.0.2")
             _, own = await counting_listener(nursery, "127.0.0.1")
             assert await join(learner, attacker, "127.0.0.1", "127.0.0.2", port) == "ok"
@@ -77,7 +78,7 @@ def test_one_identity_rejoining_in_a_loop_is_dialed_once_journaled_once_and_rate
 
     async def main() -> list[str]:
         async with trio.open_nursery() as nursery:
-            attach(learner, nursery)
+            await attach(learner, nursery)
             port, dialed = await counting_listener(nursery, "127.0.0.1")
             for _ in range(1000):  # as fast as the handler answers: no time passes
                 outcomes.append(await join(learner, attacker, "127.0.0.1", "127.0.0.1", port))
@@ -101,14 +102,14 @@ def test_many_identities_from_one_source_share_its_budget_and_all_share_one(lear
 
     async def main() -> tuple[list[str], list[str]]:
         async with trio.open_nursery() as nursery:
-            attach(learner, nursery)
+            await attach(learner, nursery)
             one_source = [await join(learner, s, "198.51.100.7", "198.51.100.7", 4003) for s in sybils[:100]]
             # The rest from 100 addresses of their own: only the budget of all joins holds them.
             many = [await join(learner, s, f"198.51.100.{i}", "198.51.100.7", 4003) for i, s in enumerate(sybils[100:], 10)]
             nursery.cancel_scope.cancel()
         return one_source, many
 
-    learner._schedule_probe = lambda peer_id, targets: None  # type: ignore[method-assign]  # no dialing out of this test
+    learner.door._schedule_probe = lambda peer_id, targets: None  # type: ignore[method-assign]  # no dialing out of this test
     one_source, many = trio.run(main, clock=trio.testing.MockClock())
     assert one_source.count("ok") == JOINS_PER_SOURCE[1]
     assert one_source.count("ok") + many.count("ok") == JOINS_ALL[1]
@@ -132,21 +133,21 @@ def test_private_and_link_local_targets_need_a_network_of_that_scope_or_the_oper
 
 
 def test_a_learner_without_a_private_network_records_why_it_did_not_dial(learner: Learner) -> None:
-    learner._own_hosts = ("1.2.3.4",)
+    learner.door._own_hosts = ("1.2.3.4",)
     dialed: list[object] = []
-    learner._schedule_probe = lambda peer_id, targets: dialed.append(targets)  # type: ignore[method-assign]
+    learner.door._schedule_probe = lambda peer_id, targets: dialed.append(targets)  # type: ignore[method-assign]
     peer = Identity.generate()
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            attach(learner, nursery)
+            await attach(learner, nursery)
             for _ in range(3):  # re-joins within the window: one verdict, not one record and line each
                 assert await join(learner, peer, "169.254.169.254", "169.254.169.254", 80) == "ok"
             nursery.cancel_scope.cancel()
 
     verdicts: list[str] = []
-    decide = learner._verdict
-    learner._verdict = lambda peer_id, relay, why: (verdicts.append(why), decide(peer_id, relay, why))  # type: ignore[method-assign,assignment,func-returns-value]
+    decide = learner.door._verdict
+    learner.door._verdict = lambda peer_id, relay, why: (verdicts.append(why), decide(peer_id, relay, why))  # type: ignore[method-assign,assignment,func-returns-value]
     trio.run(main)
     assert dialed == []
     assert len(verdicts) == 1 and "link-local" in learner.peers.unreachable[peer.peer_id]

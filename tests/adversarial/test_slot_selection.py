@@ -139,7 +139,7 @@ def test_a_restart_of_the_learner_counts_the_same_skips(tmp_path: Any) -> None:
         await start(first)
         deliver(first, ALICE, 0)
         first.intake.tracker.excuse_next_gap(ALICE.peer_id)
-        first.state.journal.append(["excuse", ALICE.peer_id])  # what Learner._on_join does on a rejoin
+        first.state.journal.append(["excuse", ALICE.peer_id])  # what Door.on_join does on a rejoin
         deliver(first, ALICE, 3 * SEQ_WINDOW)
         async with learner_tasks(first):
             await first._flush_journal()
@@ -243,7 +243,7 @@ def test_honest_loss_repaired_and_a_restarted_publisher_disown_nothing(learner: 
         # Left out of an answer with room for more: lost, not disowned.
         assert learner.intake.tracker.skips(ALICE.peer_id) == (9, 61)
         assert learner.intake.tracker.missing(ALICE.peer_id) == []
-        learner.intake.tracker.excuse_next_gap(ALICE.peer_id)  # what Learner._on_join does
+        learner.intake.tracker.excuse_next_gap(ALICE.peer_id)  # what Door.on_join does
         publish(range(200, 210))
 
     rounds: list[Callable[[], None]] = [partial(publish, range(10 * r, 10 * r + 10)) for r in range(6)]

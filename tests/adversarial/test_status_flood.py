@@ -7,7 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from echo_node.learner.learner import STATUS_STRANGERS, Learner
+from echo_node.learner.door import STATUS_STRANGERS
+from echo_node.learner.learner import Learner
 from echo_node.net import rpc
 from echo_node.net.ratelimit import RateLimits
 from protocol import Identity, StatusRequest
@@ -32,14 +33,14 @@ def test_strangers_share_one_budget_and_joined_peers_keep_theirs(learner: Learne
         for _ in range(10):
             for sybil in sybils:
                 try:
-                    await learner._on_status(StatusRequest(run_id="run-1"), sybil)
+                    await learner.door.on_status(StatusRequest(run_id="run-1"), sybil)
                     answered += 1
                 except rpc.RequestRefused as exc:
                     assert exc.code == "rate_limited"
                     refused += 1
         honest = 0
         for _ in range(20):
-            await learner._on_status(StatusRequest(run_id="run-1"), peer)  # never refused
+            await learner.door.on_status(StatusRequest(run_id="run-1"), peer)  # never refused
             honest += 1
         return answered, refused, honest
 

@@ -215,7 +215,7 @@ def test_publish_every_k_publishes_only_every_kth_version(learner: Learner, tmp_
         async with trio.open_nursery() as nursery:
             await nursery.start(learner.data.run)
             await learner._train_loop()
-            status = await learner._on_status(StatusRequest(run_id="run-1"), ALICE.peer_id)
+            status = await learner.door.on_status(StatusRequest(run_id="run-1"), ALICE.peer_id)
             nursery.cancel_scope.cancel()
         return status
 
