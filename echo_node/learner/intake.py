@@ -361,7 +361,7 @@ class RolloutIntake:
         # Messages seen missing from a publisher's sequence and never recovered by repair. They
         # never reached the learner, so they are not in the rollout ledger; counted here instead.
         self.lost_messages = 0
-        self.arrived = trio.Event()
+        self._arrived = trio.Event()
         # Batches the gossip validator verified, by their bytes, for the consumer to take.
         self._checked: OrderedDict[bytes, Batch] = OrderedDict()
         # Batches let into the subscription queue (`queue_admits`): their bytes -> (publisher,
@@ -785,9 +785,14 @@ class RolloutIntake:
             self.peers.accepted[origin] += group.num_rollouts
             self.on_accept(origin, group.min_version, group.num_rollouts)
             taken += 1
-            self.arrived.set()
+            self._arrived.set()
         if taken + worked:
             self.peers.contributed(origin, taken + worked, trio.current_time())
+
+    async def next_arrival(self) -> None:
+        """Wait until a group entered the buffer since the last such wait returned (at once if one did)."""
+        await self._arrived.wait()
+        self._arrived = trio.Event()
 
     async def consume(self, messages: Any) -> None:
         async with trio.open_nursery() as nursery:

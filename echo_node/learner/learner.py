@@ -42,7 +42,7 @@ from echo_node.learner.intake import PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
 from echo_node.learner.progress import Progress, Totals
-from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunState
+from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunParts, RunState
 from echo_node.learner.replay import Group, ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
 from echo_node.learner.spot_check import Verifier
@@ -127,8 +127,6 @@ class Learner:
         # version numbers still go on from the newest one published, so that no old rollout can
         # pass for a new version's).
         self.fresh = fresh
-        # This start of the run (RunSpec.epoch); set when the run starts.
-        self.epoch = 0
         self.resumed: Resumed | None = None
         self.identity = identity
         self.policy = policy
@@ -194,7 +192,10 @@ class Learner:
         self.data = self.weights.data
         self.trainer = self.trainer_class(cfg, policy, self.buffer, dist=dist, journal=journal, profile=self.profile)
         # Checkpoints, the journal and the history of published versions.
-        self.state = RunState(self, journal, history)
+        self.state = RunState(
+            RunParts(cfg=cfg, policy=policy, peers=self.peers, buffer=self.buffer, intake=self.intake, trainer=self.trainer),
+            journal, history,
+        )
         self._journal_lock = trio.Lock()
         # Writes of the journal and checkpoints that failed (retried, or skipped for checkpoints).
         self.io_errors: Counter[str] = Counter()
@@ -325,7 +326,7 @@ class Learner:
             floor = self.state.last_published() + 1 + self.cfg.rl.staleness
             members = self.state.members()
             self._archive(run_dir)
-        self.epoch = self.state.store.next_epoch()
+        self.state.start_epoch()
         rep = self.cfg.report
         self.report.open(open_tracker(rep.report_to, run_dir / "tracking", run_id=self.cfg.run_id, config=to_dict(self.cfg),
                                       wandb_mode=rep.wandb_mode))
@@ -508,14 +509,18 @@ class Learner:
         self.capacity.waiting(trio.current_time())
         try:
             while self.buffer.count_admissible(self.version) < need:
-                await self.intake.arrived.wait()
-                self.intake.arrived = trio.Event()
+                await self.intake.next_arrival()
         finally:
             self.capacity.working(trio.current_time())
 
     @property
     def version(self) -> int:
         return self.trainer.version
+
+    @property
+    def epoch(self) -> int:
+        """This start of the run (RunSpec.epoch): 0 until the run starts, then `RunState`'s."""
+        return self.state.epoch
 
     async def _train_loop(self) -> None:
         with trio.move_on_at(self._deadline()):

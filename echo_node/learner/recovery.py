@@ -33,7 +33,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from safetensors.torch import load_file as st_load_file
@@ -162,11 +162,11 @@ class PreparedCheckpoint:
     weights: dict[str, torch.Tensor]  # the canonical weights, copied
 
 
-class LearnerParts(Protocol):
-    """The parts of a learner that its checkpoints save and a resume restores (a `Learner`)."""
+@dataclass(frozen=True, slots=True)
+class RunParts:
+    """The parts of a learner that its checkpoints save and a resume restores."""
 
     cfg: RunConfig
-    epoch: int
     policy: Policy
     peers: PeerBook
     buffer: ReplayBuffer
@@ -175,18 +175,25 @@ class LearnerParts(Protocol):
 
 
 class RunState:
-    """Writes a learner's checkpoints and resumes it from them."""
+    """Writes a learner's checkpoints and resumes it from them; owns the run's epoch (the
+    number of this start, `start_epoch`)."""
 
-    def __init__(self, learner: LearnerParts, journal: Journal, history: History) -> None:
-        """`journal`: the one the learner's parts append to; `history`: the published versions,
+    def __init__(self, parts: RunParts, journal: Journal, history: History) -> None:
+        """`journal`: the one the parts append to; `history`: the published versions,
         restored in place by a resume."""
-        self.learner = learner
-        cfg = learner.cfg
+        self.parts = parts
+        cfg = parts.cfg
+        self.epoch = 0
         self.store = CheckpointStore(cfg.run_dir, keep=cfg.checkpoint.keep)
         self.journal = journal
         self.history = history
         self.checkpoints_written = 0
         self.checkpoint_s = 0.0
+
+    def start_epoch(self) -> int:
+        """Number this start of the run (one more than any start before, on disk)."""
+        self.epoch = self.store.next_epoch()
+        return self.epoch
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -196,13 +203,13 @@ class RunState:
         `CheckpointStore.write`. The writers hold copies of the weights and the optimizer state
         (memory copies, ~1 s per 10 GB), so they may run in a worker thread while the learner
         goes on training; a checkpoint costs the update path only those copies."""
-        ln = self.learner
+        ln = self.parts
         buffer = ln.buffer
         segment = self.journal.rotate([["carry", gid, origin, *group_record(g)] for gid, origin, g in buffer.live()])
         peers = ln.peers
         state = {
             "version": ln.trainer.version,
-            "epoch": ln.epoch,
+            "epoch": self.epoch,
             "journal_segment": segment,
             "next_gid": buffer.next_gid,
             "ledger": buffer.ledger.as_dict(),
@@ -248,8 +255,8 @@ class RunState:
         """Write a prepared checkpoint (and the export, of the same weights), apply the retention
         rule (old journal segments go with the checkpoints that needed them)."""
         t0 = time.monotonic()
-        self.store.write(prepared.version, self.learner.epoch, prepared.writers)
-        if self.learner.cfg.checkpoint.export:
+        self.store.write(prepared.version, self.epoch, prepared.writers)
+        if self.parts.cfg.checkpoint.export:
             self.export(prepared.version, prepared.weights)
         kept = self.store.retain()
         if kept:
@@ -263,8 +270,8 @@ class RunState:
     def export(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """The policy as a save_pretrained directory, runs/<id>/model/ (ml/export.py), of the
         weights a checkpoint prepared (never the live model, which may be stepping meanwhile)."""
-        ln = self.learner
-        meta = {"run_id": ln.cfg.run_id, "version": version, "epoch": ln.epoch, "task": ln.policy.task.task_id}
+        ln = self.parts
+        meta = {"run_id": ln.cfg.run_id, "version": version, "epoch": self.epoch, "task": ln.policy.task.task_id}
         try:
             export_pretrained(ln.policy.model, ln.policy.tokenizer, ln.cfg.run_dir / "model", dtype=ln.policy.rollout_dtype,
                               meta=meta, state=weights)
@@ -314,7 +321,7 @@ class RunState:
         anyway when it sees the new epoch."""
         for peer in peers:
             try:
-                self.learner.peers.join(peer, 0.0)
+                self.parts.peers.join(peer, 0.0)
             except JoinRefused:
                 pass
 
@@ -329,10 +336,10 @@ class RunState:
         # or before the first checkpoint, the one the run started with (`save_config`).
         saved = states[0].get("config") if states else self._started_config()
         if isinstance(saved, dict):
-            diff = config_difference(saved, to_dict(self.learner.cfg))
+            diff = config_difference(saved, to_dict(self.parts.cfg))
             if diff:
                 raise ResumeRefused(
-                    f"run {self.learner.cfg.run_id!r} in {self.learner.cfg.run_dir} was trained with another config ("
+                    f"run {self.parts.cfg.run_id!r} in {self.parts.cfg.run_dir} was trained with another config ("
                     + "; ".join(diff[:5]) + "): use the run's config to resume it, or --fresh to start over"
                 )
         found = self.store.newest(self._parse)
@@ -354,13 +361,13 @@ class RunState:
     def save_config(self) -> None:
         """Keep the config a run starts with (RUN_CONFIG in its folder): a restart before the
         first checkpoint is held to it as a later one is to the checkpoint's."""
-        path = self.learner.cfg.run_dir / RUN_CONFIG
+        path = self.parts.cfg.run_dir / RUN_CONFIG
         path.parent.mkdir(parents=True, exist_ok=True)
-        replace_durable(path, json.dumps(to_dict(self.learner.cfg), sort_keys=True).encode())
+        replace_durable(path, json.dumps(to_dict(self.parts.cfg), sort_keys=True).encode())
 
     def _started_config(self) -> Any:
         try:
-            return json.loads((self.learner.cfg.run_dir / RUN_CONFIG).read_text())
+            return json.loads((self.parts.cfg.run_dir / RUN_CONFIG).read_text())
         except (OSError, ValueError):
             return None  # a run started before the file existed, or none: nothing to hold it to
 
@@ -376,7 +383,7 @@ class RunState:
 
     def _apply(self, parsed: tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]) -> int:
         tensors, extra, state = parsed
-        ln = self.learner
+        ln = self.parts
         load_state_tensors(ln.policy.model, tensors)  # strict: a checkpoint of another model fails here
         ln.trainer.load_optimizer_state(extra)
         torch.set_rng_state(extra["torch_rng"])
@@ -406,7 +413,7 @@ class RunState:
         return int(state["journal_segment"])
 
     def _replay(self, resumed: Resumed, first_segment: int) -> None:
-        buffer = self.learner.buffer
+        buffer = self.parts.buffer
         journal, buffer.journal = buffer.journal, None  # replaying is not news to journal
         try:
             self._replay_records(resumed, first_segment)
@@ -427,7 +434,7 @@ class RunState:
                     resumed.diverged = resumed.diverged or f"journal record {resumed.records} unusable"
 
     def _replay_one(self, resumed: Resumed, record: list[Any]) -> None:
-        buffer, tracker = self.learner.buffer, self.learner.intake.tracker
+        buffer, tracker = self.parts.buffer, self.parts.intake.tracker
         kind = record[0]
         if kind in ("admit", "carry"):
             group = group_from_record(record[3:])
@@ -455,20 +462,20 @@ class RunState:
             raise ValueError(f"unknown record kind {kind!r}")
 
     def _redo(self, resumed: Resumed, version: int, gids: list[int], weights: list[float] | None = None) -> None:
-        trainer = self.learner.trainer
+        trainer = self.parts.trainer
         if resumed.diverged is not None:
             return  # the groups stay buffered: trained again, counted once
         if version != trainer.version + 1:
             resumed.diverged = f"the journal's step to version {version} follows version {trainer.version}"
             return
-        groups = self.learner.buffer.take_gids(gids)
+        groups = self.parts.buffer.take_gids(gids)
         if groups is None:
             resumed.diverged = f"the step to version {version} names groups the journal lost"
             return
         try:
             trainer.redo(groups, weights)
         except Exception as exc:  # the same batch failed the same way then: train_error
-            self.learner.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
+            self.parts.buffer.mark_failed(groups, DropReason.TRAIN_ERROR)
             resumed.diverged = f"redoing the step to version {version} failed: {exc}"
             return
         resumed.redone += 1
@@ -476,9 +483,9 @@ class RunState:
 
     def _republish(self, resumed: Resumed, version: int, sha256: bytes, size: int) -> None:
         self.history.add(version, sha256, size)
-        if resumed.diverged is not None or version != self.learner.trainer.version:
+        if resumed.diverged is not None or version != self.parts.trainer.version:
             return
-        blob = self.learner.policy.publication()
+        blob = self.parts.policy.publication()
         if payload_digest(blob) != sha256:
             resumed.diverged = f"version {version} redone to another digest than was published"
             return
@@ -488,24 +495,24 @@ class RunState:
         """An earlier restart went on from `version` with weights of digest `sha256`. Replaying
         the same prefix got it to the same weights (then its own steps are redone from here,
         even past a redo that stopped early then and now), or not (then none of them are)."""
-        if payload_digest(self.learner.policy.publication()) != sha256:
+        if payload_digest(self.parts.policy.publication()) != sha256:
             resumed.diverged = resumed.diverged or f"the restart at version {version} held other weights"
             return
         if resumed.diverged is not None:
             log.info("journal: the restart at version %d went on from here (%s)", version, resumed.diverged)
         resumed.diverged = None
-        self.learner.trainer.version = resumed.version = version
+        self.parts.trainer.version = resumed.version = version
 
     def _continue(self, resumed: Resumed) -> None:
         """Choose the version the learner goes on from: never a number published with another
         digest than the weights it holds now."""
-        trainer = self.learner.trainer
+        trainer = self.parts.trainer
         v = trainer.version
         if v in self.history.versions and v not in resumed.blobs:  # e.g. the checkpoint's own version
-            blob = self.learner.policy.publication()
+            blob = self.parts.policy.publication()
             if payload_digest(blob) == self.history.versions[v][0]:
                 resumed.blobs[v] = blob
         if v < self.history.last or (v == self.history.last and v not in resumed.blobs):
             trainer.version = self.history.last + 1
         resumed.version = trainer.version
-        resumed.blobs = {k: b for k, b in resumed.blobs.items() if k >= trainer.version - self.learner.cfg.rl.staleness}
+        resumed.blobs = {k: b for k, b in resumed.blobs.items() if k >= trainer.version - self.parts.cfg.rl.staleness}
