@@ -4,7 +4,8 @@ recomputed under the claimed weights), a temperature-0.6 sampler and greedy deco
 claiming the run's-temperature log-probs). Their engine is the torch engine on a CPU, so the
 learner's spot checker draws each batch's noise again from its assigned seed (check 6 of
 echo_node/learner/spot_check.py) and proves what they sampled from. Every one is caught as `bad_sampling`,
-few of their groups are trained, and the honest peer is never flagged."""
+few of their groups are trained, and the honest peer is never flagged. (The lies caught at their
+first batch, and the slot picker, in one process on virtual time: tests/adversarial/test_attacker_swarm.py.)"""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import pytest
 
 from echo_node.metrics import read_metrics
 from tests.integration.conftest import Cluster
-from tests.integration.test_attackers import _peer_id
 
 pytestmark = pytest.mark.integration
 
@@ -72,3 +72,8 @@ def test_attackers_on_other_weights_or_samplers_are_proven(cluster: Cluster) -> 
     assert s["trained_groups"].get(ids["peer0"], 0) > 0
     assert honest.proc.poll() is None
 
+
+def _peer_id(cluster: Cluster, name: str) -> str:
+    from protocol.identity import load_or_create_key_file
+
+    return load_or_create_key_file(cluster.keys / f"{name}.key").peer_id
