@@ -41,15 +41,14 @@ from echo_node.learner.evaluation import HeldOutEval, evaluator
 from echo_node.learner.intake import PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
-from echo_node.learner.progress import Progress, Totals
 from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunParts, RunState
 from echo_node.learner.replay import Group, ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
 from echo_node.learner.spot_check import Verifier
+from echo_node.learner.summary import Figures
 from echo_node.learner.tracking import open_tracker
-from echo_node.learner.trainer import Trainer, staleness
+from echo_node.learner.trainer import Trainer
 from echo_node.learner.weight_publisher import WeightPublisher
-from echo_node.metrics import first_last_update_rewards, json_safe, read_metrics
 from echo_node.ml.sharded import DistInfo
 from echo_node.net.discovery import Backoff, connect_bootstrap
 from echo_node.net.p2p import P2PNode, listen_host, p2p_settings, provider_key
@@ -108,8 +107,9 @@ class Ready(TypedDict):
 class Learner:
     """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
     gap repair), `Door` (joins, status answers, dial-back probes), `Trainer` (GRPO updates),
-    `WeightPublisher` (versions on the data channel), `RunReport` (metrics, summary, plots); and
-    keeps the announcements."""
+    `WeightPublisher` (versions on the data channel), `Figures` (the train and progress records,
+    the operator's snapshot, the summary), `RunReport` (metrics, summary, plots); and keeps the
+    announcements."""
 
     # What runs the updates; benchmarks/paced.py gives a learner a slower one (the extension
     # point `RolloutPeer.generator_class` is for a peer).
@@ -199,7 +199,6 @@ class Learner:
         self._journal_lock = trio.Lock()
         # Writes of the journal and checkpoints that failed (retried, or skipped for checkpoints).
         self.io_errors: Counter[str] = Counter()
-        self._started = 0.0
         self.report = RunReport(cfg.run_dir, f"{cfg.run_id} ({cfg.rl.mode})")
         self._nursery: trio.Nursery | None = None
         self._checkpoint_written = trio.Event()  # set while no checkpoint is being written
@@ -212,19 +211,22 @@ class Learner:
             weights=self.weights, data=self.data, node=self.node, report=self.report, spec=self.spec,
             epoch=lambda: self.epoch, demand_groups=self.demand_groups,
         )
-        self._last_staleness = 0.0
         # Groups each peer is asked for per version: decided at each publication (`_ask`), and
         # the same in every status answer until the next one (a peer counts what it sampled
         # against it since the version came out).
         self._demand = 1
-        self._first_version = 0
         # The operator's view while the run goes (echo_node/learner/progress.py, echo_node/learner/evaluation.py).
         # The held-out evaluation scores `[task]` prompts: a run of episodes trains on none.
         rep = cfg.report
         self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts if self.env is None else 0,
                                                        every=rep.eval_every, max_new_tokens=cfg.sampling.max_new_tokens)
-        self.progress: Progress | None = None
-        self._wait_started: float | None = None  # monotonic start of the wait for rollouts in progress
+        # The train and progress records, the operator's snapshot and the summary (echo_node/learner/summary.py).
+        self.figures = Figures(
+            cfg=cfg, policy=policy, task=self.task_id, peers=self.peers, buffer=self.buffer, intake=self.intake,
+            trainer=self.trainer, capacity=self.capacity, weights=self.weights, node=self.node,
+            rollouts_topic=self.rollouts_topic, state=self.state, verifier=self.verifier, profile=self.profile,
+            held_out=self.held_out, report=self.report, io_errors=self.io_errors,
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -233,9 +235,9 @@ class Learner:
         budget is spent or the task is cancelled; the summary and a checkpoint are written either way.
         Ready (`task_status.started`, a `Ready`) once peers can find the run, join it and fetch
         its current version."""
-        self._started = time.monotonic()
+        started = time.monotonic()
         blob = self._start()
-        self._first_version = self.version  # where this incarnation began (updates/s counts from here)
+        self.figures.start(started, self.version)  # where this incarnation began (updates/s counts from here)
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -307,10 +309,10 @@ class Learner:
         nursery.start_soon(self._provide_loop)
         nursery.start_soon(self._capacity_loop)
         if self.cfg.report.progress_s > 0:
-            nursery.start_soon(self._progress_loop)
+            nursery.start_soon(self.figures.progress_loop)
         if self.cfg.net.metrics_port is not None:
             net = self.cfg.net
-            await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.snapshot)
+            await nursery.start(run_exporter, "learner", self.cfg.run_id, net.metrics_host, net.metrics_port, self.figures.snapshot)
         await self._train_loop()
 
     def _start(self) -> bytes:
@@ -525,9 +527,10 @@ class Learner:
     async def _train_loop(self) -> None:
         with trio.move_on_at(self._deadline()):
             while self.cfg.max_versions is None or self.version < self.cfg.max_versions:
-                t0 = self._wait_started = time.monotonic()
+                t0 = time.monotonic()
+                self.figures.waiting(t0)
                 await self._wait_for_batch()
-                self._wait_started = None
+                self.figures.waiting(None)
                 wait_s = time.monotonic() - t0
                 self.trainer.idle_s += wait_s
                 await self.update(wait_s=wait_s)
@@ -572,7 +575,7 @@ class Learner:
                 self.buffer.evict_stale(self.version)
                 self.capacity.step(t3 - t1)
             with profile.stage("metrics"):
-                self._record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
+                self.figures.record_step(groups, stats, wait_s=wait_s, train_s=t3 - t1)
         if self._checkpoint_due():
             with profile.stage("checkpoint"):
                 await self._checkpoint()
@@ -607,29 +610,6 @@ class Learner:
         self.weights.offer(version, blob)
         if self.verifier is not None:
             self.verifier.remember(version, self.weights.keep(version, blob))
-
-    def snapshot(self) -> dict[str, Any]:
-        """The operator's view, once a second (Prometheus, `echo-node status`)."""
-        ledger = self.buffer.ledger
-        wall = time.monotonic() - self._started if self._started else 0.0
-        return {
-            "version": self.version,
-            "published_version": self.weights.published,
-            "epoch": self.epoch,
-            # This incarnation's updates over its own wall time (a resumed run's earlier versions
-            # were trained by another process).
-            "steps_per_s": (self.version - self._first_version) / wall if wall > 0 else 0.0,
-            "learner_idle": self.trainer.idle_ratio,
-            "staleness_mean": self._last_staleness,
-            "rollouts_received": ledger.received,
-            "rollouts_accepted": ledger.trained,
-            "rollouts_buffered": self.buffer.buffered_rollouts,
-            "drops": dict(ledger.dropped),
-            "bans": len(self.peers.banned_peers()),
-            "joined_peers": len(self.peers.joined),
-            "bytes_up": self.weights.bytes_up(),
-            **{k: v for k, v in self.capacity.snapshot().items() if v is not None},
-        }
 
     async def _capacity_loop(self) -> None:
         """Measure the peers every second; record each capacity decision, and say when the
@@ -700,63 +680,9 @@ class Learner:
             self.held_out.done()
         self._write(result.record())
 
-    def _totals(self) -> Totals:
-        ledger, now = self.buffer.ledger, time.monotonic()
-        waiting = now - self._wait_started if self._wait_started is not None else 0.0
-        return Totals(t=now, version=self.version, accepted=ledger.trained, dropped=dict(ledger.dropped),
-                      idle_s=self.trainer.idle_s + waiting, bytes_up=self.weights.bytes_up())
-
-    async def _progress_loop(self) -> None:
-        """The progress line every `report.progress_s` (echo_node/learner/progress.py), also a record."""
-        self.progress = Progress(self._totals())
-        while True:
-            await trio.sleep(self.cfg.report.progress_s)
-            cap = self.capacity.snapshot()
-            last = self.held_out.last if self.held_out is not None else None
-            line, record = self.progress.tick(
-                self._totals(), eval_version=None if last is None else last.version,
-                eval_accuracy=None if last is None else round(last.accuracy, 4),
-                active=cap.get("active_peers"), standby=cap.get("standby_peers"))
-            log.info("%s", line)
-            self._write(record)
-
-    def _record_step(self, groups: list[Group], stats: dict[str, float], *, wait_s: float, train_s: float) -> None:
-        ledger = self.buffer.ledger
-        ages = staleness(groups, self.version - 1)
-        self._last_staleness = float(ages["staleness_mean"])
-        if self.progress is not None:
-            self.progress.trained(stats.get("reward_mean"), self._last_staleness)
-        self.report.write(
-            {
-                "event": "train",
-                "t": round(time.monotonic() - self._started, 3),
-                # Wall-clock time, so a benchmark can line a publication up with peers' installs.
-                "wall": round(time.time(), 4),
-                "version": self.version,
-                "epoch": self.epoch,
-                "published": self.weights.published,
-                "reward_mean": stats.get("reward_mean", 0.0),
-                "loss": stats.get("loss", 0.0),
-                "groups": len(groups),
-                # Trained on version - 1 (self.version is already the one the update produced).
-                **ages,
-                "wait_s": round(wait_s, 4),
-                "train_s": round(train_s, 4),
-                "idle_ratio": self.trainer.idle_ratio,
-                "received": ledger.received,
-                "trained": ledger.trained,
-                "dropped": dict(ledger.dropped),
-                "buffered": self.buffer.buffered_rollouts,
-                "peers": len(self.peers.joined),
-                "learner_bytes_up": self.weights.bytes_up(),
-                "deltas_offered": self.weights.deltas_offered,
-                "lost_messages": self.intake.lost_messages,
-                "verify": self._verify_record(),
-                **{k: v for k, v in stats.items() if k not in ("reward_mean", "loss")},
-            }
-        )
-
     def _finish(self) -> dict[str, Any]:
+        """The stop: the ledger checked, the final checkpoint, the journal closed and the bans on
+        disk; then the summary (echo_node/learner/summary.py), written with those figures final."""
         self.buffer.check()
         try:  # what is still buffered stays in the journal: the next start takes it back
             self.state.checkpoint_now()
@@ -769,96 +695,7 @@ class Learner:
             except OSError as exc:
                 log.error("could not write %s (%s): bans given since its last write are forgotten at a restart",
                           self.intake.ban_log.path, exc)
-        # By version, from the train records (metrics.jsonl keeps them across restarts).
-        first, last = first_last_update_rewards(read_metrics(self.report.path))
-        ledger = self.buffer.ledger
-        summary = {
-            "run_id": self.cfg.run_id,
-            "mode": self.cfg.rl.mode,
-            "staleness": self.cfg.rl.staleness,
-            "versions": self.version,
-            "rollouts_received": ledger.received,
-            "rollouts_accepted": ledger.trained,
-            "rollouts_dropped": dict(sorted(ledger.dropped.items())),
-            # Accepted and not trained yet: kept for the next start (under the staleness rule).
-            "rollouts_buffered": self.buffer.buffered_rollouts,
-            "epoch": self.epoch,
-            "resumed": self.resumed.to_dict() if self.resumed is not None else None,
-            # What was trained and where; `export` is the save_pretrained directory (if written).
-            "model": self.policy.model_spec.get("architecture", "embedded"),
-            "task": self.task_id,
-            "dtype": str(self.policy.rollout_dtype).removeprefix("torch."),
-            "device": str(self.policy.device) if self.trainer.sharded is None
-            else f"{self.trainer.sharded.info.world} ranks on {self.trainer.sharded.info.device.type}",
-            "export": str(self.cfg.run_dir / "model") if self.cfg.checkpoint.export else None,
-            "checkpoints": {"written": self.state.checkpoints_written, "seconds": round(self.state.checkpoint_s, 3),
-                            "journal_bytes": self.state.journal.bytes_written, "journal_flushes": self.state.journal.flushes},
-            "reward_first": first,
-            "reward_last": last,
-            # The newest held-out evaluation (echo_node/learner/evaluation.py), or None.
-            "eval_last": None if self.held_out is None or self.held_out.last is None else self.held_out.last.record(),
-            "rollout_peers": len(self.peers.joined),
-            "learner_idle_ratio": self.trainer.idle_ratio,
-            "penalties": dict(self.peers.penalties),
-            "peers": {
-                p: {"accepted": self.peers.accepted[p], "relay": p in self.peers.relays, "unreachable": self.peers.unreachable.get(p)}
-                for p in sorted(self.peers.joined)
-            },
-            # Groups trained per publisher, banned ones included.
-            "trained_groups": dict(sorted(self.buffer.trained_groups.items())),
-            "lost_messages": self.intake.lost_messages,
-            # Rollout messages py-libp2p dropped before the validator (never opened, so not in
-            # the rollout ledger), by reason.
-            "gossip_dropped": dict(self.node.gossip_drops.get(self.rollouts_topic, {})),
-            "train_errors": self.trainer.train_errors,
-            # Batches without reward variance: dropped as no_signal, no version made of them.
-            "no_signal_steps": self.trainer.no_signal_steps,
-            # Journal and checkpoint writes that failed (journal writes are retried; see IO_RETRY_DELAYS_S).
-            "io_errors": dict(self.io_errors),
-            # The learner's checks of peers' claims: per check, batches passed and failed; what
-            # the spot checks covered; their cost against training's.
-            "verification": self.verification(),
-            # Wall and CPU seconds per stage of the learner's work, and their shares.
-            "profile": self.profile.to_dict(
-                extra_cpu={"spot_checks": self.verifier.stats.spot_s} if self.verifier is not None else None),
-            "banned": sorted(self.peers.banned_peers()),
-            "learner_bytes_up": self.weights.bytes_up(),
-            "wall_s": round(time.monotonic() - self._started, 2) if self._started else 0.0,
-            "config": to_dict(self.cfg),
-        }
-        # JSON has no NaN: a figure that is not a number (nothing trained yet) is null, with why.
-        nulls: dict[str, str] = {}
-        summary = json_safe(summary, reasons=nulls)
-        if nulls:
-            why = "no update was trained" if not self.trainer.trained_rewards else "not a number"
-            summary["null_reasons"] = {key: f"{what}: {why}" for key, what in nulls.items()}
-        self.report.finish(summary)
-        return summary
-
-
-    def _verify_record(self) -> dict[str, Any] | None:
-        """The train record's cumulative verification counts (metrics.plot_run draws them)."""
-        if self.verifier is None:
-            return None
-        st = self.verifier.stats
-        return {
-            "failed": dict(st.failed),
-            "banned": len(self.peers.banned_peers()),
-            "spot_rate": round(st.groups_spot_checked / max(1, st.groups_seen), 4),
-            "share": round((st.claims_s + st.spot_s) / max(1e-9, self.trainer.train_s), 4),
-        }
-
-    def verification(self) -> dict[str, Any]:
-        if self.verifier is None:
-            return {"enabled": False}
-        stats = self.verifier.stats.to_dict()
-        seconds = float(stats["seconds"])  # type: ignore[arg-type]
-        wall = time.monotonic() - self._started if self._started else 0.0
-        return {
-            "enabled": True, **stats,
-            "share_of_train_time": round(seconds / max(1e-9, self.trainer.train_s), 4),
-            "share_of_learner_time": round(seconds / max(1e-9, wall), 4),
-        }
+        return self.figures.finish(self.resumed)
 
 
 def check_dtype(cfg: VerifyConfig, policy: Policy) -> torch.dtype:
