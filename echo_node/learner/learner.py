@@ -41,6 +41,7 @@ from echo_node.learner.evaluation import HeldOutEval, evaluator
 from echo_node.learner.intake import PeerBook, RolloutIntake
 from echo_node.learner.journal import Journal, StorageFailed
 from echo_node.learner.profile import Profile
+from echo_node.learner.publication import Publication
 from echo_node.learner.recovery import History, PreparedCheckpoint, Resumed, ResumeRefused, RunParts, RunState
 from echo_node.learner.replay import Group, ReplayBuffer, step_weights
 from echo_node.learner.report import RunReport
@@ -67,9 +68,8 @@ from protocol.messages import (
     RunEndReason,
     RunSpec,
     SamplingParams,
-    VersionAnnounce,
 )
-from protocol.weights.manifest import WeightManifest, payload_digest
+from protocol.weights.manifest import payload_digest
 
 log = logging.getLogger(__name__)
 
@@ -107,9 +107,10 @@ class Ready(TypedDict):
 class Learner:
     """Composes the run's services in one nursery: `RolloutIntake` (who may publish, admission,
     gap repair), `Door` (joins, status answers, dial-back probes), `Trainer` (GRPO updates),
-    `WeightPublisher` (versions on the data channel), `Figures` (the train and progress records,
-    the operator's snapshot, the summary), `RunReport` (metrics, summary, plots); and keeps the
-    announcements."""
+    `Publication` (a version out: journal before announce) over `WeightPublisher` (versions on
+    the data channel), `Figures` (the train and progress records, the operator's snapshot, the
+    summary), `RunReport` (metrics, summary, plots); and keeps the start, the train loop, the
+    checkpoints and the end-of-run announcement."""
 
     # What runs the updates; benchmarks/paced.py gives a learner a slower one (the extension
     # point `RolloutPeer.generator_class` is for a peer).
@@ -211,15 +212,17 @@ class Learner:
             weights=self.weights, data=self.data, node=self.node, report=self.report, spec=self.spec,
             epoch=lambda: self.epoch, demand_groups=self.demand_groups,
         )
-        # Groups each peer is asked for per version: decided at each publication (`_ask`), and
-        # the same in every status answer until the next one (a peer counts what it sampled
-        # against it since the version came out).
-        self._demand = 1
         # The operator's view while the run goes (echo_node/learner/progress.py, echo_node/learner/evaluation.py).
         # The held-out evaluation scores `[task]` prompts: a run of episodes trains on none.
         rep = cfg.report
         self.held_out: HeldOutEval | None = evaluator(policy, prompts=rep.eval_prompts if self.env is None else 0,
                                                        every=rep.eval_every, max_new_tokens=cfg.sampling.max_new_tokens)
+        # Versions out, journal before announce (echo_node/learner/publication.py).
+        self.publication = Publication(
+            cfg, identity, node=self.node, topic=self.versions_topic, weights=self.weights, state=self.state,
+            flush_journal=self._flush_journal, verifier=self.verifier, capacity=self.capacity, profile=self.profile,
+            report=self.report, held_out=self.held_out, ask=self._ask, epoch=lambda: self.epoch,
+        )
         # The train and progress records, the operator's snapshot and the summary (echo_node/learner/summary.py).
         self.figures = Figures(
             cfg=cfg, policy=policy, task=self.task_id, peers=self.peers, buffer=self.buffer, intake=self.intake,
@@ -287,6 +290,7 @@ class Learner:
         nursery.start_soon(self._flush_loop)
         if self.intake.ban_log is not None:
             nursery.start_soon(self.intake.ban_log.run, self.peers.live_bans)
+        await nursery.start(self.publication.run)
         # The version this start goes on from, before anyone can join or ask.
         await self._publish_version(blob)
         if self.cfg.net.bootstrap:
@@ -361,7 +365,7 @@ class Learner:
             self.intake.tracker.forgive_owed()
             for version, old in sorted(self.resumed.blobs.items()):
                 if version < self.version:  # still admissible: served, and spot-checkable
-                    self._offer(version, old)
+                    self.publication.offer(version, old)
             self.resumed.blobs.clear()  # kept in the version store from here on
             r = self.resumed
             log.info(
@@ -476,7 +480,7 @@ class Learner:
         self.report.write(record)
 
     def demand_groups(self) -> int:
-        return self._demand
+        return self.publication.demand
 
     def _ask(self) -> int:
         """Groups per peer for the version being published (protocol/capacity.py, rule 7): what
@@ -606,11 +610,6 @@ class Learner:
             if failure is not None:
                 self.intake.catch(origin, failure)
 
-    def _offer(self, version: int, blob: Any) -> None:
-        self.weights.offer(version, blob)
-        if self.verifier is not None:
-            self.verifier.remember(version, self.weights.keep(version, blob))
-
     async def _capacity_loop(self) -> None:
         """Measure the peers every second; record each capacity decision, and say when the
         active set changes (a normal event, once per tick at most)."""
@@ -630,55 +629,9 @@ class Learner:
                 )
 
     async def _publish_version(self, blob: Any) -> None:
-        """Make the current version fetchable and announce it: journaled and durable first, so
-        a version number anyone saw names these weights for the life of the run."""
-        version = self.version
-        self.capacity.published(version, trio.current_time())
-        manifest: WeightManifest = await offload.run_sync(self.profile.timed("manifest", self.weights.build), version, blob)
-        history = self.state.history
-        if history.versions.get(version) != (manifest.weights_sha256, manifest.weights_size):
-            history.add(version, manifest.weights_sha256, manifest.weights_size)
-            self.state.journal.append(["publish", version, manifest.weights_sha256, manifest.weights_size, self.epoch])
-        await self._flush_journal()
-        if self.verifier is not None:  # before a peer can learn of the version
-            self.verifier.remember(version, blob)
-        # Fetchable in full once `start` returns; the up-front delta is cut after the announcement
-        # (inline, before it, in a learner driven update by update outside `run`).
-        with self.profile.stage("offer"):
-            if self._nursery is not None:
-                await self._nursery.start(self.weights.publish, version, blob, manifest)
-            else:
-                await self.weights.publish(version, blob, manifest)
-        self._demand = self._ask()
-        announce = VersionAnnounce(
-            run_id=self.cfg.run_id,
-            version=version,
-            size=manifest.weights_size,
-            sha256=manifest.weights_sha256,
-            demand_groups=self.demand_groups(),
-            epoch=self.epoch,
-        )
-        self._write({"event": "published", "version": version, "sha256": manifest.weights_sha256.hex(), "epoch": self.epoch})
-        self.capacity.announced(version, trio.current_time(), announce.demand_groups * self.cfg.rl.group_size)
-        with self.profile.stage("announce"):
-            await self.node.publish(self.versions_topic, seal(announce, self.identity))
-        if self.held_out is not None and self._nursery is not None and self.held_out.due(version):
-            self.held_out.start()
-            self._nursery.start_soon(self._evaluate, version, blob)
-
-    async def _evaluate(self, version: int, blob: Any) -> None:
-        """The held-out evaluation of a published version, in a worker thread (the blob stays
-        valid while referenced, whatever the store drops meanwhile). A stop does not wait for
-        it: the thread works on the evaluation's own model and is abandoned."""
-        assert self.held_out is not None
-        try:
-            result = await offload.run_sync(self.held_out.evaluate, version, blob, abandon_on_cancel=True)
-        except Exception as exc:  # the operator's view only: training goes on
-            log.warning("held-out evaluation of version %d failed: %s", version, exc)
-            return
-        finally:
-            self.held_out.done()
-        self._write(result.record())
+        """Publish the current version (echo_node/learner/publication.py: journaled and durable
+        before it is announced)."""
+        await self.publication.publish(self.version, blob)
 
     def _finish(self) -> dict[str, Any]:
         """The stop: the ledger checked, the final checkpoint, the journal closed and the bans on

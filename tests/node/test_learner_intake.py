@@ -160,7 +160,7 @@ def test_demand_counts_what_the_learner_holds(learner: Learner) -> None:
     for n in range(20):
         learner.buffer.offer(make_group(version=learner.version, n=100 + n), learner.version)
     assert trio.run(lambda: _ask_now(learner)) == 1
-    learner._demand = 5
+    learner.publication.demand = 5
     assert learner.demand_groups() == 5
 
 
