@@ -79,8 +79,8 @@ class Publication:
             self._nursery = None
 
     def offer(self, version: int, blob: Any) -> None:
-        """Keep `version` servable as a delta base and checkable, without announcing it (the
-        versions between two publications, and those a resume brings back)."""
+        """Keep `version` servable and spot-checkable without announcing it: a version a resume
+        brings back that rollouts may still be admitted on (it was announced before the restart)."""
         self.weights.offer(version, blob)
         if self.verifier is not None:
             self.verifier.remember(version, self.weights.keep(version, blob))
