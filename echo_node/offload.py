@@ -8,6 +8,10 @@ work runs, so trio's clock does not move. That is what a swarm on virtual time n
 task waits, and a task waiting on a thread counts as waiting, so with threads a learner's step
 would let every peer's timeout fire before the step ends.
 
+Work that polls for its caller's cancellation calls `check_cancelled` here, never
+`trio.from_thread.check_cancelled` (which raises RuntimeError outside a worker thread, so inline
+it would fail the work instead of polling).
+
 The mode is a context variable, set once around a whole swarm (`with inline(): trio.run(...)`,
 or inside the root task before any node starts): every task inherits it when spawned.
 """
@@ -48,3 +52,11 @@ async def run_sync(fn: Callable[..., T], *args: Any, abandon_on_cancel: bool = F
         await trio.lowlevel.checkpoint()
         return fn(*args)
     return await trio.to_thread.run_sync(fn, *args, abandon_on_cancel=abandon_on_cancel, limiter=limiter)
+
+
+def check_cancelled() -> None:
+    """Inside work given to `run_sync`: raise `trio.Cancelled` if its caller was cancelled (in a
+    worker thread); inline, nothing (the work holds the loop: no cancellation can arrive while
+    it runs, and the caller's next checkpoint delivers one that came before)."""
+    if not _INLINE.get():
+        trio.from_thread.check_cancelled()

@@ -209,7 +209,7 @@ class WeightPublisher:
         # The encode stops at its next chunk when the learner stops (nothing waits for it then).
         delta = await offload.run_sync(
             partial(self.profile.timed("delta_encode", encode_delta), memoryview(blob), memoryview(previous),
-                    check=trio.from_thread.check_cancelled))
+                    check=offload.check_cancelled))
         if len(delta) > (1 - DELTA_MIN_SAVING) * len(blob) or version not in self.served:
             self._no_delta.add((version, base))
             return None

@@ -71,7 +71,7 @@ def encode_delta(
 ) -> bytes:
     """The smaller of the sparse and the plain delta of `new` against `base` (same length); the
     wire format of `protocol.weights.delta`. `check` is called before every chunk and may raise
-    to stop the encode (e.g. `trio.from_thread.check_cancelled`: a stop does not wait for it)."""
+    to stop the encode (e.g. `echo_node.offload.check_cancelled`: a stop does not wait for it)."""
     if type(level) is not int or not 1 <= level <= zstandard.MAX_COMPRESSION_LEVEL:
         raise LocalProtocolError(f"zstd level must be an int in [1, {zstandard.MAX_COMPRESSION_LEVEL}], got {level!r}")
     n = len(memoryview(new).cast("B"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -11,6 +12,7 @@ import pytest
 import torch
 import trio
 
+from echo_node import offload
 from echo_node.learner import weight_publisher as publisher_module
 from echo_node.learner.learner import Learner
 from echo_node.ml.model import state_to_bytes
@@ -29,7 +31,10 @@ def next_weights(learner: Learner, step: int) -> bytes:
     return state_to_bytes(learner.policy.model)
 
 
-def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
+@pytest.mark.parametrize("inline", [False, True], ids=["threads", "inline"])
+def test_delta_against_an_older_base_on_demand(learner: Learner, inline: bool) -> None:
+    """Also with blocking work inline (echo_node/offload.py, as a swarm on virtual time runs it):
+    the encoder's cancellation poll must not fail the encode there."""
     learner.peers.join(PEER.peer_id, 0.0)
     blobs: list[bytes] = []
 
@@ -74,7 +79,8 @@ def test_delta_against_an_older_base_on_demand(learner: Learner) -> None:
             assert decode_delta(payload, blobs[2], max_size=len(blobs[5])) == blobs[5]
             nursery.cancel_scope.cancel()
 
-    trio.run(main)
+    with offload.inline() if inline else contextlib.nullcontext():
+        trio.run(main)
 
 
 def test_deltas_that_never_pay_are_tried_ever_less_often(learner: Learner) -> None:

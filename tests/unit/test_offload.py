@@ -69,3 +69,33 @@ def test_threaded_work_under_a_jumping_clock_lets_timers_fire_which_is_why_inlin
     # A 60 s timer fires in virtual time while the thread sleeps 0.2 s of real time.
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert fired == [60.0]
+
+
+def _poll_until_cancelled(started: threading.Event) -> str:
+    """Blocking work that polls for its caller's cancellation, as the delta encoder does."""
+    started.set()
+    for _ in range(400):
+        offload.check_cancelled()
+        time.sleep(0.005)
+    return "ran to the end"
+
+
+def test_threaded_work_that_polls_stops_when_its_caller_is_cancelled() -> None:
+    async def main() -> bool:
+        started = threading.Event()
+        with trio.move_on_after(0.05) as scope:
+            await offload.run_sync(_poll_until_cancelled, started)
+        return scope.cancelled_caught
+
+    assert trio.run(main)
+
+
+def test_inline_work_that_polls_runs_to_the_end_instead_of_failing() -> None:
+    """trio.from_thread.check_cancelled raises RuntimeError outside a worker thread: inline, the
+    delta encoder would have failed every encode."""
+
+    async def main() -> str:
+        return await offload.run_sync(_poll_until_cancelled, threading.Event())
+
+    with offload.inline():
+        assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == "ran to the end"
