@@ -17,6 +17,7 @@ import trio
 import trio.testing
 
 from echo_node.net.framing import read_frame, write_frame
+from echo_node.net.memory import MemorySwarm
 from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
@@ -171,3 +172,40 @@ def test_a_replayed_hello_is_refused() -> None:
     server.checker.check(hello, time.time())
     with pytest.raises(RemoteProtocolError, match="replayed"):
         server.checker.check(hello, time.time())
+
+
+def test_a_data_channel_ban_lasts_ban_s_on_trio_clock_then_the_peer_is_served_again() -> None:
+    """Over the in-memory network on virtual time (echo_node/net/memory.py): a peer that sends
+    the learner's source a frame only a source may send is cut and banned; its hellos are
+    refused for `ban_s`, and served again once the ban ran out (a deadline of trio's clock)."""
+    source = Source(LEARNER, MANIFEST, seal(MANIFEST, LEARNER), PAYLOAD, {ATTACKER.peer_id})
+    ban_s = 600.0
+
+    async def main() -> None:
+        swarm = MemorySwarm()
+        _, learner_net = swarm.node(LEARNER)
+        _, evil_net = swarm.node(ATTACKER)
+        async with trio.open_nursery() as nursery:
+            learner = DataServer(LEARNER, "run-1", advertise_host=learner_net.address, ban_s=ban_s, net=learner_net)
+            learner.register(7, source)
+            await nursery.start(learner.run)
+            evil = DataServer(ATTACKER, "run-1", advertise_host=evil_net.address, net=evil_net)
+            await nursery.start(evil.run)  # a hello names the sender's own, listening, data address
+            with trio.fail_after(10):
+                _, stream = await open_version(evil, learner_id=LEARNER.peer_id, host=learner.host, port=learner.port, version=7)
+                await stream.send_all(frame("peers", [[HONEST.peer_id, "127.0.0.9", 1]]))
+                while not learner.is_banned(ATTACKER.peer_id):
+                    await trio.sleep(0.01)
+                await stream.aclose()
+            banned_at = trio.current_time()
+            await trio.sleep(ban_s - 60)  # still banned: the hello is refused, the stream cut
+            with trio.fail_after(10), pytest.raises(RemoteProtocolError):
+                await open_version(evil, learner_id=LEARNER.peer_id, host=learner.host, port=learner.port, version=7)
+            await trio.sleep(banned_at + ban_s + 1 - trio.current_time())
+            with trio.fail_after(10):
+                manifest, again = await open_version(evil, learner_id=LEARNER.peer_id, host=learner.host, port=learner.port, version=7)
+            assert manifest.version == 7 and not learner.is_banned(ATTACKER.peer_id)
+            await again.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
