@@ -203,12 +203,12 @@ class RunState:
         `CheckpointStore.write`. The writers hold copies of the weights and the optimizer state
         (memory copies, ~1 s per 10 GB), so they may run in a worker thread while the learner
         goes on training; a checkpoint costs the update path only those copies."""
-        ln = self.parts
-        buffer = ln.buffer
+        parts = self.parts
+        buffer = parts.buffer
         segment = self.journal.rotate([["carry", gid, origin, *group_record(g)] for gid, origin, g in buffer.live()])
-        peers = ln.peers
+        peers = parts.peers
         state = {
-            "version": ln.trainer.version,
+            "version": parts.trainer.version,
             "epoch": self.epoch,
             "journal_segment": segment,
             "next_gid": buffer.next_gid,
@@ -224,15 +224,17 @@ class RunState:
                 "banned": dict(peers.banned),
                 "banned_until_version": dict(peers.banned_until_version),
             },
-            "tracker": ln.intake.tracker.snapshot(),
-            "lost_messages": ln.intake.lost_messages,
-            "trainer": {"train_errors": ln.trainer.train_errors, "train_s": ln.trainer.train_s, "idle_s": ln.trainer.idle_s},
-            "config": to_dict(ln.cfg),
+            "tracker": parts.intake.tracker.snapshot(),
+            "lost_messages": parts.intake.lost_messages,
+            "trainer": {
+                "train_errors": parts.trainer.train_errors, "train_s": parts.trainer.train_s, "idle_s": parts.trainer.idle_s,
+            },
+            "config": to_dict(parts.cfg),
             "wall": time.time(),
         }
-        trainer = ln.trainer
+        trainer = parts.trainer
         version = trainer.version
-        weights = owned_copy(canonical_state(ln.policy.model))
+        weights = owned_copy(canonical_state(parts.policy.model))
         optimizer = {
             **trainer.optimizer_state(),
             "torch_rng": torch.get_rng_state(),
@@ -270,13 +272,13 @@ class RunState:
     def export(self, version: int, weights: dict[str, torch.Tensor]) -> None:
         """The policy as a save_pretrained directory, runs/<id>/model/ (ml/export.py), of the
         weights a checkpoint prepared (never the live model, which may be stepping meanwhile)."""
-        ln = self.parts
-        meta = {"run_id": ln.cfg.run_id, "version": version, "epoch": self.epoch, "task": ln.policy.task.task_id}
+        parts = self.parts
+        meta = {"run_id": parts.cfg.run_id, "version": version, "epoch": self.epoch, "task": parts.policy.task.task_id}
         try:
-            export_pretrained(ln.policy.model, ln.policy.tokenizer, ln.cfg.run_dir / "model", dtype=ln.policy.rollout_dtype,
-                              meta=meta, state=weights)
+            export_pretrained(parts.policy.model, parts.policy.tokenizer, parts.cfg.run_dir / "model",
+                              dtype=parts.policy.rollout_dtype, meta=meta, state=weights)
         except (OSError, ValueError) as exc:  # the checkpoint itself is written: say so, go on training
-            log.warning("could not export the model to %s: %s", ln.cfg.run_dir / "model", exc)
+            log.warning("could not export the model to %s: %s", parts.cfg.run_dir / "model", exc)
 
     def checkpoint_now(self) -> None:
         """Flush, snapshot and write synchronously (at exit)."""
@@ -383,17 +385,17 @@ class RunState:
 
     def _apply(self, parsed: tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]) -> int:
         tensors, extra, state = parsed
-        ln = self.parts
-        load_state_tensors(ln.policy.model, tensors)  # strict: a checkpoint of another model fails here
-        ln.trainer.load_optimizer_state(extra)
+        parts = self.parts
+        load_state_tensors(parts.policy.model, tensors)  # strict: a checkpoint of another model fails here
+        parts.trainer.load_optimizer_state(extra)
         torch.set_rng_state(extra["torch_rng"])
-        ln.trainer.trained_rewards = [float(r) for r in extra["rewards"].tolist()]
-        ln.trainer.version = int(state["version"])
+        parts.trainer.trained_rewards = [float(r) for r in extra["rewards"].tolist()]
+        parts.trainer.version = int(state["version"])
         t = state.get("trainer", {})
-        ln.trainer.train_errors = int(t.get("train_errors", 0))
-        ln.trainer.train_s = float(t.get("train_s", 0.0))
-        ln.trainer.idle_s = float(t.get("idle_s", 0.0))
-        buffer = ln.buffer
+        parts.trainer.train_errors = int(t.get("train_errors", 0))
+        parts.trainer.train_s = float(t.get("train_s", 0.0))
+        parts.trainer.idle_s = float(t.get("idle_s", 0.0))
+        buffer = parts.buffer
         buffer.next_gid = int(state["next_gid"])
         ledger = state["ledger"]
         buffer.ledger.received = int(ledger["received"])
@@ -401,15 +403,15 @@ class RunState:
         buffer.ledger.dropped.update({str(k): int(v) for k, v in ledger["dropped"].items()})
         buffer.trained_groups.update({str(k): int(v) for k, v in state.get("trained_groups", {}).items()})
         self.history.restore(state["history"], int(state.get("last_published", -1)))
-        peers, p = ln.peers, state["peers"]
+        peers, p = parts.peers, state["peers"]
         peers.accepted.update(p.get("accepted", {}))
         peers.batches.update(p.get("batches", {}))
         peers.penalties.update(p.get("penalties", {}))
         peers.banned.update({k: float(v) for k, v in p.get("banned", {}).items() if float(v) > time.time()})
         peers.banned_until_version.update({k: int(v) for k, v in p.get("banned_until_version", {}).items()})
         self.rejoin(p.get("joined", []))
-        ln.intake.tracker.restore(state["tracker"])
-        ln.intake.lost_messages = int(state.get("lost_messages", 0))
+        parts.intake.tracker.restore(state["tracker"])
+        parts.intake.lost_messages = int(state.get("lost_messages", 0))
         return int(state["journal_segment"])
 
     def _replay(self, resumed: Resumed, first_segment: int) -> None:

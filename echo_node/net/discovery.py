@@ -1,7 +1,7 @@
 """Joining the swarm: bootstrap dialing and learner lookup, with backoff and one deadline.
 
-Written against the transport's `Discovery` seam (echo_node/net/transport.py) rather than libp2p, so retries and deadlines are tested
-on trio's virtual clock. A volunteer on a flaky link should get in if any bootstrap answers
+Written against the transport's `Discovery` seam (echo_node/net/transport.py) rather than
+libp2p, so retries and deadlines are tested on trio's virtual clock. A volunteer on a flaky link should get in if any bootstrap answers
 before the deadline; if none does, `JoinError` names every address tried and why it failed, and
 the CLI prints that one line instead of a traceback.
 

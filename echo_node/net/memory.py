@@ -278,7 +278,7 @@ class MemoryHost:
         self._swarm.link(self.peer_id, peer.peer_id)
 
     async def connect_multiaddr(self, maddr: str) -> str:
-        head, sep, peer_id = maddr.rpartition("/p2p/")
+        _, sep, peer_id = maddr.rpartition("/p2p/")
         if not sep or not peer_id:
             raise ValueError(f"not a multiaddr with /p2p/<peer id>: {maddr!r}")
         await self.connect(PeerAddr(peer_id, (maddr,)))
@@ -365,9 +365,10 @@ class MemoryHost:
 
     async def publish(self, topic: str, data: bytes) -> None:
         await trio.lowlevel.checkpoint()
+        payload = bytes(data)  # one immutable copy, shared by every subscriber
         for other in list(self._swarm.hosts.values()):
             if other is not self:
-                other.deliver(topic, self.peer_id, bytes(data))
+                other.deliver(topic, self.peer_id, payload)
 
     def gossip_peers(self, topic: str) -> list[str]:
         return sorted(
