@@ -19,7 +19,7 @@ import trio
 import trio.testing
 
 from echo_node import offload
-from echo_node.config import NetConfig, RLConfig, RunConfig
+from echo_node.config import NetConfig, RLConfig, RunConfig, SyncMode
 from echo_node.learner.learner import Learner, Ready
 from echo_node.metrics import read_metrics
 from echo_node.net.memory import MemorySwarm
@@ -52,7 +52,7 @@ class SwarmRun:
 
 
 def run_memory_swarm(
-    runs_dir: Path, *, peers: int = 3, versions: int | None = 24, run_id: str = "mem", mode: str = "async",
+    runs_dir: Path, *, peers: int = 3, versions: int | None = 24, run_id: str = "mem", mode: SyncMode = "async",
     extra: Extra | None = None, generators: dict[str, type[Generator]] | None = None,
     stop_when: Callable[[Learner, dict[str, str]], bool] | None = None, **cfg: Any,
 ) -> SwarmRun:
@@ -83,8 +83,8 @@ def run_memory_swarm(
                     ready: Ready = await own.start(learner.run)
                     peer_cfg = config(net=NetConfig(bootstrap=list(ready["addrs"])))
                     kinds: list[tuple[str | None, type[RolloutPeer]]] = [(None, RolloutPeer)] * peers
-                    for name, generator in (generators or {}).items():
-                        kinds.append((name, type(f"{name}_peer", (RolloutPeer,), {"generator_class": generator})))
+                    for label, generator in (generators or {}).items():
+                        kinds.append((label, type(f"{label}_peer", (RolloutPeer,), {"generator_class": generator})))
                     for i, (name, kind) in enumerate(kinds):
                         identity = Identity.from_seed(bytes([0x60 + i]) * 32)
                         peer_ids.append(identity.peer_id)
