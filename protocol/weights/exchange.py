@@ -155,9 +155,11 @@ class Exchange:
         nb = self._n.pop(peer, None)
         if nb is None:
             return
-        avail = self.availability
-        for i in _set_bits(nb.bits):
+        avail, bits = self.availability, nb.bits
+        while bits:
+            i = bits.bit_length() - 1
             avail[i] -= 1
+            bits ^= 1 << i
         for i in nb.inflight:
             self._unrequest(peer, i)
 
@@ -184,8 +186,11 @@ class Exchange:
             return False
         nb.bits |= new
         avail = self.availability
-        for i in _set_bits(new):
+        # Highest bit first: each step clears the top bit, so the mask shortens as it goes.
+        while new:
+            i = new.bit_length() - 1
             avail[i] += 1
+            new ^= 1 << i
         return len(nb.inflight) < self.pipeline
 
     def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
@@ -194,6 +199,19 @@ class Exchange:
         _check_index(index, self.num_pieces)
         nb = self._n.get(peer)
         if nb is not None and nb.inflight.pop(index, None) is not None:
+            asked = self._asked[index]  # `peer` is among them (asked with it, dropped with it)
+            if ok and len(asked) == 1 and not self.have[index]:
+                # The common case, the one request out for a piece we lack: what `_unrequest`
+                # and the rest of this method would do, in one pass.
+                del self._asked[index]
+                self.requested[index] = 0
+                bit = 1 << index
+                self.requested_bits &= ~bit
+                self.outstanding -= 1
+                self.have[index] = 1
+                self.have_bits |= bit
+                self.count += 1
+                return True
             self._unrequest(peer, index)
         if not ok:
             self.penalties[peer] = self.penalties.get(peer, 0) + 1
@@ -242,18 +260,21 @@ class Exchange:
         if nb is None:
             return []
         out: list[int] = []
-        while len(nb.inflight) < self.pipeline:
+        inflight, requested, asked = nb.inflight, self.requested, self._asked
+        while len(inflight) < self.pipeline:
             index = self._pick(nb)
             if index is None:
                 index = self._endgame(nb)
                 if index is None:
                     break
-            nb.inflight[index] = now
-            if not self.requested[index]:
+            inflight[index] = now
+            if requested[index]:
+                asked[index].append(peer)
+            else:
                 self.outstanding += 1
                 self.requested_bits |= 1 << index
-            self.requested[index] += 1
-            self._asked.setdefault(index, []).append(peer)
+                asked[index] = [peer]
+            requested[index] += 1
             out.append(index)
         return out
 
