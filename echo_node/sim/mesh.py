@@ -6,12 +6,15 @@ What is real and what is modelled:
   on churn, slow rotation, its own bounded set); which piece a peer asks of which neighbour,
   pipelining, rarest first, the endgame are `protocol.weights.exchange.Exchange`'s; which piece
   the learner sends to whom is `protocol.weights.exchange.SeedPlan`'s.
-- Modelled: bytes, hashes and sockets, by `echo_node.sim.net` (each uplink a FIFO at its rate,
-  each downlink a serial queue; its module doc states the model): a transfer costs two events
-  whatever the swarm's size, so a version costs O(N·M) events for N peers and M pieces.
-  Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified since
-  and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
-  requests of one decision travel together, one access latency each way.
+- Modelled: bytes, hashes and sockets, by the link model of `echo_node.sim.net` (each uplink a
+  FIFO at its rate, each downlink a serial queue; its module doc states the model), which each
+  sender keeps here for its own uplink (`_Sender`): a transfer costs two events (its upload's end,
+  its arrival) whatever the swarm's size, so a version costs O(N·M) events for N peers and M
+  pieces. Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified
+  since and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
+  requests of one decision travel together, one access latency each way, and join the holder's
+  FIFO when they reach it (no event of their own unless they wake an idle uplink); a `cancel`
+  likewise drops the transfer if it reaches the holder before the transfer starts.
   The learner counts a served peer as having download headroom when its downlink delivered all
   it was given (as `echo_node.sim.broadcast.SimSource` does).
 - Churn: a peer leaves at once (its links and what it was sending go with it); a newcomer is
@@ -24,6 +27,8 @@ request timeouts (no honest peer stalls here), NAT, the TCP slow start.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 import random
 import time
@@ -31,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from echo_node.sim.events import EventLoop
-from echo_node.sim.net import Endpoint, Node, Uplinks
+from echo_node.sim.net import Node
 from protocol.capacity import broadcast_bound
 from protocol.weights.exchange import Exchange, SeedPlan
 from protocol.weights.manifest import choose_piece_size
@@ -48,29 +53,115 @@ HEADROOM_PIECES = 4
 HAVE_BATCH_S = 0.05
 
 
-class _Seed:
-    """The learner's side of one version (SeedPlan rules 6-8) over the simulated uplink."""
+class _Sender:
+    """One version's uplink on a host: `echo_node.sim.net`'s model (a FIFO at the uplink's rate;
+    the receiver's downlink serves transfers in the order their uploads end), kept by the sender
+    itself. A transfer enters the FIFO when it is asked for (`ready`: when the request reaches
+    the sender), so a request costs no event of its own while the uplink is busy: the FIFO is a
+    heap by (ready, order asked), and an idle uplink wakes at its head's `ready`. A transfer is
+    skipped at its start when its receiver left, its link was cut, or the receiver called it off
+    before then (`cancels`); one in progress still takes its time and is then discarded."""
 
-    def __init__(self, v: _Version, node: Node) -> None:
+    __slots__ = ("v", "node", "id", "connected", "queue", "busy", "wake_at", "cancels")
+
+    def __init__(self, v: _Version, node: Node, pid: str) -> None:
         self.v = v
         self.node = node
-        self.id = LEARNER_ID
+        self.id = pid
+        self.connected = False
+        self.queue: list[tuple[float, int, _Receiver, int]] = []  # heap: (ready, order, receiver, piece)
+        self.busy = False  # a transfer is on the uplink
+        self.wake_at = math.inf  # when a pending wake-up runs (inf: none pending)
+        self.cancels: dict[tuple[_Receiver, int], float] = {}  # (receiver, piece) -> when its cancel arrives
+
+    def sent(self, dst: _Receiver, index: int) -> None:
+        """A transfer left the uplink and reached a connected receiver's downlink."""
+
+    def unsent(self, dst: _Receiver, index: int) -> None:
+        """A transfer was skipped or discarded (its receiver or link is gone)."""
+
+    def startable(self, dst: _Receiver, index: int) -> bool:
+        return dst.connected
+
+    def push(self, dst: _Receiver, index: int, ready: float) -> None:
+        """Queue a transfer of `index` to `dst` from time `ready` (>= now)."""
+        v = self.v
+        heapq.heappush(self.queue, (ready, next(v.order), dst, index))
+        if not self.busy and ready < self.wake_at:
+            self.wake_at = ready
+            v.loop.at(ready, self._wake, ready)
+
+    def _wake(self, at: float) -> None:
+        if at == self.wake_at:
+            self.wake_at = math.inf
+            if not self.busy:
+                self._start()
+
+    def _start(self) -> None:
+        q, v = self.queue, self.v
+        loop = v.loop
+        now = loop.now
+        while q:
+            ready, _, dst, index = q[0]
+            if ready > now:
+                if ready < self.wake_at:
+                    self.wake_at = ready
+                    loop.at(ready, self._wake, ready)
+                break
+            heapq.heappop(q)
+            if self.cancels:
+                cancelled = self.cancels.pop((dst, index), None)
+                if cancelled is not None and cancelled <= now:
+                    self.unsent(dst, index)
+                    continue
+            if not self.startable(dst, index):
+                self.unsent(dst, index)
+                continue
+            self.busy = True
+            size = v.piece_size if index != v.last_index else v.last_size
+            loop.at(now + size / self.node.up, self._done, dst, index)
+            return
+        self.busy = False
+
+    def _done(self, dst: _Receiver, index: int) -> None:
+        v = self.v
+        if not (self.connected and dst.connected):
+            self.unsent(dst, index)
+        else:
+            size = v.piece_size if index != v.last_index else v.last_size
+            node, rx = self.node, dst.node
+            node.bytes_up += size
+            self.sent(dst, index)
+            now = v.loop.now
+            arrive = max(now, max(rx.down_free, now - size / node.up) + size / rx.down)
+            rx.down_free = arrive
+            v.loop.at(arrive + node.lat + rx.lat, dst.on_piece, self, index)
+        self._start()
+
+
+class _Seed(_Sender):
+    """The learner's side of one version (SeedPlan rules 6-8) over the simulated uplink."""
+
+    __slots__ = ("plan", "timer_at")
+
+    def __init__(self, v: _Version, node: Node) -> None:
+        super().__init__(v, node, LEARNER_ID)
         self.connected = True
         self.plan = SeedPlan(v.num_pieces, random.Random(v.rng_seed), width=v.source_degree)
         self.timer_at = math.inf
 
-    def sent(self, dst: Endpoint, index: int) -> None:
-        self.plan.done(dst.id)  # type: ignore[attr-defined]
+    def sent(self, dst: _Receiver, index: int) -> None:
+        self.plan.done(dst.id)
         self.fill()
 
-    def unsent(self, dst: Endpoint, index: int) -> None:
-        self.plan.done(dst.id)  # type: ignore[attr-defined]
+    def unsent(self, dst: _Receiver, index: int) -> None:
+        self.plan.done(dst.id)
 
-    def on_piece(self, src: Endpoint, index: int) -> None:
-        """Nothing is sent to the learner."""
-
-    def on_no_more(self) -> None:
-        raise AssertionError("the learner is never told 'none'")
+    def send(self, dst: _Receiver, index: int) -> None:
+        """Queue a push now; an idle uplink starts it at once."""
+        heapq.heappush(self.queue, (self.v.loop.now, next(self.v.order), dst, index))
+        if not self.busy:
+            self._start()
 
     def fill(self) -> None:
         v = self.v
@@ -92,7 +183,7 @@ class _Seed:
                 break
             peer, index = pick
             idle.remove(peer)
-            v.uplinks.send(self, v.receivers[peer], index, v.piece_bytes(index))
+            self.send(v.receivers[peer], index)
         if now < busy_until < self.timer_at:
             self.timer_at = busy_until
             v.loop.at(busy_until, self._timer, busy_until)
@@ -103,16 +194,13 @@ class _Seed:
             self.fill()
 
 
-class _Receiver:
+class _Receiver(_Sender):
     """A peer's side of one version: announces, asks its neighbours (Exchange), serves them."""
 
-    __slots__ = ("v", "node", "id", "connected", "ex", "links", "done_at", "joined_at", "fresh")
+    __slots__ = ("ex", "links", "done_at", "joined_at", "fresh")
 
     def __init__(self, v: _Version, node: Node, seed: int) -> None:
-        self.v = v
-        self.node = node
-        self.id = node.id
-        self.connected = False
+        super().__init__(v, node, node.id)
         self.ex = Exchange(v.num_pieces, random.Random(seed), pipeline=v.pipeline)
         self.links: dict[str, _Receiver] = {}
         self.done_at: float | None = None  # when it held every piece (None: not yet)
@@ -159,44 +247,33 @@ class _Receiver:
         loop = self.v.loop
         wanted = self.ex.requests(holder.id, loop.now)
         if wanted:
-            loop.at(loop.now + self.node.lat + holder.node.lat, holder.on_get, self, wanted)
+            # The `get` reaches the holder after both access latencies; its transfers join the
+            # holder's FIFO then.
+            ready = loop.now + self.node.lat + holder.node.lat
+            for index in wanted:
+                holder.push(self, index, ready)
 
-    def on_get(self, asker: _Receiver, indices: list[int]) -> None:
-        if not (self.connected and asker.connected and asker.id in self.links):
-            return
-        have, size = self.ex.have, self.v.piece_bytes
-        entries: list[tuple[Endpoint, Endpoint, int, int]] = [(self, asker, i, size(i)) for i in indices if have[i]]
-        if entries:
-            self.v.uplinks.send_many(self, entries)
+    def startable(self, dst: _Receiver, index: int) -> bool:
+        """A `get` is served while both ends are up and linked (a cut link takes its queue)."""
+        return self.connected and dst.connected and dst.id in self.links and bool(self.ex.have[index])
 
-    def on_cancel(self, asker: _Receiver, index: int) -> None:
-        """`asker` called its request off: the transfer is dropped if it has not started."""
-        self.v.uplinks.cancel(self, asker, index)
-
-    def sent(self, dst: Endpoint, index: int) -> None:
-        pass
-
-    def unsent(self, dst: Endpoint, index: int) -> None:
-        pass
-
-    def on_no_more(self) -> None:
-        raise AssertionError("no 'none' on the mesh")
-
-    def on_piece(self, src: Endpoint, index: int) -> None:
+    def on_piece(self, src: _Sender, index: int) -> None:
         if not self.connected:
             return
         v = self.v
-        sid = src.id  # type: ignore[attr-defined]
+        sid = src.id
         v.deliveries += 1
         new = self.ex.received(sid, index)
         if new:
             cancels = self.ex.take_cancels()
             if cancels:
+                # A `cancel` reaches the holder after both access latencies; the transfer is
+                # dropped if it has not started by then.
                 at = v.loop.now + self.node.lat
                 for peer, i in cancels:
                     holder = self.links.get(peer)
                     if holder is not None:
-                        v.loop.at(at + holder.node.lat, holder.on_cancel, self, i)
+                        holder.cancels[(self, i)] = at + holder.node.lat
             if not self.fresh:
                 v.loop.at(v.loop.now + HAVE_BATCH_S, self.announce)
             self.fresh |= 1 << index
@@ -235,14 +312,15 @@ class VersionResult:
 class _Version:
     def __init__(self, sim: MeshSim, version: int, size_bytes: int) -> None:
         self.loop = sim.loop
-        self.uplinks = sim.uplinks
+        self.order = itertools.count()  # ties between transfers ready at the same time: order asked
         self.rng_seed = sim.seed * 1_000_003 + version
         self.version = version
         self.pipeline = sim.pipeline
         self.source_degree = sim.overlay.source_degree
         self.piece_size = sim.piece_size or choose_piece_size(size_bytes)
         self.num_pieces = -(-size_bytes // self.piece_size)
-        self._last = size_bytes - (self.num_pieces - 1) * self.piece_size
+        self.last_index = self.num_pieces - 1
+        self.last_size = size_bytes - (self.num_pieces - 1) * self.piece_size
         self.receivers: dict[str, _Receiver] = {}
         self.deliveries = 0
         self.duplicates = 0
@@ -260,7 +338,7 @@ class _Version:
             self.loop.halt()
 
     def piece_bytes(self, index: int) -> int:
-        return self._last if index == self.num_pieces - 1 else self.piece_size
+        return self.last_size if index == self.last_index else self.piece_size
 
 
 @dataclass(slots=True)
@@ -293,7 +371,6 @@ class MeshSim:
         spare: list[tuple[str, float, float, float]] | None = None,
     ) -> None:
         self.loop = EventLoop()
-        self.uplinks = Uplinks(self.loop)
         self.rng = random.Random(seed)
         self.seed = seed
         self.size_bytes = size_bytes
@@ -442,13 +519,10 @@ class MeshSim:
         )
 
     def _drain(self) -> None:
-        """Start the next version on a clean slate: drop the queues and timers of the last one."""
+        """Start the next version on a clean slate: drop the timers of the last one (its queues
+        went with its senders)."""
         self.loop.clear()
         for node in [*self.nodes.values(), self.learner]:
-            node.queues.clear()
-            node.turns.clear()
-            node.current = None
-            node.busy = False
             node.down_free = min(node.down_free, self.loop.now)
 
     def _schedule_churn(self, v: _Version, until: float) -> None:
