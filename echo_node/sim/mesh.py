@@ -62,11 +62,14 @@ class _Sender:
     skipped at its start when its receiver left, its link was cut, or the receiver called it off
     before then (`cancels`); one in progress still takes its time and is then discarded."""
 
-    __slots__ = ("v", "node", "id", "connected", "queue", "busy", "wake_at", "cancels")
+    __slots__ = ("v", "loop", "node", "up", "lat", "id", "connected", "queue", "busy", "wake_at", "cancels")
 
     def __init__(self, v: _Version, node: Node, pid: str) -> None:
         self.v = v
+        self.loop = v.loop
         self.node = node
+        self.up = node.up
+        self.lat = node.lat
         self.id = pid
         self.connected = False
         self.queue: list[tuple[float, int, _Receiver, int]] = []  # heap: (ready, order, receiver, piece)
@@ -83,13 +86,14 @@ class _Sender:
     def startable(self, dst: _Receiver, index: int) -> bool:
         return dst.connected
 
-    def push(self, dst: _Receiver, index: int, ready: float) -> None:
-        """Queue a transfer of `index` to `dst` from time `ready` (>= now)."""
-        v = self.v
-        heapq.heappush(self.queue, (ready, next(v.order), dst, index))
+    def push(self, dst: _Receiver, indices: list[int], ready: float) -> None:
+        """Queue transfers of `indices` to `dst` from time `ready` (>= now), in that order."""
+        q, order = self.queue, self.v.order
+        for index in indices:
+            heapq.heappush(q, (ready, next(order), dst, index))
         if not self.busy and ready < self.wake_at:
             self.wake_at = ready
-            v.loop.at(ready, self._wake, ready)
+            self.loop.at(ready, self._wake, ready)
 
     def _wake(self, at: float) -> None:
         if at == self.wake_at:
@@ -99,7 +103,7 @@ class _Sender:
 
     def _start(self) -> None:
         q, v = self.queue, self.v
-        loop = v.loop
+        loop = self.loop
         now = loop.now
         while q:
             ready, _, dst, index = q[0]
@@ -119,23 +123,24 @@ class _Sender:
                 continue
             self.busy = True
             size = v.piece_size if index != v.last_index else v.last_size
-            loop.at(now + size / self.node.up, self._done, dst, index)
+            loop.at(now + size / self.up, self._done, dst, index)
             return
         self.busy = False
 
     def _done(self, dst: _Receiver, index: int) -> None:
-        v = self.v
         if not (self.connected and dst.connected):
             self.unsent(dst, index)
         else:
+            v = self.v
             size = v.piece_size if index != v.last_index else v.last_size
-            node, rx = self.node, dst.node
-            node.bytes_up += size
+            rx = dst.node
+            self.node.bytes_up += size
             self.sent(dst, index)
-            now = v.loop.now
-            arrive = max(now, max(rx.down_free, now - size / node.up) + size / rx.down)
+            loop = self.loop
+            now = loop.now
+            arrive = max(now, max(rx.down_free, now - size / self.up) + size / rx.down)
             rx.down_free = arrive
-            v.loop.at(arrive + node.lat + rx.lat, dst.on_piece, self, index)
+            loop.at(arrive + self.lat + rx.lat, dst.on_piece, self, index)
         self._start()
 
 
@@ -197,7 +202,7 @@ class _Seed(_Sender):
 class _Receiver(_Sender):
     """A peer's side of one version: announces, asks its neighbours (Exchange), serves them."""
 
-    __slots__ = ("ex", "links", "done_at", "joined_at", "fresh")
+    __slots__ = ("ex", "links", "done_at", "joined_at", "fresh", "tell_learner")
 
     def __init__(self, v: _Version, node: Node, seed: int) -> None:
         super().__init__(v, node, node.id)
@@ -206,6 +211,7 @@ class _Receiver(_Sender):
         self.done_at: float | None = None  # when it held every piece (None: not yet)
         self.joined_at = v.loop.now
         self.fresh = 0  # pieces verified since the last announcement (a mask: bit i, piece i)
+        self.tell_learner = v.seed.plan.has  # the learner hears of every piece a peer verified
 
     def link(self, other: _Receiver) -> None:
         """A new link: both sides announce what they hold, then ask."""
@@ -244,14 +250,12 @@ class _Receiver(_Sender):
     def ask(self, holder: _Receiver) -> None:
         if not self.connected or self.done_at is not None:
             return
-        loop = self.v.loop
-        wanted = self.ex.requests(holder.id, loop.now)
+        now = self.loop.now
+        wanted = self.ex.requests(holder.id, now)
         if wanted:
             # The `get` reaches the holder after both access latencies; its transfers join the
             # holder's FIFO then.
-            ready = loop.now + self.node.lat + holder.node.lat
-            for index in wanted:
-                holder.push(self, index, ready)
+            holder.push(self, wanted, now + self.lat + holder.lat)
 
     def startable(self, dst: _Receiver, index: int) -> bool:
         """A `get` is served while both ends are up and linked (a cut link takes its queue)."""
@@ -260,35 +264,37 @@ class _Receiver(_Sender):
     def on_piece(self, src: _Sender, index: int) -> None:
         if not self.connected:
             return
-        v = self.v
+        v, ex, now = self.v, self.ex, self.loop.now
         sid = src.id
         v.deliveries += 1
-        new = self.ex.received(sid, index)
-        if new:
-            cancels = self.ex.take_cancels()
+        if ex.received(sid, index):
+            cancels = ex.take_cancels()
             if cancels:
                 # A `cancel` reaches the holder after both access latencies; the transfer is
                 # dropped if it has not started by then.
-                at = v.loop.now + self.node.lat
+                at = now + self.lat
                 for peer, i in cancels:
                     holder = self.links.get(peer)
                     if holder is not None:
-                        holder.cancels[(self, i)] = at + holder.node.lat
+                        holder.cancels[(self, i)] = at + holder.lat
             if not self.fresh:
-                v.loop.at(v.loop.now + HAVE_BATCH_S, self.announce)
+                self.loop.at(now + HAVE_BATCH_S, self.announce)
             self.fresh |= 1 << index
-            v.seed.plan.has(self.id, index)
-            if self.ex.complete:
-                self.done_at = v.loop.now
+            self.tell_learner(self.id, index)
+            if ex.count == ex.num_pieces:
+                self.done_at = now
                 v.done += 1
                 v.finished()
+                return
         else:
             v.duplicates += 1
             if sid == LEARNER_ID:
                 v.learner_duplicates += 1
-        holder = self.links.get(sid)
-        if holder is not None:
-            self.ask(holder)
+        # Its pipeline to the sender has a free slot: ask again (what `ask` does, inline).
+        if self.links.get(sid) is src and self.done_at is None:
+            wanted = ex.requests(sid, now)
+            if wanted:
+                src.push(self, wanted, now + self.lat + src.lat)
 
 
 @dataclass(slots=True)

@@ -196,7 +196,8 @@ class Exchange:
     def received(self, peer: str, index: int, *, ok: bool = True) -> bool:
         """A piece from `peer` arrived and was checked; True if it is new to us. The other
         requests for it still out become cancels (`take_cancels`)."""
-        _check_index(index, self.num_pieces)
+        if type(index) is not int or not 0 <= index < self.num_pieces:
+            _check_index(index, self.num_pieces)  # raises
         nb = self._n.get(peer)
         if nb is not None and nb.inflight.pop(index, None) is not None:
             asked = self._asked[index]  # `peer` is among them (asked with it, dropped with it)
@@ -262,7 +263,7 @@ class Exchange:
         out: list[int] = []
         inflight, requested, asked = nb.inflight, self.requested, self._asked
         while len(inflight) < self.pipeline:
-            index = self._pick(nb)
+            index = self._pick(nb.bits & ~(self.have_bits | self.requested_bits))
             if index is None:
                 index = self._endgame(nb)
                 if index is None:
@@ -305,11 +306,11 @@ class Exchange:
             if not self.have[index]:
                 self.outstanding -= 1
 
-    def _pick(self, nb: _Neighbour) -> int | None:
-        """Rule 2 over the candidates `nb.bits & ~(held | requested)`: each draw takes the first
-        candidate at or after a uniform position (wrapping), so a candidate after a long run of
-        non-candidates is the likelier; the k-th set bit of a mask has no cheap exact draw."""
-        cand = nb.bits & ~(self.have_bits | self.requested_bits)
+    def _pick(self, cand: int) -> int | None:
+        """Rule 2 over the candidates `cand` (a neighbour's bits & ~(held | requested)): each
+        draw takes the first candidate at or after a uniform position (wrapping), so a candidate
+        after a long run of non-candidates is the likelier; the k-th set bit of a mask has no
+        cheap exact draw."""
         if not cand:
             return None
         if not cand & (cand - 1):
@@ -399,7 +400,8 @@ class SeedPlan:
     def has(self, peer: str, index: int) -> None:
         """`peer` holds `index` (it announced it, or the learner sent it); a piece beyond the
         version is a protocol violation (RemoteProtocolError)."""
-        _check_index(index, self.num_pieces)
+        if type(index) is not int or not 0 <= index < self.num_pieces:
+            _check_index(index, self.num_pieces)  # raises
         known = self._known.get(peer)
         bit = 1 << self._pos[index]
         if known is not None and not known & bit:
