@@ -8,9 +8,13 @@ What is real and what is modelled:
   the learner sends to whom is `protocol.weights.exchange.SeedPlan`'s.
 - Modelled: bytes, hashes and sockets, by the link model of `echo_node.sim.net` (each uplink a
   FIFO at its rate, each downlink a serial queue; its module doc states the model), which each
-  sender keeps here for its own uplink (`_Sender`): a transfer costs two events (its upload's end,
-  its arrival) whatever the swarm's size, so a version costs O(N·M) events for N peers and M
-  pieces. Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified
+  sender keeps here for its own uplink (`_Sender`): a transfer costs one event, its upload's end,
+  whatever the swarm's size, so a version costs O(N·M) events for N peers and M pieces. Its
+  arrival (upload end + downlink wait + both access latencies) is handled then, its effects timed
+  from the arrival: the completion, the `have` it joins, the cancels and the next `get` it
+  triggers leave at the arrival; only the receiver's own tables (`Exchange`, the learner's
+  `SeedPlan`) see the piece up to those latencies early (tens of ms against a version's tens of
+  seconds). Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified
   since and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
   requests of one decision travel together, one access latency each way, and join the holder's
   FIFO when they reach it (no event of their own unless they wake an idle uplink); a `cancel`
@@ -140,7 +144,7 @@ class _Sender:
             now = loop.now
             arrive = max(now, max(rx.down_free, now - size / self.up) + size / rx.down)
             rx.down_free = arrive
-            loop.at(arrive + self.lat + rx.lat, dst.on_piece, self, index)
+            dst.arrived(self, index, arrive + self.lat + rx.lat)
         self._start()
 
 
@@ -202,7 +206,7 @@ class _Seed(_Sender):
 class _Receiver(_Sender):
     """A peer's side of one version: announces, asks its neighbours (Exchange), serves them."""
 
-    __slots__ = ("ex", "links", "done_at", "joined_at", "fresh", "tell_learner")
+    __slots__ = ("ex", "links", "done_at", "joined_at", "unannounced", "announce_at", "tell_learner")
 
     def __init__(self, v: _Version, node: Node, seed: int) -> None:
         super().__init__(v, node, node.id)
@@ -210,7 +214,9 @@ class _Receiver(_Sender):
         self.links: dict[str, _Receiver] = {}
         self.done_at: float | None = None  # when it held every piece (None: not yet)
         self.joined_at = v.loop.now
-        self.fresh = 0  # pieces verified since the last announcement (a mask: bit i, piece i)
+        # (arrival, piece) verified, not announced yet; the next `have` leaves at announce_at.
+        self.unannounced: list[tuple[float, int]] = []
+        self.announce_at = math.inf
         self.tell_learner = v.seed.plan.has  # the learner hears of every piece a peer verified
 
     def link(self, other: _Receiver) -> None:
@@ -237,15 +243,33 @@ class _Receiver(_Sender):
         for other in list(self.links.values()):
             self.ask(other)
 
-    def announce(self) -> None:
-        """One `have` frame to every neighbour with the pieces verified since the last."""
-        fresh, self.fresh = self.fresh, 0
-        if not self.connected:
+    def announce(self, at: float) -> None:
+        """One `have` frame to every neighbour with the pieces that arrived since the last; the
+        first piece after a frame is announced `HAVE_BATCH_S` after its arrival, with every
+        piece that arrived meanwhile."""
+        if at != self.announce_at:
+            return  # an earlier arrival moved the frame forward: this one is stale
+        fresh, later = 0, []
+        for t, index in self.unannounced:
+            if t <= at:
+                fresh |= 1 << index
+            else:
+                later.append((t, index))
+        self.unannounced = later
+        self.announce_at = math.inf
+        if later:
+            self._announce_by(min(later)[0] + HAVE_BATCH_S)
+        if not self.connected or not fresh:
             return
         me = self.id
         for other in self.links.values():
             if other.connected and other.done_at is None and other.ex.has_bits(me, fresh):
                 other.ask(self)
+
+    def _announce_by(self, at: float) -> None:
+        if at < self.announce_at:
+            self.announce_at = at
+            self.loop.at(at, self.announce, at)
 
     def ask(self, holder: _Receiver) -> None:
         if not self.connected or self.done_at is not None:
@@ -261,10 +285,12 @@ class _Receiver(_Sender):
         """A `get` is served while both ends are up and linked (a cut link takes its queue)."""
         return self.connected and dst.connected and dst.id in self.links and bool(self.ex.have[index])
 
-    def on_piece(self, src: _Sender, index: int) -> None:
+    def arrived(self, src: _Sender, index: int, at: float) -> None:
+        """A piece from `src` left its uplink now and arrives at `at` (module doc: handled now,
+        its effects timed from `at`)."""
         if not self.connected:
             return
-        v, ex, now = self.v, self.ex, self.loop.now
+        v, ex = self.v, self.ex
         sid = src.id
         v.deliveries += 1
         if ex.received(sid, index):
@@ -272,17 +298,16 @@ class _Receiver(_Sender):
             if cancels:
                 # A `cancel` reaches the holder after both access latencies; the transfer is
                 # dropped if it has not started by then.
-                at = now + self.lat
+                sent = at + self.lat
                 for peer, i in cancels:
                     holder = self.links.get(peer)
                     if holder is not None:
-                        holder.cancels[(self, i)] = at + holder.lat
-            if not self.fresh:
-                self.loop.at(now + HAVE_BATCH_S, self.announce)
-            self.fresh |= 1 << index
+                        holder.cancels[(self, i)] = sent + holder.lat
+            self.unannounced.append((at, index))
+            self._announce_by(at + HAVE_BATCH_S)
             self.tell_learner(self.id, index)
             if ex.count == ex.num_pieces:
-                self.done_at = now
+                self.done_at = at
                 v.done += 1
                 v.finished()
                 return
@@ -290,11 +315,12 @@ class _Receiver(_Sender):
             v.duplicates += 1
             if sid == LEARNER_ID:
                 v.learner_duplicates += 1
-        # Its pipeline to the sender has a free slot: ask again (what `ask` does, inline).
+        # Its pipeline to the sender has a free slot: ask again (what `ask` does, inline), the
+        # `get` leaving on arrival.
         if self.links.get(sid) is src and self.done_at is None:
-            wanted = ex.requests(sid, now)
+            wanted = ex.requests(sid, at)
             if wanted:
-                src.push(self, wanted, now + self.lat + src.lat)
+                src.push(self, wanted, at + self.lat + src.lat)
 
 
 @dataclass(slots=True)
