@@ -19,12 +19,20 @@ Frames (each a length-prefixed msgpack array on plain TCP; `docs/wire.md` has th
   source only: my uplink is busy relaying, send me a direct piece), `["get", index]`,
   `["piece", index, bytes]`.
 - probe answer: `["reachable", signature over PROBE_DOMAIN + hello]`.
+- the bounded-degree exchange (a version the source serves on the overlay): the source's second
+  frame is `["neighbours", [[peer id, host, port], ...]]` instead of `peers`, the receiver's own
+  entry first, then the neighbours it is to link with now; a later `neighbours` frame replaces
+  the set. Between any two nodes of such a version: `["have", mask]`, the pieces the sender
+  verified since its last `have` (the whole set on a new link), `mask` little-endian with bit i
+  for piece i, exactly ceil(pieces / 8) bytes and no bit at or beyond the version's pieces, or
+  (shorter for a few pieces) the list of their indices, each in [0, pieces), at most pieces
+  entries; requests are `get`, answers `piece`.
 
 Rules: piece indices lie in [0, pieces of the version); a piece's bytes are at most
 MAX_PIECE_SIZE (the manifest's hash check says whether they are the right ones); `peers` lists at
 most MAX_SWARM_ENTRIES entries of valid peer ids with an IP-literal host and a port, or with
 ("", 0) for a peer nobody can dial; frames of the source
-(`manifest`, `peers`, `none`, `unavailable`, `direct`) are accepted only on the connection
+(`manifest`, `peers`, `neighbours`, `none`, `unavailable`, `direct`) are accepted only on the connection
 to the source.
 """
 
@@ -50,7 +58,8 @@ from protocol.limits import (
 
 __all__ = [
     "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Frame", "Get", "Hello", "HelloChecker",
-    "Direct", "ManifestFrame", "More", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed", "decode_frame", "decode_probe_answer",
+    "Direct", "Have", "ManifestFrame", "More", "Neighbours", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed",
+    "decode_frame", "decode_probe_answer", "have_bytes", "mask_indices",
     "encode", "make_hello", "probe_answer", "session_signature", "verify_session",
 ]
 
@@ -229,6 +238,26 @@ class Peers:
 
 
 @dataclass(frozen=True, slots=True)
+class Neighbours:
+    """Source -> peer, on the overlay: the receiver's own entry first (which says whether others
+    can dial it), then every neighbour it is to hold a link with now (the set replaces the last)."""
+
+    entries: tuple[PeerEntry, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Have:
+    """Pieces the sender holds verified, as a mask (bit i: piece i), below 1 << pieces."""
+
+    bits: int
+
+
+def have_bytes(num_pieces: int) -> int:
+    """The exact length of a `have` mask on the wire for a version of `num_pieces` pieces."""
+    return (num_pieces + 7) // 8
+
+
+@dataclass(frozen=True, slots=True)
 class ManifestFrame:
     sealed: bytes
     session: bytes
@@ -244,22 +273,28 @@ class Reachable:
     signature: bytes
 
 
-Frame: TypeAlias = Piece | Direct | Get | Next | More | NoMore | Peers | ManifestFrame | NotServed | Reachable
+Frame: TypeAlias = Piece | Direct | Get | Next | More | NoMore | Peers | Neighbours | Have | ManifestFrame | NotServed | Reachable
 _KINDS: Final[dict[type, str]] = {
-    Piece: "piece", Direct: "direct", Get: "get", Next: "next", More: "more", NoMore: "none", Peers: "peers", ManifestFrame: "manifest",
-    NotServed: "unavailable", Reachable: "reachable",
+    Piece: "piece", Direct: "direct", Get: "get", Next: "next", More: "more", NoMore: "none", Peers: "peers",
+    Neighbours: "neighbours", Have: "have", ManifestFrame: "manifest", NotServed: "unavailable", Reachable: "reachable",
 }
-_FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "none", "unavailable", "direct"})
+_FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "neighbours", "none", "unavailable", "direct"})
 
 
-def encode(frame: Frame) -> bytes:
-    """The msgpack array of `frame` (the caller length-prefixes it)."""
+def encode(frame: Frame, *, num_pieces: int = MAX_PIECES) -> bytes:
+    """The msgpack array of `frame` (the caller length-prefixes it); a `have` mask is written in
+    the length of a version of `num_pieces` pieces."""
     kind = _KINDS[type(frame)]
+    if isinstance(frame, Have):
+        size = have_bytes(num_pieces)
+        if frame.bits.bit_count() * 3 < size:  # a few pieces: their indices are the shorter form
+            return pack([kind, mask_indices(frame.bits)])
+        return pack([kind, frame.bits.to_bytes(size, "little")])
     if isinstance(frame, (Piece, Direct)):
         return pack([kind, frame.index, frame.data])
     if isinstance(frame, Get):
         return pack([kind, frame.index])
-    if isinstance(frame, Peers):
+    if isinstance(frame, (Peers, Neighbours)):
         return pack([kind, [[e.peer_id, e.host, e.port] for e in frame.entries]])
     if isinstance(frame, ManifestFrame):
         return pack([kind, frame.sealed, frame.session])
@@ -292,13 +327,35 @@ def decode_frame(data: bytes, *, num_pieces: int = MAX_PIECES, from_source: bool
         return More()
     if kind == "none" and not args:
         return NoMore()
-    if kind == "peers" and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= MAX_SWARM_ENTRIES:
-        return Peers(tuple(_peer_entry(e) for e in args[0]))
+    if kind in ("peers", "neighbours") and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= MAX_SWARM_ENTRIES:
+        return (Peers if kind == "peers" else Neighbours)(tuple(_peer_entry(e) for e in args[0]))
+    if kind == "have" and len(args) == 1 and isinstance(args[0], bytes) and len(args[0]) == have_bytes(num_pieces):
+        bits = int.from_bytes(args[0], "little")
+        if bits >> num_pieces:
+            raise RemoteProtocolError(f"a have mask names a piece at or beyond {num_pieces}")
+        return Have(bits)
+    if kind == "have" and len(args) == 1 and isinstance(args[0], list) and len(args[0]) <= num_pieces:
+        bits = 0
+        for index in args[0]:
+            if not _is_int(index, 0, num_pieces - 1):  # checked before the shift: 1 << 2**40 is a MemoryError
+                raise RemoteProtocolError(f"a have list names a piece outside [0, {num_pieces})")
+            bits |= 1 << index
+        return Have(bits)
     if kind == "manifest" and len(args) == 2 and isinstance(args[0], bytes) and isinstance(args[1], bytes):
         return ManifestFrame(args[0], args[1])
     if kind == "unavailable" and len(args) == 1 and isinstance(args[0], bytes):
         return NotServed(args[0])
     raise RemoteProtocolError(f"malformed data frame of kind {kind[:32]!r}")
+
+
+def mask_indices(bits: int) -> list[int]:
+    """The indices of the set bits of a piece mask (>= 0), in increasing order."""
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return out
 
 
 def _peer_entry(entry: object) -> PeerEntry:

@@ -290,6 +290,14 @@ class Exchange:
     def neighbours(self) -> list[str]:
         return list(self._n)
 
+    def unoffered(self) -> int:
+        """The pieces we lack that no neighbour announced and nobody is asked for (a mask): what
+        only the source can still give (a holder left before it announced, a piece was lost)."""
+        offered = self.have_bits | self.requested_bits
+        for nb in self._n.values():
+            offered |= nb.bits
+        return (self._bits_limit - 1) & ~offered
+
     # --- internals --------------------------------------------------------------------------
 
     def _unrequest(self, peer: str, index: int) -> None:

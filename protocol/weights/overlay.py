@@ -173,6 +173,15 @@ class Overlay:
         m = self._members.get(peer)
         return frozenset(m.links) if m is not None else frozenset()
 
+    def members(self) -> list[str]:
+        """Every member, in join order."""
+        return list(self._members)
+
+    def is_reachable(self, peer: str) -> bool | None:
+        """Whether `peer` joined as dialable (None: not a member)."""
+        m = self._members.get(peer)
+        return None if m is None else m.reachable
+
     def links(self) -> set[tuple[str, str]]:
         return {_edge(a, b) for a, m in self._members.items() for b in m.links}
 
