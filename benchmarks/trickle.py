@@ -24,7 +24,8 @@ from typing import Any
 
 import trio
 
-from echo_node.weights.broadcast import DataServer, Source, fetch_version, tcp_connect
+from echo_node.weights.broadcast import DataServer, Source, tcp_connect
+from echo_node.weights.fetch import fetch_version
 from protocol import Identity, seal
 from protocol.weights.manifest import build_manifest
 

@@ -328,6 +328,11 @@ class ReportConfig:
 
 @dataclass(kw_only=True, slots=True)
 class WeightsConfig:
+    # How versions travel among peers: "push" (every peer linked to every other, pieces relayed
+    # one hop: echo_node/weights/broadcast.py), "mesh" (the bounded-degree overlay below, pieces
+    # exchanged over many hops: echo_node/weights/mesh.py), or "auto": mesh once the run has more
+    # members than degree + 1 (where push would hold more than k links per peer).
+    exchange: Literal["auto", "push", "mesh"] = "auto"
     # Data links each peer keeps (k), chosen by the learner (protocol/weights/overlay.py); a
     # swarm of at most k + 1 peers is a full mesh. Allowed: overlay.DEGREE_RANGE.
     degree: int = DEFAULT_DEGREE
@@ -450,6 +455,8 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"rollout.price_per_hour must be in [0, 1e6], got {cfg.rollout.price_per_hour}")
     w = cfg.weights
     lo, hi = DEGREE_RANGE
+    if w.exchange not in ("auto", "push", "mesh"):
+        raise ValueError(f"weights.exchange must be auto, push or mesh, got {w.exchange!r}")
     if not (lo <= w.degree <= hi and 1 <= w.source_degree <= 1024 and 0 <= w.source_rotate <= w.source_degree
             and 0 <= w.settle_s <= 86400 and 0 <= w.rotate_share <= 1):
         raise ValueError(

@@ -58,6 +58,7 @@ from echo_node.policy import Policy
 from echo_node.prom import run_exporter
 from echo_node.topics import rollouts_topic, versions_topic
 from echo_node.weights.broadcast import DataServer
+from echo_node.weights.mesh import PeerOverlay
 from protocol.admission import RunBounds
 from protocol.capacity import groups_to_ask
 from protocol.envelope import seal
@@ -183,7 +184,11 @@ class Learner:
         # the run at once (no honest peer does either), rollouts and joins alike.
         self.weights = WeightPublisher(
             identity, cfg.run_id, members=self.peers.joined, relays=self.peers.relays, keep_versions=cfg.net.keep_versions,
-            profile=self.profile,
+            profile=self.profile, overlay=PeerOverlay(
+                self.peers.joined, self.peers.relays, mode=cfg.weights.exchange, degree=cfg.weights.degree,
+                source_degree=cfg.weights.source_degree, source_rotate=cfg.weights.source_rotate,
+                settle_s=cfg.weights.settle_s, rotate_share=cfg.weights.rotate_share,
+            ),
             data_server=partial(
                 DataServer, identity, cfg.run_id, bind_host=listen_host(cfg.net.listen),
                 advertise_host=self.node.advertise_host, port=cfg.net.data_port, ban_s=cfg.net.ban_s,

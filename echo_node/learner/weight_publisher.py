@@ -34,6 +34,7 @@ from echo_node import offload
 from echo_node.learner.profile import Profile
 from echo_node.weights.broadcast import FULL, DataServer, Served, Source, base_of
 from echo_node.weights.delta_encoder import encode_delta, worker_count
+from echo_node.weights.mesh import PeerOverlay, SeedSource
 from echo_node.weights.store import VersionStore
 from protocol.envelope import seal
 from protocol.identity import Identity
@@ -66,10 +67,13 @@ class WeightPublisher:
         keep_versions: int,
         data_server: Callable[..., DataServer],
         profile: Profile | None = None,
+        overlay: PeerOverlay | None = None,
     ) -> None:
         """`data_server` builds the learner's data server, given `resolve=`: the publisher
         answers the deltas peers ask for that it has not cut yet (`delta_on_demand`). Delta
-        encodes are timed as `profile`'s `delta_encode` stage."""
+        encodes are timed as `profile`'s `delta_encode` stage. `overlay`: the run's
+        bounded-degree overlay; a version goes out on it when `overlay.use_mesh()` says so at
+        its publication (without one, every version is pushed over the full mesh)."""
         self.identity = identity
         self.run_id = run_id
         self.profile = profile or Profile()
@@ -77,8 +81,9 @@ class WeightPublisher:
         # Live tables of the learner (joined peers, proven data addresses), by reference.
         self.members = members
         self.relays = relays
+        self.overlay = overlay
         self.served = Served(self.data, keep_versions)
-        self.sources: dict[tuple[int, int], Source] = {}
+        self.sources: dict[tuple[int, int], Source | SeedSource] = {}
         # The newest version peers can fetch.
         self.published = 0
         self.bytes_served = 0
@@ -113,7 +118,7 @@ class WeightPublisher:
         return build_manifest(run_id=self.run_id, version=version, payload=blob, piece_size=piece_size_for(len(blob)),
                               workers=worker_count())
 
-    def offer(self, version: int, blob: Any, manifest: WeightManifest | None = None) -> Source:
+    def offer(self, version: int, blob: Any, manifest: WeightManifest | None = None) -> Source | SeedSource:
         """Make `version` fetchable in full: a signed manifest (`build`'s, if not given) and a
         broadcast source. `blob` is `snapshot`'s buffer, or bytes (copied into the store)."""
         blob = self.keep(version, blob)
@@ -171,7 +176,7 @@ class WeightPublisher:
     def bytes_up(self) -> int:
         return self.bytes_served + sum(s.stats.bytes_up for s in self.sources.values())
 
-    async def delta_on_demand(self, version: int, base: int) -> Source | None:
+    async def delta_on_demand(self, version: int, base: int) -> Source | SeedSource | None:
         """The data server's resolver: a peer asked for `version` against an older `base` than
         the one offered up front. Cut once, then served to every peer that asks (and relayed)."""
         key = (version, base)
@@ -190,14 +195,28 @@ class WeightPublisher:
             self._building.pop(key).set()
             self.store.release(version, base)
 
-    def _offer(self, manifest: WeightManifest, payload: Any) -> Source:
-        source = Source(self.identity, manifest, seal(manifest, self.identity), payload, self.members, self.relays)
+    def _offer(self, manifest: WeightManifest, payload: Any) -> Source | SeedSource:
+        """A source for (version, base): on the overlay when it says so (a delta of a version
+        goes the way its full snapshot went, so a version has one swarm shape)."""
+        sealed = seal(manifest, self.identity)
+        full = self.sources.get((manifest.version, FULL))
+        if full is None:
+            mesh = self.overlay is not None and self.overlay.use_mesh()
+            if mesh and self.overlay is not None:
+                self.overlay.between_versions(trio.current_time())
+        else:
+            mesh = isinstance(full, SeedSource)
+        source: Source | SeedSource
+        if mesh and self.overlay is not None:
+            source = SeedSource(self.identity, manifest, sealed, payload, self.overlay)
+        else:
+            source = Source(self.identity, manifest, sealed, payload, self.members, self.relays)
         base = base_of(manifest)
         self.sources[(manifest.version, base)] = source
         self.data.register(manifest.version, source, base=base)
         return source
 
-    async def _offer_delta(self, version: int, base: int) -> Source | None:
+    async def _offer_delta(self, version: int, base: int) -> Source | SeedSource | None:
         """Offer `version` as a delta against `base` if both are kept and the delta pays."""
         blob, previous = self.store.get(version), self.store.get(base)
         if blob is None or previous is None or len(previous) != len(blob) or (version, base) in self._no_delta:

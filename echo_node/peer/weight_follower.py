@@ -55,7 +55,8 @@ from echo_node.net import rpc
 from echo_node.net.discovery import Backoff, JoinError
 from echo_node.net.transport import Host, PeerAddr
 from echo_node.topics import versions_topic
-from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Receiver, Served, Unavailable, open_version, receive_version
+from echo_node.weights.broadcast import FULL, LINK_ERRORS, DataServer, Served
+from echo_node.weights.fetch import Download, Unavailable, open_version, receive_version
 from echo_node.weights.store import VersionStore
 from protocol.envelope import open_envelope
 from protocol.errors import RemoteProtocolError
@@ -175,11 +176,11 @@ class WeightFollower:
         # How the last download went (handshake to verified; its pieces by how they came), for
         # the `installed` record.
         self._download: dict[str, object] = {}
-        self._progress: tuple[Receiver, int, float] | None = None
+        self._progress: tuple[Download, int, float] | None = None
         # Weight bytes sent to other peers: by receivers done relaying, and by those still at it.
         self._relayed_done = 0
         self._received_done = 0
-        self._relaying: set[Receiver] = set()
+        self._relaying: set[Download] = set()
         self._abandoned = ""
         # Verified weights waiting for the engine; taken by the generation thread between two
         # decoding steps (async) or before a batch, hence the lock.
@@ -432,7 +433,7 @@ class WeightFollower:
             weights_sha256=target.sha256,
         )
         served = False
-        receivers: list[Receiver] = []
+        receivers: list[Download] = []
         # Assembled in place, in a mapping the size of the signed manifest's payload.
         try:
             buf = self.payloads.create(target.version, manifest.payload_size)
@@ -441,7 +442,7 @@ class WeightFollower:
                 await stream.aclose()
             raise
 
-        def started(receiver: Receiver) -> None:
+        def started(receiver: Download) -> None:
             receivers.append(receiver)
             self._relaying.add(receiver)
             self._watch(receiver)
@@ -484,8 +485,8 @@ class WeightFollower:
         """Weight bytes this peer has received (from the learner and other peers), over the session."""
         return self._received_done + sum(r.stats.bytes_down for r in self._relaying)
 
-    def _watch(self, receiver: Receiver) -> None:
-        self._progress = (receiver, receiver.swarm.missing, trio.current_time())
+    def _watch(self, receiver: Download) -> None:
+        self._progress = (receiver, receiver.missing, trio.current_time())
 
     def _abandon(self, why: str) -> None:
         if self._fetching is not None:
@@ -502,8 +503,8 @@ class WeightFollower:
                 continue
             receiver, missing, since = self._progress
             now = trio.current_time()
-            if receiver.swarm.missing != missing:
-                self._progress = (receiver, receiver.swarm.missing, now)
+            if receiver.missing != missing:
+                self._progress = (receiver, receiver.missing, now)
             elif now - since > STALL_ABANDON_S:
                 log.warning("abandoned the download of version %d: no piece for %.0fs", receiver.manifest.version, now - since)
                 self._abandon(f"no piece for {now - since:.0f}s")

@@ -62,10 +62,10 @@ import trio
 from echo_node.net.budget import DATA_CHANNEL, Caps, Inbound, Ticket, listener_caps, serve_admitted
 from echo_node.net.framing import read_frame, write_frame
 from echo_node.net.transport import TCP, DataNet
-from protocol.envelope import open_manifest
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed
 from protocol.identity import Identity
+from protocol.limits import MAX_PIECES
 from protocol.weights.datachannel import (
     FULL,
     HELLO_MAX,
@@ -91,7 +91,6 @@ from protocol.weights.datachannel import (
     make_hello,
     probe_answer,
     session_signature,
-    verify_session,
 )
 from protocol.weights.manifest import WeightManifest, piece_range, verify_piece
 from protocol.weights.pieces import Cancel, PieceSwarm, Request
@@ -197,9 +196,9 @@ class Stats:
     asked_more: int = 0  # `more` requests sent
 
 
-def encode_frame(frame: Frame) -> bytes:
-    """A length-prefixed frame, ready for the wire."""
-    return encode_length_prefixed(encode(frame), max_len=MAX_WIRE_FRAME)
+def encode_frame(frame: Frame, *, num_pieces: int = MAX_PIECES) -> bytes:
+    """A length-prefixed frame, ready for the wire (`num_pieces`: the version's, for a `have`)."""
+    return encode_length_prefixed(encode(frame, num_pieces=num_pieces), max_len=MAX_WIRE_FRAME)
 
 
 class LinkOverflow(RemoteProtocolError):
@@ -244,14 +243,14 @@ class Link:
                 stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
 
     def send(self, frame: Frame, tag: object = None) -> None:
-        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame), tag)
+        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame, num_pieces=self.num_pieces), tag)
 
     def answer(self, frame: Frame, tag: object = None) -> None:
         """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks.
         Only answers count: our own pushes queued ahead of them are no fault of a slow reader."""
         if self.asked_bytes > self.queue_cap:
             raise LinkOverflow(f"{self.remote} asks without reading ({self.asked_bytes} bytes queued)")
-        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame), tag, asked=True)
+        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame, num_pieces=self.num_pieces), tag, asked=True)
 
     def send_packed(self, is_piece: bool, data: bytes, tag: object = None, *, asked: bool = False) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
@@ -882,10 +881,17 @@ class Receiver:
 
     # -- the download loop --------------------------------------------------------------------
 
-    async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None) -> memoryview:
+    @property
+    def missing(self) -> int:
+        return self.swarm.missing
+
+    async def run(self, nursery: trio.Nursery, source_stream: trio.abc.Stream | None = None, first: Peers | None = None) -> memoryview:
         """Until every piece is held and verified; returns the payload. Links live in `nursery`,
-        so the peer keeps serving this version after it completes, until the nursery ends."""
+        so the peer keeps serving this version after it completes, until the nursery ends.
+        `first`: the source's `peers` frame, when the caller read it (echo_node/weights/fetch.py)."""
         self._nursery = nursery
+        if first is not None:
+            self._add_peers(first.entries)
         if source_stream is not None:
             nursery.start_soon(self._run_link, source_stream, self.source_id)
         self.pull.last_progress = trio.current_time()
@@ -917,96 +923,6 @@ class Receiver:
                 pass  # a late copy is still verified and counted; nothing to tell the sender
 
 
-async def fetch_version(
-    server: DataServer,
-    nursery: trio.Nursery,
-    *,
-    learner_id: str,
-    host: str,
-    port: int,
-    version: int,
-    base: int = FULL,
-    weights_sha256: bytes | None = None,
-    connect: Connector | None = None,
-) -> tuple[WeightManifest, memoryview, Receiver]:
-    """Join the broadcast of `version`: manifest from the learner, pieces from the swarm.
-
-    The receiver is registered with `server` (so other peers can fetch from us) and its links
-    live in `nursery`; the caller unregisters it when the version is no longer worth serving.
-    """
-    manifest, stream = await open_version(
-        server, learner_id=learner_id, host=host, port=port, version=version, base=base,
-        weights_sha256=weights_sha256, connect=connect,
-    )
-    payload, receiver = await receive_version(server, nursery, manifest, stream, learner_id=learner_id, connect=connect)
-    return manifest, payload, receiver
-
-
-async def receive_version(
-    server: DataServer,
-    nursery: trio.Nursery,
-    manifest: WeightManifest,
-    source_stream: trio.abc.Stream,
-    *,
-    learner_id: str,
-    connect: Connector | None = None,
-    on_start: Callable[[Receiver], None] | None = None,
-    into: bytearray | memoryview | mmap.mmap | None = None,
-) -> tuple[memoryview, Receiver]:
-    """After `open_version`: register a receiver for the manifest and download the payload
-    (`on_start` is handed the receiver first, e.g. to watch its progress; `into`: a buffer of
-    the manifest's payload size to assemble it in, e.g. a mapped file)."""
-    receiver = Receiver(server, manifest, source_id=learner_id, into=into, connect=connect)
-    if on_start is not None:
-        on_start(receiver)
-    server.register(manifest.version, receiver, base=base_of(manifest))
-    return await receiver.run(nursery, source_stream), receiver
-
-
-async def open_version(
-    server: DataServer,
-    *,
-    learner_id: str,
-    host: str,
-    port: int,
-    version: int,
-    base: int = FULL,
-    weights_sha256: bytes | None = None,
-    connect: Connector | None = None,
-) -> tuple[WeightManifest, trio.abc.Stream]:
-    """The handshake with the learner: our hello, its signed manifest (checked) or `Unavailable`."""
-    stream = await (connect or server.net.connect)(host, port)
-    try:
-        return await _handshake(server, stream, learner_id=learner_id, version=version, base=base, weights_sha256=weights_sha256)
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            await stream.aclose()
-        raise
-
-
-async def _handshake(
-    server: DataServer, stream: trio.abc.Stream, *, learner_id: str, version: int, base: int, weights_sha256: bytes | None
-) -> tuple[WeightManifest, trio.abc.Stream]:
-    hello = server.hello(target=learner_id, version=version, base=base)
-    await write_frame(stream, hello)
-    first = decode_frame(await read_frame(stream, max_len=MAX_WIRE_FRAME), from_source=True)
-    if isinstance(first, NotServed):
-        verify_session(learner_id, hello, first.session, available=False)
-        raise Unavailable(f"the learner does not offer version {version} against base {base}")
-    if not isinstance(first, ManifestFrame):
-        raise RemoteProtocolError("the learner's data channel did not start with a manifest")
-    # Whoever answered at the learner's address must hold its key and answer this very hello:
-    # the control frames that follow on this connection are then the learner's.
-    verify_session(learner_id, hello, first.session)
-    manifest = open_manifest(first.sealed, learner_peer_id=learner_id, run_id=server.run_id)
-    manifest_base = base_of(manifest)
-    if (manifest.version, manifest_base) != (version, base) or (
-        weights_sha256 is not None and manifest.weights_sha256 != weights_sha256
-    ):
-        raise RemoteProtocolError(f"manifest for {manifest.version}/{manifest_base} does not match the announced {version}/{base}")
-    return manifest, stream
-
-
 async def probe(
     identity: Identity, run_id: str, peer_id: str, host: str, port: int, *, connect: Connector = tcp_connect
 ) -> None:
@@ -1034,10 +950,6 @@ async def probe(
 
 class ProbeFailed(Exception):
     """A dial-back found nobody, or somebody else, at a peer's data address."""
-
-
-class Unavailable(Exception):
-    """The learner does not offer this (version, base); ask for the full snapshot instead."""
 
 
 class Served:

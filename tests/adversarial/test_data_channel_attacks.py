@@ -18,7 +18,8 @@ import trio.testing
 
 from echo_node.net.framing import read_frame, write_frame
 from echo_node.net.memory import MemorySwarm
-from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats, fetch_version, open_version
+from echo_node.weights.broadcast import LINK_IDLE_S, DataServer, Link, Source, Stats
+from echo_node.weights.fetch import fetch_version, open_version
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_length_prefixed

@@ -26,13 +26,11 @@ from echo_node.weights.broadcast import (
     Receiver,
     Source,
     Stats,
-    Unavailable,
     encode_frame,
-    fetch_version,
-    open_version,
     probe,
     tcp_connect,
 )
+from echo_node.weights.fetch import Unavailable, fetch_version, open_version
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
 from protocol.framing import LengthPrefixedReader, encode_length_prefixed

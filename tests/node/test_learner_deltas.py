@@ -16,7 +16,8 @@ from echo_node import offload
 from echo_node.learner import weight_publisher as publisher_module
 from echo_node.learner.learner import Learner
 from echo_node.ml.model import state_to_bytes
-from echo_node.weights.broadcast import FULL, DataServer, Unavailable, open_version, receive_version
+from echo_node.weights.broadcast import FULL, DataServer
+from echo_node.weights.fetch import Unavailable, open_version, receive_version
 from protocol import Identity
 from protocol.weights.delta import decode_delta
 

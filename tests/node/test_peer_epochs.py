@@ -154,16 +154,16 @@ def test_sequence_numbers_are_never_reused_across_restarts(tmp_path: Path, monke
 def fetch_that_stalls(f: WeightFollower, *, pieces_every_s: float | None) -> None:
     """The follower's download: a receiver that gains a piece every `pieces_every_s` (None:
     never), for a version of 1000 pieces."""
-    receiver = SimpleNamespace(swarm=SimpleNamespace(missing=1000), manifest=SimpleNamespace(version=9))
+    receiver = SimpleNamespace(missing=1000, manifest=SimpleNamespace(version=9))
 
     async def no_delta(target: Target) -> None:
         return None
 
     async def download(target: Target, base: int) -> tuple[bytes, None]:
         f._watch(receiver)  # type: ignore[arg-type]
-        while receiver.swarm.missing:
+        while receiver.missing:
             await trio.sleep(pieces_every_s if pieces_every_s is not None else 3600)
-            receiver.swarm.missing -= 1
+            receiver.missing -= 1
         return b"weights of 9", None  # the payload, and no store mapping
 
     f._fetch_delta = no_delta  # type: ignore[method-assign,assignment]

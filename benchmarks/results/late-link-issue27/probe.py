@@ -18,7 +18,8 @@ import trio
 
 from benchmarks.trickle import Trickle
 from echo_node.weights import broadcast
-from echo_node.weights.broadcast import DataServer, Receiver, Source, fetch_version, tcp_connect
+from echo_node.weights.broadcast import DataServer, Receiver, Source, tcp_connect
+from echo_node.weights.fetch import fetch_version
 from protocol import Identity, seal
 from protocol.weights.manifest import build_manifest, choose_piece_size
 

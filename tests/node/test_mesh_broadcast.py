@@ -1,0 +1,76 @@
+"""A version on the bounded-degree overlay, live (echo_node/weights/mesh.py): real data servers,
+the learner's SeedSource and peers' MeshReceivers over the in-memory network on virtual time."""
+
+from __future__ import annotations
+
+import trio
+
+from echo_node.learner.weight_publisher import WeightPublisher
+from echo_node.weights.broadcast import DataServer, Source
+from echo_node.weights.mesh import PeerOverlay, SeedSource
+from tests.mesh_swarm import LEARNER, Recording, run_mesh
+from tests.mesh_swarm import peers as make_peers
+
+
+def test_a_version_reaches_every_peer_over_links_the_learner_chose() -> None:
+    """30 peers at degree 12 (more than a full mesh of 12 + 1), the learner serving 4 of them:
+    every peer holds the exact payload; most pieces came from other peers over many hops; no peer
+    held more links than the overlay's largest degree, and each linked only with peers the
+    learner made its neighbours at some point of the version."""
+    ids = make_peers(30)
+    run = run_mesh(ids)
+    assert set(run.results) == {p.peer_id for p in ids} and not run.errors
+    assert all(data == run.payload for data in run.results.values())
+    receivers = [r for r in run.receivers.values() if isinstance(r, Recording)]
+    pieces = sum((r.stats.pieces for r in receivers), start=type(receivers[0].stats.pieces)())
+    first_copies = pieces["peers"] + pieces["seed"] + pieces["repair"]
+    assert first_copies == 30 * run.source.store.manifest.num_pieces
+    assert pieces["peers"] > 0.75 * first_copies, pieces
+    max_degree = run.overlay.overlay.max_degree
+    for r in receivers:
+        assert 1 <= r.most <= max_degree, (r.most, max_degree)
+        assert r.linked <= r.listed
+    # The learner fed at most its served set at a time and each piece at most once per peer.
+    assert run.source.plan.total_sent <= 30 * run.source.store.manifest.num_pieces
+
+
+def test_peers_behind_a_nat_dial_out_and_late_peers_fetch_from_the_early_ones() -> None:
+    """A third of the peers cannot be dialed: they link only with dialable ones (two of them are
+    never neighbours) and still complete. Ten more start after the others finished; they get
+    their pieces mostly from the early peers, not from the learner."""
+    ids = make_peers(30)
+    late_ids = make_peers(10, first=0x80)
+    nat = frozenset(p.peer_id for p in ids[::3])
+    run = run_mesh([*ids, *late_ids], unreachable=nat, late=frozenset(p.peer_id for p in late_ids))
+    assert len(run.results) == 40 and not run.errors
+    assert all(data == run.payload for data in run.results.values())
+    for pid in nat:
+        r = run.receivers[pid]
+        assert isinstance(r, Recording) and r.linked and not r.linked & nat
+    late = [run.receivers[p.peer_id] for p in late_ids]
+    from_peers = sum(r.stats.pieces["peers"] for r in late)
+    from_learner = sum(r.stats.pieces["seed"] + r.stats.pieces["repair"] for r in late)
+    assert from_peers > 3 * from_learner, (from_peers, from_learner)
+
+
+def test_the_learner_serves_by_the_overlay_once_the_run_outgrows_a_full_mesh() -> None:
+    """`auto`: the push mesh while the run has at most degree + 1 members, the overlay beyond;
+    a delta goes the way its version's full snapshot went; `push` and `mesh` force either."""
+    members: dict[str, float] = {}
+    relays: dict[str, tuple[str, int]] = {}
+
+    async def main() -> None:
+        overlay = PeerOverlay(members, relays, degree=12)
+        publisher = WeightPublisher(LEARNER, "run-1", members=members, relays=relays, keep_versions=4,
+                                    data_server=lambda **kw: DataServer(LEARNER, "run-1", **kw), overlay=overlay)
+        for p in make_peers(13):
+            members[p.peer_id] = 0.0
+        assert isinstance(publisher.offer(1, b"\x01" * 5000), Source)
+        for p in make_peers(1, first=0x90):
+            members[p.peer_id] = 0.0
+        assert isinstance(publisher.offer(2, b"\x02" * 5000), SeedSource)
+        assert not PeerOverlay(members, relays, mode="push").use_mesh()
+        assert PeerOverlay({}, relays, mode="mesh").use_mesh()
+
+    trio.run(main)
+
