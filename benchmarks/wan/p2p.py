@@ -25,7 +25,9 @@ import trio
 from benchmarks.wan import scenario as sc
 from benchmarks.wan.netns import Topology, python_argv
 from benchmarks.wan.wire import JsonLines, cpu_busy, cpu_jiffies, cpu_s, emit, last_json
-from echo_node.weights.broadcast import DataServer, Source, fetch_version
+from echo_node.weights.broadcast import DataServer, Source
+from echo_node.weights.fetch import fetch_version
+from echo_node.weights.mesh import MeshReceiver, PeerOverlay, SeedSource
 from protocol import Identity, seal
 from protocol.weights.manifest import build_manifest, payload_digest
 
@@ -49,7 +51,12 @@ async def source_main(a: argparse.Namespace) -> None:
     hosts = a.peer_addrs.split(",")
     relays = {x.peer_id: (host, PORT) for x, host in zip(ids[1:], hosts, strict=True)}
     members = frozenset(x.peer_id for x in ids[1:])  # a set: `in` on a generator would consume it
-    source = Source(ids[0], manifest, seal(manifest, ids[0]), payload, members, relays)
+    source: Source | SeedSource
+    if a.exchange == "mesh":
+        overlay = PeerOverlay(members, relays, mode="mesh", degree=a.degree, settle_s=0.0)
+        source = SeedSource(ids[0], manifest, seal(manifest, ids[0]), payload, overlay)
+    else:
+        source = Source(ids[0], manifest, seal(manifest, ids[0]), payload, members, relays)
     source.gate = trio.Event()
     server.register(1, source)
     async with trio.open_nursery() as nursery:
@@ -57,7 +64,7 @@ async def source_main(a: argparse.Namespace) -> None:
         emit({"event": "ready"})
         with trio.fail_after(60):
             # Hold pieces back until every peer is in: by then the relay links exist too.
-            while len(source.swarm) < a.peers:
+            while len(source.swarm if isinstance(source, Source) else source.present) < a.peers:
                 await trio.sleep(0.01)
         emit({"event": "start", "wall": time.time()})
         source.gate.set()
@@ -94,13 +101,16 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
         with trio.move_on_after(2.0):
             await trio.sleep_forever()
         nursery.cancel_scope.cancel()
+    # The overlay's own counts: requests given up on a neighbour, neighbours cut, copies wasted.
+    mesh = ({"stalls": sum(receiver.ex.stalls.values()), "cut": sum(receiver.cut.values()), "wasted": receiver.ex.wasted}
+            if isinstance(receiver, MeshReceiver) else {})
     return {"event": "done", "wall": done, "ok": payload_digest(payload) == manifest.weights_sha256,
             "bytes_up": receiver.stats.bytes_up, "bytes_down": receiver.stats.bytes_down,
-            "bad_pieces": receiver.stats.bad_pieces, "cpu_s": round(cpu_broadcast, 3)}
+            "bad_pieces": receiver.stats.bad_pieces, "cpu_s": round(cpu_broadcast, 3), **mesh}
 
 
 def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, kill_after_s: float = 0.0, timeout: float = 300.0) -> dict[str, Any]:
-    common = ["--tag", tag, "--peers", str(s.peers), "--timeout", str(timeout)]
+    common = ["--tag", tag, "--peers", str(s.peers), "--timeout", str(timeout), "--exchange", s.exchange, "--degree", str(s.degree)]
     addrs = ",".join(topo.addr(i) for i in range(1, s.peers + 1))
     source = topo.run(0, python_argv(MODULE, "--serve", "--bind", topo.addr(0), "--bytes", str(s.size_bytes),
                                      "--peer-addrs", addrs, *common),
@@ -135,6 +145,7 @@ def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, kill_after_s: float = 0
         "learner_bytes_up": learner["bytes_up"],
         "learner_cpu_s": learner["cpu_s"],
         "cpu_busy": busy,
+        **({key: sum(r[key] for r in results.values()) for key in ("stalls", "cut", "wasted")} if s.exchange == "mesh" else {}),
     }
 
 
@@ -149,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", required=True)
     p.add_argument("--peers", type=int, required=True)
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--exchange", choices=("push", "mesh"), default="push")
+    p.add_argument("--degree", type=int, default=12)
     a = p.parse_args(argv)
     if a.serve:
         trio.run(source_main, a)

@@ -37,6 +37,10 @@ class Scenario:
     # eight hosts' worth on one core capped the mesh at 1.06-1.10x of the bound. Real peers each
     # have their own CPU; the learner uses ~5% of core 0 here.
     peer_cpus: frozenset[int] = frozenset({0, 1})
+    # How the version travels among the peers: "push" (full mesh, echo_node/weights/broadcast.py)
+    # or "mesh" (the bounded-degree overlay of `degree` links, echo_node/weights/mesh.py).
+    exchange: str = "push"
+    degree: int = 12
 
     def __post_init__(self) -> None:
         if self.peers < 1 or not 0 <= self.slow_peers <= self.peers or not 0 <= self.kill < self.peers:
@@ -86,7 +90,7 @@ class Scenario:
 
     def describe(self) -> dict[str, object]:
         peers = [self.peer_rates(i) for i in range(1, self.peers + 1)]
-        return {"peers": self.peers, "size_bytes": self.size_bytes, "b0_mbit": self.b0_mbit,
+        return {"peers": self.peers, "exchange": self.exchange, "degree": self.degree, "size_bytes": self.size_bytes, "b0_mbit": self.b0_mbit,
                 "bup_mbit": [p.up_mbit for p in peers], "bdown_mbit": [p.down_mbit for p in peers],
                 "killed": self.killed, "mtu": self.mtu,
                 "learner_cpus": sorted(self.learner_cpus), "peer_cpus": sorted(self.peer_cpus)}
@@ -122,6 +126,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mtu", type=int, default=1500)
     g.add_argument("--learner-cpus", type=_cpus, default=frozenset({0}), help="default: 0")
     g.add_argument("--peer-cpus", type=_cpus, default=frozenset({0, 1 % ncpu}), help="default: 0,1 (see Scenario)")
+    g.add_argument("--exchange", choices=("push", "mesh"), default="push",
+                   help="push: the full mesh; mesh: the bounded-degree overlay (default push)")
+    g.add_argument("--degree", type=int, default=12, help="links per peer on the overlay (--exchange mesh; default 12)")
 
 
 def from_args(a: argparse.Namespace) -> Scenario:
@@ -129,5 +136,5 @@ def from_args(a: argparse.Namespace) -> Scenario:
         peers=a.peers, size_bytes=int(a.size_mb * (1 << 20)), b0_mbit=a.b0, learner_down_mbit=a.learner_down,
         bup_mbit=a.bup, bdown_mbit=a.bdown, slow_peers=a.peers // 2 if a.slow_half else a.slow_peers,
         slow_mbit=a.slow_mbit, kill=a.kill, kill_after_s=a.kill_after, mtu=a.mtu,
-        learner_cpus=a.learner_cpus, peer_cpus=a.peer_cpus,
+        learner_cpus=a.learner_cpus, peer_cpus=a.peer_cpus, exchange=a.exchange, degree=a.degree,
     )
