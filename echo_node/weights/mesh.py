@@ -24,7 +24,10 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    learner draws neighbours (overlay rule 2).
 2. Announcements: a new link starts with a `have` of everything held; pieces verified since are
    announced in one `have` per HAVE_BATCH_S to every neighbour and to the learner (its SeedPlan
-   picks peers by what they hold).
+   picks peers by what they hold). The learner's `have` also names the pieces asked of a
+   neighbour: it then sends none of them, so a neighbour's answer is not wasted on a piece the
+   learner sent meanwhile. Nobody asks pieces of the learner's link by its haves, so the claim
+   cannot mislead anyone else.
 3. Requests: `Exchange.requests` fills each neighbour's pipeline (MESH_PIPELINE) after every
    event that may open one. A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
    neighbour whose requests time out MAX_STALLS times is cut (a trickler, or one that announces
@@ -329,6 +332,8 @@ class MeshReceiver:
         self.cut: Counter[str] = Counter()  # neighbours cut, by why
         self._source: Link | None = None
         self._fresh = 0  # pieces verified since the last `have` (a mask)
+        self._claimed = 0  # pieces asked of neighbours, not yet told the learner (rule 2)
+        self._told_source = 0  # pieces told the learner: held or asked of a neighbour
         self._flush_at: float | None = None
         self._asked_of: dict[str, int] = {}  # neighbour -> pieces ever asked of it (a mask)
         self._answers: Counter[str] = Counter()
@@ -412,8 +417,11 @@ class MeshReceiver:
                 self._scopes[remote] = scope
                 async with stream, trio.open_nursery() as nursery:
                     nursery.start_soon(link.sender)
-                    if self.ex.have_bits:
-                        link.send(Have(self.ex.have_bits))
+                    held = self.ex.have_bits | (self._told_source if from_source else 0)
+                    if held:
+                        link.send(Have(held))
+                    if from_source:
+                        self._told_source = held
                     if not from_source:
                         self.ex.neighbour_up(remote)
                         self._ask(link)
@@ -498,18 +506,28 @@ class MeshReceiver:
     def _ask(self, link: Link) -> None:
         if self.store.complete:
             return
-        for index in self.ex.requests(link.remote, trio.current_time()):
+        asked = self.ex.requests(link.remote, trio.current_time())
+        for index in asked:
             self._asked_of[link.remote] = self._asked_of.get(link.remote, 0) | 1 << index
             link.send(Get(index))
+        if asked:
+            self._claimed |= sum(1 << i for i in asked) & ~self._told_source
+            if self._flush_at is None:
+                self._flush_at = trio.current_time() + HAVE_BATCH_S
 
     def _flush(self) -> None:
-        """Rule 2: one `have` with the pieces verified since the last, to everyone linked."""
-        fresh, self._fresh, self._flush_at = self._fresh, 0, None
-        if not fresh:
-            return
-        frame = encode_frame(Have(fresh), num_pieces=self.manifest.num_pieces)
-        for link in [*self.links.values(), *([self._source] if self._source is not None else [])]:
-            link.send_packed(False, frame)
+        """Rule 2: one `have` with the pieces verified since the last, to every neighbour; the
+        learner's also names the pieces asked of a neighbour since (it sends neither)."""
+        fresh, claimed, self._fresh, self._claimed, self._flush_at = self._fresh, self._claimed, 0, 0, None
+        num_pieces = self.manifest.num_pieces
+        if fresh:
+            frame = encode_frame(Have(fresh), num_pieces=num_pieces)
+            for link in self.links.values():
+                link.send_packed(False, frame)
+        told = (fresh | claimed) & ~self._told_source
+        if told and self._source is not None:
+            self._told_source |= told
+            self._source.send_packed(False, encode_frame(Have(told), num_pieces=num_pieces))
 
     # -- the download loop --------------------------------------------------------------------
 

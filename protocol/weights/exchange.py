@@ -53,6 +53,7 @@ from typing import Final
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import MAX_PIECES
+from protocol.weights.datachannel import mask_indices
 
 __all__ = ["ENDGAME_COPIES", "Exchange", "SeedPlan", "bits_of"]
 
@@ -78,14 +79,6 @@ def _check_index(index: int, num_pieces: int) -> None:
     """A piece index a peer named: an int in [0, num_pieces), or a protocol violation."""
     if type(index) is not int or not 0 <= index < num_pieces:
         raise RemoteProtocolError(f"piece index must be an int in [0, {num_pieces}), got {index!r}")
-
-
-def _set_bits(bits: int) -> Iterable[int]:
-    """The indices of the set bits of `bits` (>= 0), in increasing order."""
-    while bits:
-        low = bits & -bits
-        yield low.bit_length() - 1
-        bits ^= low
 
 
 class _Neighbour:
@@ -343,7 +336,7 @@ class Exchange:
         if self.count + self.outstanding < self.num_pieces or self.num_pieces - self.count > self.endgame_pieces:
             return None  # some piece we lack is not asked yet, or many are missing: not the endgame (rule 4)
         requested = self.requested
-        for index in _set_bits(self.requested_bits & nb.bits & ~self.have_bits):
+        for index in mask_indices(self.requested_bits & nb.bits & ~self.have_bits):
             if requested[index] < ENDGAME_COPIES and index not in nb.inflight:
                 return index
         return None
