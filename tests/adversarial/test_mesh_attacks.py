@@ -10,6 +10,7 @@ from echo_node.net.framing import read_frame
 from echo_node.weights.broadcast import ROUTE_WAIT_S, DataServer, Link, encode_frame
 from echo_node.weights.mesh import MAX_STALLS, REQUEST_TIMEOUT_S, MeshReceiver
 from protocol.weights.datachannel import MAX_WIRE_FRAME, Get, Have, PeerEntry, Piece, decode_frame, mask_indices
+from protocol.weights.manifest import piece_range
 from tests.mesh_swarm import MeshRun, Recording, run_mesh
 from tests.mesh_swarm import peers as make_peers
 
@@ -77,13 +78,14 @@ def test_a_neighbour_that_answers_at_a_trickle_holds_back_only_its_own_requests(
     assert honest_finish(run) <= honest_finish(plain) + 4 * REQUEST_TIMEOUT_S
 
 
-class BadPieces(MeshReceiver):
-    """Answers requests with bytes that fail the manifest's hash."""
+class BadPieces(Liar):
+    """Announces every piece on every link (so its neighbours ask it, whatever it got) and
+    answers each request with bytes of the right length that fail the manifest's hash."""
 
     def _answer(self, link: Link, index: int) -> None:
         data = self.store.get(index)
-        if data is not None:
-            link.answer(Piece(index, bytes(b ^ 0xFF for b in data[:64]) + bytes(data[64:])))
+        body = bytes(data) if data is not None else bytes(piece_range(self.manifest, index)[1])
+        link.answer(Piece(index, bytes(b ^ 0xFF for b in body[:64]) + body[64:]))
 
 
 def test_a_neighbour_sending_bad_pieces_is_banned_at_its_first() -> None:
