@@ -28,8 +28,9 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    neighbour: it then sends none of them, so a neighbour's answer is not wasted on a piece the
    learner sent meanwhile. Nobody asks pieces of the learner's link by its haves, so the claim
    cannot mislead anyone else.
-3. Requests: `Exchange.requests` fills each neighbour's pipeline (MESH_PIPELINE) after every
-   event that may open one. A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
+3. Requests: `Exchange.requests` fills each neighbour's pipeline after every event that may
+   open one; its depth covers MESH_HORIZON_S at the rate that neighbour's answers arrive, one
+   to MESH_PIPELINE requests (Exchange rule 3). A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
    neighbour whose requests time out MAX_STALLS times is cut (a trickler, or one that announces
    pieces it never sends), not banned (a congested honest link looks the same).
 4. Answers: a neighbour is answered only for pieces we hold (asking for one we never announced
@@ -50,8 +51,9 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    new piece, SOURCE_PIPELINE at a time, until it says `none`.
 
 Not done here (yet): request cancels in the endgame (a copy that loses the race is sent anyway:
-at most Exchange's endgame pieces × ENDGAME_COPIES per peer and version), pipelining sized by
-a link's measured rate (a fixed MESH_PIPELINE), and an uplink estimate kept across versions.
+at most Exchange's endgame pieces × ENDGAME_COPIES per peer and version), a measured round
+trip for the pipeline's horizon (a fixed MESH_HORIZON_S), and an uplink estimate kept across
+versions.
 """
 
 from __future__ import annotations
@@ -106,9 +108,12 @@ __all__ = ["MeshReceiver", "PeerOverlay", "SeedSource"]
 
 log = logging.getLogger(__name__)
 
-# Requests outstanding per neighbour (Exchange rule 3): enough to keep a link busy across one
-# round trip at a home link's rate with 256 KiB pieces.
+# Requests outstanding per neighbour (Exchange rule 3): enough to cover MESH_HORIZON_S at the
+# rate the neighbour's answers arrive, at most MESH_PIPELINE. A home uplink shared by its
+# neighbours answers a 64 KiB piece in a few hundred ms: one request. MESH_HORIZON_S stands for
+# a round trip; links measure no RTT yet.
 MESH_PIPELINE = 4
+MESH_HORIZON_S = 0.1
 REQUEST_TIMEOUT_S = 5.0
 # Pieces verified since the last announcement leave in one `have` this often (one frame per
 # batch instead of one per piece and neighbour).
@@ -327,7 +332,7 @@ class MeshReceiver:
         self.members: set[str] = set()  # the neighbours the source lists now
         self.reachable = True
         self.ex = Exchange(manifest.num_pieces, rng or random.Random(secrets.randbits(64)), pipeline=MESH_PIPELINE,
-                           request_timeout=REQUEST_TIMEOUT_S)
+                           horizon=MESH_HORIZON_S, request_timeout=REQUEST_TIMEOUT_S)
         self.done = trio.Event()
         self.cut: Counter[str] = Counter()  # neighbours cut, by why
         self._source: Link | None = None
@@ -485,7 +490,7 @@ class MeshReceiver:
             self.stats.bad_pieces[remote] = self.stats.bad_pieces.get(remote, 0) + 1
             self.ex.received(remote, index, ok=False)
             raise RemoteProtocolError(f"bad piece {index}: {exc}") from None
-        self.ex.received(remote, index)
+        self.ex.received(remote, index, now=trio.current_time())
         self.ex.take_cancels()  # (no cancel frame: the copy that lost the race is sent anyway)
         kind = "peers" if not from_source else "repair" if index in self._asked_source else "seed"
         self.stats.pieces[kind if new else "duplicate"] += 1

@@ -160,11 +160,78 @@ def test_pieces_held_or_requested_are_never_offered_again_until_a_request_is_giv
     assert ex.availability[first[1]] == 1
 
 
+def answer_every(ex: Exchange, peer: str, took: float, rounds: int) -> list[int]:
+    """Answer each of `peer`'s requests `took` seconds after it was made; the depths seen."""
+    now, depths = 0.0, []
+    for _ in range(rounds):
+        asked = ex.requests(peer, now)
+        depths.append(len(asked))
+        for index in asked:
+            now += took
+            ex.received(peer, index, now=now)
+    return depths
+
+
+def test_the_depth_follows_the_neighbours_rate() -> None:
+    # horizon 0.1 s: answers every 0.02 s cover it with 1 + 5 requests (capped at 4); answers
+    # every 0.4 s (a home uplink shared by its neighbours) with one.
+    fast, slow = exchange(num_pieces=64, pipeline=4, horizon=0.1), exchange(num_pieces=64, pipeline=4, horizon=0.1)
+    for ex in (fast, slow):
+        ex.neighbour_up("a")
+        ex.has_bits("a", (1 << 64) - 1)
+        assert ex.depth("a") == 1  # unmeasured: one request
+    assert answer_every(fast, "a", 0.02, 6)[-1] == 4 and fast.depth("a") == 4
+    assert answer_every(slow, "a", 0.4, 6) == [1] * 6 and slow.depth("a") == 1
+    # A fast neighbour that slows down loses its depth: the average follows within a few pieces.
+    answer_every(fast, "a", 0.5, 3)
+    assert fast.depth("a") == 1
+    assert fast.depth("nobody") == 0
+
+
+def test_an_answer_times_from_its_request_or_the_previous_answer() -> None:
+    # Two requests out at once: the second answer's time is from the first answer, not from
+    # when it was asked, so queueing behind its sibling is not counted twice.
+    ex = exchange(num_pieces=8, pipeline=2, horizon=0.1)
+    ex.neighbour_up("a")
+    ex.has_bits("a", 0xFF)
+    ex.received("a", ex.requests("a", 0.0)[0], now=0.02)  # depth 1 + 0.1 // 0.02 -> 2 (the cap)
+    first, second = ex.requests("a", 0.02)
+    ex.received("a", first, now=0.06)
+    ex.received("a", second, now=0.10)
+    assert ex.depth("a") == 2  # each answer took 0.04 s after the previous one
+
+
+def test_a_neighbour_cannot_time_its_way_past_the_pipeline() -> None:
+    # A hostile neighbour controls its timing: answers "before" they were asked, or at once,
+    # still leave it at most `pipeline` requests; answers to requests it was never sent are
+    # not timed.
+    ex = exchange(num_pieces=64, pipeline=3, horizon=0.1)
+    ex.neighbour_up("m")
+    ex.has_bits("m", (1 << 64) - 1)
+    for index in ex.requests("m", 5.0):
+        ex.received("m", index, now=1.0)  # earlier than asked
+    assert ex.depth("m") == 3 and len(ex.requests("m", 5.0)) == 3
+    before = ex.depth("m")
+    ex.received("m", 63 if not ex.have[63] else 62, now=100.0)  # never asked of it
+    assert ex.depth("m") == before
+
+
+def test_without_a_horizon_the_depth_is_the_pipeline() -> None:
+    ex = exchange(num_pieces=16, pipeline=3)
+    ex.neighbour_up("a")
+    ex.has_bits("a", 0xFFFF)
+    assert ex.depth("a") == 3
+    assert answer_every(ex, "a", 10.0, 2) == [3, 3]
+
+
 def test_bad_parameters_are_refused() -> None:
     with pytest.raises(LocalProtocolError):
         Exchange(0, random.Random(0))
     with pytest.raises(LocalProtocolError):
         Exchange(4, random.Random(0), pipeline=0)
+    for horizon in (0.0, -1.0, float("nan")):
+        with pytest.raises(LocalProtocolError):
+            Exchange(4, random.Random(0), horizon=horizon)
     with pytest.raises(LocalProtocolError):
         SeedPlan(4, random.Random(0), width=0)
 
