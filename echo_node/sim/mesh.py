@@ -26,7 +26,13 @@ What is real and what is modelled:
   exchanged both ways on every new link.
 
 Not modelled: hostile peers (tests/unit/test_protocol_exchange.py drives the machine's defences),
-request timeouts (no honest peer stalls here), NAT, the TCP slow start.
+request timeouts (no honest peer stalls here), NAT, the TCP slow start, and ACKs: a live peer's
+ACKs wait in its uplink's queue behind its uploads, so what it has queued there slows what it
+downloads. That is why the live receiver sizes its requests by a neighbour's rate
+(`horizon`, Exchange rule 3) and the simulator by default keeps a fixed `pipeline` of 2: here
+the live rule changes little (1,000 peers of 5-35 Mbit/s: 1.084x the bound against 1.076x),
+live it took 8 peers on 10 Mbit/s uplinks from 1.58-1.69x to 1.17-1.20x, where the simulator
+says 1.04x (benchmarks/results/measurements.md, 2026-12-07).
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ from dataclasses import dataclass, field
 from echo_node.sim.events import EventLoop
 from echo_node.sim.net import Node
 from protocol.capacity import broadcast_bound
-from protocol.weights.exchange import Exchange, SeedPlan
+from protocol.weights.exchange import HAVE_BATCH_S, Exchange, SeedPlan
 from protocol.weights.manifest import choose_piece_size
 from protocol.weights.overlay import DEFAULT_DEGREE, Overlay
 
@@ -52,9 +58,6 @@ LEARNER_ID = "learner"
 # A served peer has download headroom while its downlink holds at most this many pieces not yet
 # delivered (a live link: its TCP window keeps a few pieces in flight).
 HEADROOM_PIECES = 4
-# A receiver announces what it verified in one `have` frame per this many seconds (one event per
-# batch instead of one per piece and neighbour).
-HAVE_BATCH_S = 0.05
 
 
 class _Sender:
@@ -210,7 +213,7 @@ class _Receiver(_Sender):
 
     def __init__(self, v: _Version, node: Node, seed: int) -> None:
         super().__init__(v, node, node.id)
-        self.ex = Exchange(v.num_pieces, random.Random(seed), pipeline=v.pipeline)
+        self.ex = Exchange(v.num_pieces, random.Random(seed), pipeline=v.pipeline, horizon=v.horizon)
         self.links: dict[str, _Receiver] = {}
         self.done_at: float | None = None  # when it held every piece (None: not yet)
         self.joined_at = v.loop.now
@@ -293,7 +296,7 @@ class _Receiver(_Sender):
         v, ex = self.v, self.ex
         sid = src.id
         v.deliveries += 1
-        if ex.received(sid, index):
+        if ex.received(sid, index, now=at):
             cancels = ex.take_cancels()
             if cancels:
                 # A `cancel` reaches the holder after both access latencies; the transfer is
@@ -348,6 +351,7 @@ class _Version:
         self.rng_seed = sim.seed * 1_000_003 + version
         self.version = version
         self.pipeline = sim.pipeline
+        self.horizon = sim.horizon
         self.source_degree = sim.overlay.source_degree
         self.piece_size = sim.piece_size or choose_piece_size(size_bytes)
         self.num_pieces = -(-size_bytes // self.piece_size)
@@ -395,6 +399,7 @@ class MeshSim:
         degree: int = DEFAULT_DEGREE,
         source_degree: int = 32,
         pipeline: int = 2,
+        horizon: float | None = None,
         piece_size: int | None = None,
         churn_per_hour: float = 0.0,
         rotate_share: float = 0.02,
@@ -407,6 +412,7 @@ class MeshSim:
         self.seed = seed
         self.size_bytes = size_bytes
         self.pipeline = pipeline
+        self.horizon = horizon
         self.piece_size = piece_size
         self.churn_per_hour = churn_per_hour
         self.rotate_share = rotate_share

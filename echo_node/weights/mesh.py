@@ -23,7 +23,7 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    dial dials every dialable neighbour. So a Sybil cannot place itself beside a victim: the
    learner draws neighbours (overlay rule 2).
 2. Announcements: a new link starts with a `have` of everything held; pieces verified since are
-   announced in one `have` per HAVE_BATCH_S to every neighbour and to the learner (its SeedPlan
+   announced in one `have` per HAVE_BATCH_S (exchange.py) to every neighbour and to the learner (its SeedPlan
    picks peers by what they hold). The learner's `have` also names the pieces asked of a
    neighbour: it then sends none of them, so a neighbour's answer is not wasted on a piece the
    learner sent meanwhile. Nobody asks pieces of the learner's link by its haves, so the claim
@@ -100,7 +100,7 @@ from protocol.weights.datachannel import (
     mask_indices,
     session_signature,
 )
-from protocol.weights.exchange import Exchange, SeedPlan
+from protocol.weights.exchange import HAVE_BATCH_S, Exchange, SeedPlan
 from protocol.weights.manifest import WeightManifest
 from protocol.weights.overlay import DEFAULT_DEGREE, DEGREE_RANGE, Change, Overlay
 
@@ -115,9 +115,6 @@ log = logging.getLogger(__name__)
 MESH_PIPELINE = 4
 MESH_HORIZON_S = 0.1
 REQUEST_TIMEOUT_S = 5.0
-# Pieces verified since the last announcement leave in one `have` this often (one frame per
-# batch instead of one per piece and neighbour).
-HAVE_BATCH_S = 0.05
 # Requests of one neighbour that may time out before it is cut (rule 3).
 MAX_STALLS = 3
 # The most links a `neighbours` frame may set: the overlay's largest degree plus its headroom.

@@ -62,9 +62,13 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import MAX_PIECES
 from protocol.weights.datachannel import mask_indices
 
-__all__ = ["ENDGAME_COPIES", "Exchange", "SeedPlan", "bits_of"]
+__all__ = ["ENDGAME_COPIES", "HAVE_BATCH_S", "Exchange", "SeedPlan", "bits_of"]
 
 ENDGAME_COPIES: Final = 2
+# A receiver announces the pieces it verified in one `have` per this many seconds, to every
+# neighbour and the learner (one frame per batch instead of one per piece and neighbour); the
+# live receiver and the simulator both use it.
+HAVE_BATCH_S: Final = 0.05
 # Rule 3: the weight of a neighbour's newest answer in the average of what its answers take.
 TIMING_WEIGHT: Final = 0.25
 
