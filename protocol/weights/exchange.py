@@ -21,8 +21,7 @@ Receiver rules (`Exchange`; tests in tests/unit/test_protocol_exchange.py):
    each timed from its request or the previous answer, whichever is later), at most
    `pipeline`. One request keeps a link busy when pieces take longer than a round trip; more
    than that only wait in the neighbour's queue, and every piece waiting there is one nobody
-   else may send us, the learner included. (Live, 8 peers with 10 Mbit/s uplinks: 4 requests
-   per neighbour ended 1.48-1.69x the bound, one 1.12-1.18x.)
+   else may send us, the learner included (measured: benchmarks/results/mesh-live-issue27).
 4. Endgame: once every piece we lack is requested and at most `endgame_pieces` are missing, a
    neighbour with a free slot is asked for a piece already in flight elsewhere that it holds, at
    most `ENDGAME_COPIES` requests per piece; the first copy wins. (From the moment all are
