@@ -12,6 +12,7 @@ catches it, the learner bans it and goes on training the honest peer's.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -41,23 +42,28 @@ MIN_GAIN = 0.025
 DEADLINE_S = 900
 
 
-def made_up(run_id: str, peer_id: str, seq: int, group_size: int) -> EpisodeBatch:
+def made_up(run_id: str, peer_id: str, seq: int, group_size: int, version: int) -> EpisodeBatch:
     """Episodes no model played and no environment answered: well formed, within the default
-    budgets, begun on version 0; the first observation and the tool's answer are invented."""
-    model = Turn(from_env=False, token_ids=(3, 4, 1), logprobs=(-0.1,) * 3, versions=(0,) * 3)
+    budgets, claimed on `version`; the first observation and the tool's answer are invented."""
+    model = Turn(from_env=False, token_ids=(3, 4, 1), logprobs=(-0.1,) * 3, versions=(version,) * 3)
     answer = Turn(from_env=True, token_ids=(5,), logprobs=(), versions=())
     episode = Episode(turns=(model, answer, model), reward=1.0)
     group = EpisodeGroup(group_id="g0", prompt_ids=(0, 5, 6), episodes=(episode,) * group_size)
     return EpisodeBatch(run_id=run_id, peer_id=peer_id, seq=seq, groups=(group,))
 
 
-async def lie(bootstrap: str, run_id: str, attacker: Identity, group_size: int) -> None:
+async def lie(bootstrap: str, run_id: str, attacker: Identity, group_size: int, version: Callable[[], int]) -> None:
+    """Gossip three made-up batches on the learner's newest published version, read once joined:
+    a batch on a version the learner has left behind by more than S is dropped as stale
+    unchecked, so an attacker that wants its lie trained claims a fresh one (and a join can
+    outlast S versions on a loaded machine)."""
     node = P2PNode(attacker)
     async with trio.open_nursery() as nursery:
         await nursery.start(node.run)
         topic = await join_to_publish(node, bootstrap, run_id)
+        claimed = version()
         for seq in range(3):
-            await node.publish(topic, seal(made_up(run_id, attacker.peer_id, seq, group_size), attacker))
+            await node.publish(topic, seal(made_up(run_id, attacker.peer_id, seq, group_size, claimed), attacker))
         await trio.sleep(2)
         nursery.cancel_scope.cancel()
 
@@ -73,7 +79,7 @@ def test_a_swarm_trains_on_verified_episodes_and_bans_a_peer_that_makes_them_up(
     cluster.start_peer("peer0", run_id, "--config", str(config))
     wait_for_versions(cluster, run_id, 2, timeout=DEADLINE_S)
     attacker = Identity.generate()
-    trio.run(lie, bootstrap, run_id, attacker, 8)
+    trio.run(lie, bootstrap, run_id, attacker, 8, lambda: int(train_records(cluster, run_id)[-1]["published"]))  # type: ignore[call-overload]
     gc.collect()  # the host's leaked sockets, under this test's warning filter
     wait_for_versions(cluster, run_id, VERSIONS, timeout=DEADLINE_S)
     learner.proc.send_signal(2)
