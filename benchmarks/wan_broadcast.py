@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         "p2p_cpu_s_per_gib_per_peer": round(
             p2p["peers_cpu_s"] / max(1, len(s.survivors)) / (s.size_bytes / (1 << 30)), 2),
         "p2p_cpu_busy": p2p["cpu_busy"],
-        **{f"p2p_{key}": p2p[key] for key in ("stalls", "cut", "wasted") if key in p2p},
+        **{f"p2p_{key}": p2p[key] for key in ("stalls", "cut", "wasted", "withdrawn") if key in p2p},
         **({} if args_skip(argv, "--skip-delta") else delta_ratios()),
         "wall_s": round(time.monotonic() - t0, 1),
     }

@@ -101,8 +101,10 @@ async def peer_main(a: argparse.Namespace) -> dict[str, Any]:
         with trio.move_on_after(2.0):
             await trio.sleep_forever()
         nursery.cancel_scope.cancel()
-    # The overlay's own counts: requests given up on a neighbour, neighbours cut, copies wasted.
-    mesh = ({"stalls": sum(receiver.ex.stalls.values()), "cut": sum(receiver.cut.values()), "wasted": receiver.ex.wasted}
+    # The overlay's own counts: requests given up on a neighbour, neighbours cut, copies wasted,
+    # and answers we dropped unsent because their asker called them off.
+    mesh = ({"stalls": sum(receiver.ex.stalls.values()), "cut": sum(receiver.cut.values()), "wasted": receiver.ex.wasted,
+             "withdrawn": receiver.stats.withdrawn}
             if isinstance(receiver, MeshReceiver) else {})
     return {"event": "done", "wall": done, "ok": payload_digest(payload) == manifest.weights_sha256,
             "bytes_up": receiver.stats.bytes_up, "bytes_down": receiver.stats.bytes_down,
@@ -145,7 +147,7 @@ def run_p2p(topo: Topology, s: sc.Scenario, *, tag: str, kill_after_s: float = 0
         "learner_bytes_up": learner["bytes_up"],
         "learner_cpu_s": learner["cpu_s"],
         "cpu_busy": busy,
-        **({key: sum(r[key] for r in results.values()) for key in ("stalls", "cut", "wasted")} if s.exchange == "mesh" else {}),
+        **({key: sum(r[key] for r in results.values()) for key in ("stalls", "cut", "wasted", "withdrawn")} if s.exchange == "mesh" else {}),
     }
 
 

@@ -194,6 +194,7 @@ class Stats:
     # "duplicate" for copies already held. For the `installed` record: where a download's time went.
     pieces: Counter[str] = field(default_factory=Counter)
     asked_more: int = 0  # `more` requests sent
+    withdrawn: int = 0  # answers called off by the asker (a `cancel`) before they left
 
 
 def encode_frame(frame: Frame, *, num_pieces: int = MAX_PIECES) -> bytes:
@@ -227,7 +228,11 @@ class Link:
         self.num_pieces = num_pieces
         self.from_source = from_source
         self.queue_cap = max(LINK_QUEUE_MIN_BYTES, LINK_QUEUE_PIECES * piece_size)
-        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes, object, bool]](math.inf)
+        self._send, self._queue = trio.open_memory_channel[tuple[bool, bytes, object, bool, int | None]](math.inf)
+        # Answers queued under a key (`answer(key=)`) and not begun, and those of them called
+        # off (`withdraw`): the sender skips a withdrawn one. Counts, for a key asked twice.
+        self._keyed: Counter[int] = Counter()
+        self._withdrawn: Counter[int] = Counter()
         self.queued_pieces = 0
         self.queued_bytes = 0
         self.asked_bytes = 0  # of queued_bytes, those the remote asked for (`answer`)
@@ -245,24 +250,61 @@ class Link:
     def send(self, frame: Frame, tag: object = None) -> None:
         self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame, num_pieces=self.num_pieces), tag)
 
-    def answer(self, frame: Frame, tag: object = None) -> None:
+    def answer(self, frame: Frame, tag: object = None, *, key: int | None = None) -> None:
         """Queue a frame the remote asked for; LinkOverflow if it does not read what it asks.
-        Only answers count: our own pushes queued ahead of them are no fault of a slow reader."""
+        Only answers count: our own pushes queued ahead of them are no fault of a slow reader.
+        An answer queued under `key` can be called off until it begins to leave (`withdraw`)."""
         if self.asked_bytes > self.queue_cap:
             raise LinkOverflow(f"{self.remote} asks without reading ({self.asked_bytes} bytes queued)")
-        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame, num_pieces=self.num_pieces), tag, asked=True)
+        if key is not None:
+            self._keyed[key] += 1
+        self.send_packed(isinstance(frame, (Piece, Direct)), encode_frame(frame, num_pieces=self.num_pieces), tag,
+                         asked=True, key=key)
 
-    def send_packed(self, is_piece: bool, data: bytes, tag: object = None, *, asked: bool = False) -> None:
+    def withdraw(self, key: int) -> bool:
+        """Call off one answer queued under `key` that has not begun to leave; False if none is
+        (it left already, or was never queued)."""
+        if self._keyed[key] <= self._withdrawn[key]:
+            return False
+        self._withdrawn[key] += 1
+        return True
+
+    def send_packed(self, is_piece: bool, data: bytes, tag: object = None, *, asked: bool = False, key: int | None = None) -> None:
         """Queue an `encode_frame` result (a relayed piece is encoded once for all its links)."""
         if is_piece and not self.queued_pieces:
             self.behind_since = trio.current_time()
         self.queued_pieces += is_piece
         self.queued_bytes += len(data)
         self.asked_bytes += asked * len(data)
-        self._send.send_nowait((is_piece, data, tag, asked))
+        self._send.send_nowait((is_piece, data, tag, asked, key))
+
+    def _dequeued(self, is_piece: bool, size: int, asked: bool) -> None:
+        self.queued_bytes -= size
+        self.asked_bytes -= asked * size
+        if is_piece:
+            self.queued_pieces -= 1
+            if not self.queued_pieces:
+                self.behind_since = None
+
+    def _skip(self, key: int | None) -> bool:
+        """Whether a keyed answer about to leave was withdrawn (then it is dropped unsent)."""
+        if key is None:
+            return False
+        self._keyed[key] -= 1
+        withdrawn = self._withdrawn[key] > 0
+        if withdrawn:
+            self._withdrawn[key] -= 1
+        if not self._keyed[key]:
+            del self._keyed[key]
+            self._withdrawn.pop(key, None)
+        return withdrawn
 
     async def sender(self) -> None:
-        async for is_piece, data, tag, asked in self._queue:
+        async for is_piece, data, tag, asked, key in self._queue:
+            if self._skip(key):
+                self._dequeued(is_piece, len(data), asked)
+                self.stats.withdrawn += 1
+                continue
             view = memoryview(data)
             try:
                 for start in range(0, len(view), SEND_CHUNK):
@@ -277,13 +319,9 @@ class Link:
                     self.last_active = trio.current_time()
             except LINK_ERRORS:
                 return  # the peer is gone; the reader side notices and cleans up
-            self.queued_bytes -= len(data)
-            self.asked_bytes -= asked * len(data)
+            self._dequeued(is_piece, len(data), asked)
             if is_piece:
-                self.queued_pieces -= 1
                 self.stats.bytes_up += len(data)
-                if not self.queued_pieces:
-                    self.behind_since = None
             if (is_piece or tag is not None) and self.on_sent is not None:
                 self.on_sent(tag)
 

@@ -40,7 +40,11 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
 5. Pieces: every piece is hash-checked against the signed manifest before it is stored,
    announced or served; a bad one bans its sender. A neighbour sends only what we asked of it
    (an unasked piece is a ban: it would spend our downlink at its choosing); late answers to
-   requests that timed out are fine.
+   requests that timed out are fine. A request whose piece came from elsewhere first (the
+   learner, or the endgame's other copy), or that timed out, is called off with a `cancel`: its
+   holder drops the answer if it has not begun to leave (`Link.withdraw`; what its kernel and
+   the network hold already is sent anyway). A cancel of a piece never asked, or more cancels
+   than requests, is a ban.
 6. The learner (`SeedSource`): one piece in flight per served peer, sent when the link's queue is
    empty (its kernel buffer holds at most SOURCE_NOTSENT_LOWAT unsent, so an empty queue means
    download headroom); whom and what are SeedPlan rules 7-9 (the peer holding fewest pieces,
@@ -50,10 +54,8 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
 7. A peer asks the learner only for pieces no neighbour offers, after SOURCE_REPAIR_S without a
    new piece, SOURCE_PIPELINE at a time, until it says `none`.
 
-Not done here (yet): request cancels in the endgame (a copy that loses the race is sent anyway:
-at most Exchange's endgame pieces × ENDGAME_COPIES per peer and version), a measured round
-trip for the pipeline's horizon (a fixed MESH_HORIZON_S), and an uplink estimate kept across
-versions.
+Not done here (yet): a measured round trip for the pipeline's horizon (a fixed
+MESH_HORIZON_S), and an uplink estimate kept across versions.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.weights.datachannel import (
     MAX_SWARM_ENTRIES,
+    Cancel,
     Frame,
     Get,
     Have,
@@ -338,7 +341,9 @@ class MeshReceiver:
         self._told_source = 0  # pieces told the learner: held or asked of a neighbour
         self._flush_at: float | None = None
         self._asked_of: dict[str, int] = {}  # neighbour -> pieces ever asked of it (a mask)
-        self._answers: Counter[str] = Counter()
+        self._answers: Counter[str] = Counter()  # neighbour -> pieces it asked of us
+        self._asked_by: dict[str, int] = {}  # neighbour -> the pieces it asked of us (a mask)
+        self._cancelled: Counter[str] = Counter()  # neighbour -> its cancels
         self._answer_cap = ANSWER_COPIES * manifest.num_pieces + ANSWER_SLACK
         self._asked_source: set[int] = set()
         self._source_empty = False
@@ -458,6 +463,8 @@ class MeshReceiver:
                 self._ask(link)
         elif isinstance(frame, Get):
             self._answer(link, frame.index)
+        elif isinstance(frame, Cancel):
+            self._withdraw(link, frame.index)
         elif isinstance(frame, Neighbours):
             self._set_neighbours(frame.entries)
         elif isinstance(frame, NoMore):
@@ -470,10 +477,32 @@ class MeshReceiver:
         data = self.store.get(index)
         if data is None:
             raise RemoteProtocolError(f"asked for piece {index}, which we never announced")
-        self._answers[link.remote] += 1
-        if self._answers[link.remote] > self._answer_cap:
+        remote = link.remote
+        self._answers[remote] += 1
+        if self._answers[remote] > self._answer_cap:
             raise RemoteProtocolError(f"asked for more than {ANSWER_COPIES} copies of the version")
-        link.answer(Piece(index, data))  # type: ignore[arg-type]  # a read-only view packs as bin
+        self._asked_by[remote] = self._asked_by.get(remote, 0) | 1 << index
+        link.answer(Piece(index, data), key=index)  # type: ignore[arg-type]  # a read-only view packs as bin
+
+    def _withdraw(self, link: Link, index: int) -> None:
+        """A neighbour calls off its `get` of `index`: the answer is dropped if it has not begun
+        to leave. Cancels are bounded by what was asked (each `get` allows one)."""
+        remote = link.remote
+        if not self._asked_by.get(remote, 0) >> index & 1:
+            raise RemoteProtocolError(f"cancelled piece {index}, which it never asked for")
+        self._cancelled[remote] += 1
+        if self._cancelled[remote] > self._answers[remote]:
+            raise RemoteProtocolError("cancelled more pieces than it asked for")
+        link.withdraw(index)
+
+    def _cancel(self, requests: list[tuple[str, int]]) -> None:
+        """Call off requests whose piece came from elsewhere first (or that timed out and are
+        asked elsewhere): the neighbour's uplink, the scarce one, then skips the copy if it has
+        not begun sending it."""
+        for peer, index in requests:
+            link = self.links.get(peer)
+            if link is not None:
+                link.send(Cancel(index))
 
     def _on_piece(self, link: Link, index: int, data: bytes) -> None:
         remote = link.remote
@@ -488,7 +517,7 @@ class MeshReceiver:
             self.ex.received(remote, index, ok=False)
             raise RemoteProtocolError(f"bad piece {index}: {exc}") from None
         self.ex.received(remote, index, now=trio.current_time())
-        self.ex.take_cancels()  # (no cancel frame: the copy that lost the race is sent anyway)
+        self._cancel(self.ex.take_cancels())
         kind = "peers" if not from_source else "repair" if index in self._asked_source else "seed"
         self.stats.pieces[kind if new else "duplicate"] += 1
         if from_source:
@@ -545,6 +574,7 @@ class MeshReceiver:
             if self._flush_at is not None and now >= self._flush_at:
                 self._flush()
             expired = self.ex.expire(now)
+            self._cancel(expired)
             for peer in {peer for peer, _ in expired}:
                 if self.ex.stalls.get(peer, 0) >= MAX_STALLS and peer in self._scopes:
                     self.cut["stalled"] += 1

@@ -26,7 +26,10 @@ Frames (each a length-prefixed msgpack array on plain TCP; `docs/wire.md` has th
   verified since its last `have` (the whole set on a new link), `mask` little-endian with bit i
   for piece i, exactly ceil(pieces / 8) bytes and no bit at or beyond the version's pieces, or
   (shorter for a few pieces) the list of their indices, each in [0, pieces), at most pieces
-  entries; requests are `get`, answers `piece`.
+  entries; requests are `get`, answers `piece`, and `["cancel", index]` calls off an earlier
+  `get` of the same link (the piece came from elsewhere first): the holder drops its answer if
+  it has not begun sending it (one may cross the cancel), and a cancel of a piece not asked of
+  it on that link, or one more than it was asked, is a protocol error.
 
 Rules: piece indices lie in [0, pieces of the version); a piece's bytes are at most
 MAX_PIECE_SIZE (the manifest's hash check says whether they are the right ones); `peers` lists at
@@ -57,7 +60,7 @@ from protocol.limits import (
 )
 
 __all__ = [
-    "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Frame", "Get", "Hello", "HelloChecker",
+    "FULL", "HELLO_MAX", "MAX_SWARM_ENTRIES", "MAX_WIRE_FRAME", "PROBE", "Cancel", "Frame", "Get", "Hello", "HelloChecker",
     "Direct", "Have", "ManifestFrame", "More", "Neighbours", "Next", "NoMore", "PeerEntry", "Peers", "Piece", "NotServed",
     "decode_frame", "decode_probe_answer", "have_bytes", "mask_indices",
     "encode", "make_hello", "probe_answer", "session_signature", "verify_session",
@@ -211,6 +214,13 @@ class Get:
 
 
 @dataclass(frozen=True, slots=True)
+class Cancel:
+    """Call off an earlier `get` of `index` on this link: the piece came from elsewhere first."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
 class Next:
     pass
 
@@ -273,9 +283,9 @@ class Reachable:
     signature: bytes
 
 
-Frame: TypeAlias = Piece | Direct | Get | Next | More | NoMore | Peers | Neighbours | Have | ManifestFrame | NotServed | Reachable
+Frame: TypeAlias = Piece | Direct | Get | Cancel | Next | More | NoMore | Peers | Neighbours | Have | ManifestFrame | NotServed | Reachable
 _KINDS: Final[dict[type, str]] = {
-    Piece: "piece", Direct: "direct", Get: "get", Next: "next", More: "more", NoMore: "none", Peers: "peers",
+    Piece: "piece", Direct: "direct", Get: "get", Cancel: "cancel", Next: "next", More: "more", NoMore: "none", Peers: "peers",
     Neighbours: "neighbours", Have: "have", ManifestFrame: "manifest", NotServed: "unavailable", Reachable: "reachable",
 }
 _FROM_SOURCE_ONLY: Final = frozenset({"manifest", "peers", "neighbours", "none", "unavailable", "direct"})
@@ -292,7 +302,7 @@ def encode(frame: Frame, *, num_pieces: int = MAX_PIECES) -> bytes:
         return pack([kind, frame.bits.to_bytes(size, "little")])
     if isinstance(frame, (Piece, Direct)):
         return pack([kind, frame.index, frame.data])
-    if isinstance(frame, Get):
+    if isinstance(frame, (Get, Cancel)):
         return pack([kind, frame.index])
     if isinstance(frame, (Peers, Neighbours)):
         return pack([kind, [[e.peer_id, e.host, e.port] for e in frame.entries]])
@@ -319,8 +329,8 @@ def decode_frame(data: bytes, *, num_pieces: int = MAX_PIECES, from_source: bool
         if len(args[1]) > MAX_PIECE_SIZE:
             raise RemoteProtocolError(f"piece of {len(args[1])} bytes exceeds {MAX_PIECE_SIZE}")
         return (Piece if kind == "piece" else Direct)(args[0], args[1])
-    if kind == "get" and len(args) == 1 and _is_int(args[0], 0, num_pieces - 1):
-        return Get(args[0])
+    if kind in ("get", "cancel") and len(args) == 1 and _is_int(args[0], 0, num_pieces - 1):
+        return (Get if kind == "get" else Cancel)(args[0])
     if kind == "next" and not args:
         return Next()
     if kind == "more" and not args:

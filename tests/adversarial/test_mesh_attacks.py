@@ -9,7 +9,7 @@ import trio
 from echo_node.net.framing import read_frame
 from echo_node.weights.broadcast import ROUTE_WAIT_S, DataServer, Link, encode_frame
 from echo_node.weights.mesh import MAX_STALLS, REQUEST_TIMEOUT_S, MeshReceiver
-from protocol.weights.datachannel import MAX_WIRE_FRAME, Get, Have, PeerEntry, Piece, decode_frame, mask_indices
+from protocol.weights.datachannel import MAX_WIRE_FRAME, Cancel, Get, Have, PeerEntry, Piece, decode_frame, mask_indices
 from protocol.weights.manifest import piece_range
 from tests.mesh_swarm import MeshRun, Recording, run_mesh
 from tests.mesh_swarm import peers as make_peers
@@ -126,6 +126,39 @@ def test_a_neighbour_asking_for_what_we_never_announced_or_over_and_over_is_bann
     for pid, r in run.receivers.items():
         if pid != EVIL.peer_id:
             assert r._answers[EVIL.peer_id] <= 2 * n
+
+
+class Canceller(MeshReceiver):
+    """Calls off pieces it never asked for (were they honoured, it could reach into what a
+    neighbour queued for others; they are only bookkeeping, but a protocol violation)."""
+
+    def _ask(self, link: Link) -> None:
+        if link is not self._source:
+            for index in range(self.manifest.num_pieces):
+                link.send(Cancel(index))
+        super()._ask(link)
+
+
+class OverCanceller(MeshReceiver):
+    """Asks like an honest peer and calls off every request twice (a cancel flood, each one
+    naming a piece it did ask for)."""
+
+    def _ask(self, link: Link) -> None:
+        before = self._asked_of.get(link.remote, 0)
+        super()._ask(link)
+        for index in mask_indices(self._asked_of.get(link.remote, 0) & ~before):
+            link.send(Cancel(index))
+            link.send(Cancel(index))
+
+
+def test_a_neighbour_calling_off_what_it_never_asked_or_more_than_it_asked_is_banned() -> None:
+    for attacker in (Canceller, OverCanceller):
+        run = attacked(attacker)
+        assert banned_by(run) >= 1, attacker.__name__
+        # Its cancels reached at most what it had asked: nothing it called off belonged to others.
+        for pid, r in run.receivers.items():
+            if pid != EVIL.peer_id:
+                assert r._cancelled[EVIL.peer_id] <= r._answers[EVIL.peer_id] + 1
 
 
 class Deaf(MeshReceiver):

@@ -14,6 +14,7 @@ import trio
 import trio.testing
 
 from benchmarks.trickle import Trickle
+from echo_node.net.framing import read_frame
 from echo_node.weights import broadcast
 from echo_node.weights.broadcast import (
     BACKLOG_PIECES,
@@ -697,6 +698,32 @@ def test_a_link_bans_a_remote_that_asks_without_reading_but_not_for_our_own_push
                 asked += 1
         frame = len(broadcast.encode_frame(Piece(0, data)))
         assert link.asked_bytes == asked * frame and link.asked_bytes - frame <= link.queue_cap < link.asked_bytes
+
+    trio.run(main)
+
+
+def test_a_withdrawn_answer_is_dropped_unsent_and_only_while_it_waits() -> None:
+    """`withdraw(key)` calls off one answer queued under `key` that has not begun to leave: the
+    sender skips it and the queue's counts fall as if it had left. Nothing else can be called
+    off: a key never queued, one more time than it was queued, or an answer already sent."""
+    piece = 64 * 1024
+
+    async def main() -> None:
+        ours, theirs = trio.testing.memory_stream_pair()
+        stats = broadcast.Stats()
+        link = Link(ours, PEERS[0].peer_id, stats, num_pieces=8, piece_size=piece)
+        for index in (0, 1, 1, 2):
+            link.answer(Piece(index, bytes([index]) * piece), key=index)
+        link.send(Piece(3, bytes(piece)))  # a push: no key, nothing to withdraw
+        assert link.withdraw(1) and link.withdraw(1) and not link.withdraw(1)
+        assert not link.withdraw(3) and not link.withdraw(7)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(link.sender)
+            got = [decode_frame(await read_frame(theirs, max_len=MAX_WIRE_FRAME), num_pieces=8) for _ in range(3)]
+            assert [f.index for f in got] == [0, 2, 3]  # type: ignore[union-attr]
+            assert stats.withdrawn == 2 and link.queued_bytes == link.asked_bytes == link.queued_pieces == 0
+            assert not link.withdraw(0)  # sent already
+            link.close()
 
     trio.run(main)
 

@@ -9,6 +9,7 @@ from protocol import Identity
 from protocol.errors import RemoteProtocolError
 from protocol.weights.datachannel import (
     MAX_SWARM_ENTRIES,
+    Cancel,
     Direct,
     Get,
     Have,
@@ -28,7 +29,7 @@ from protocol.weights.datachannel import (
 
 P = Identity.from_seed(b"\x05" * 32).peer_id
 FRAMES = [
-    Piece(3, b"abc"), Direct(3, b"abc"), Get(0), Next(), More(), NoMore(), Peers((PeerEntry(P, "10.0.0.2", 4000), PeerEntry(P, "", 0))),
+    Piece(3, b"abc"), Direct(3, b"abc"), Get(0), Cancel(3), Next(), More(), NoMore(), Peers((PeerEntry(P, "10.0.0.2", 4000), PeerEntry(P, "", 0))),
     ManifestFrame(b"sealed", b"s" * 64), NotServed(b"s" * 64), Have(0b1011), Have(0),
     Neighbours((PeerEntry(P, "10.0.0.2", 4000), PeerEntry(P, "", 0))),
 ]
@@ -44,7 +45,7 @@ def test_round_trip(frame: object) -> None:
     [
         ["piece", 4, b"x"], ["piece", -1, b"x"], ["piece", True, b"x"], ["piece", 1, "x"], ["piece", 1],
         ["direct", 4, b"x"], ["direct", 1, "x"], ["direct", 1, b"x" * (4 * 1024 * 1024 + 1)], ["more", 1],
-        ["get", 4], ["get", 2**63], ["next", 1], ["none", 0], ["peers", "x"],
+        ["get", 4], ["get", 2**63], ["cancel", 4], ["cancel", -1], ["cancel", True], ["cancel"], ["cancel", 1, 2], ["next", 1], ["none", 0], ["peers", "x"],
         ["peers", [[P, "10.0.0.1", 0]]], ["peers", [["not-a-peer", "", 0]]], ["peers", [[P, "0.0.0.0", 1]]],
         ["peers", [[P, "", 0]] * (MAX_SWARM_ENTRIES + 1)], ["manifest", b"x"], ["unavailable"], [], [1], {"piece": 1},
         # `have`: a mask of exactly ceil(4 / 8) bytes without bits at or beyond 4, or a list of
@@ -59,7 +60,7 @@ def test_malformed_frames_are_refused(fields: object) -> None:
         decode_frame(msgpack.packb(fields), num_pieces=4, from_source=True)
 
 
-@pytest.mark.parametrize("frame", [f for f in FRAMES if not isinstance(f, (Piece, Get, Next, More, Have))], ids=lambda f: type(f).__name__)
+@pytest.mark.parametrize("frame", [f for f in FRAMES if not isinstance(f, (Piece, Get, Cancel, Next, More, Have))], ids=lambda f: type(f).__name__)
 def test_control_frames_only_from_the_source(frame: object) -> None:
     with pytest.raises(RemoteProtocolError, match="not the source"):
         decode_frame(encode(frame), num_pieces=4)  # type: ignore[arg-type]
