@@ -24,6 +24,7 @@ nftables (`apt-get install nftables`). One JSON object as the last line.
 
     .venv/bin/python -m benchmarks.wan_swarm
     .venv/bin/python -m benchmarks.wan_swarm --peers 3 --nat 1 --seconds 60
+    .venv/bin/python -m benchmarks.wan_swarm --exchange mesh   # the bounded-degree overlay
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ MTU_1500_GOODPUT = 0.956
 LEARNER_CPUS, OTHER_CPUS = {0}, {1}
 
 
-def measure(swarm: NetnsSwarm, peers: list[str], seconds: float) -> dict[str, Any]:
+def measure(swarm: NetnsSwarm, peers: list[str], seconds: float, learner_args: list[str]) -> dict[str, Any]:
     swarm.start_bootstrap(cpus=OTHER_CPUS)
-    swarm.start_learner("--seconds", "3600", cpus=LEARNER_CPUS)
+    swarm.start_learner("--seconds", "3600", *learner_args, cpus=LEARNER_CPUS)
     started = {}
     for host in range(2, 2 + len(peers)):
         name = swarm.start_peer(host, cpus=OTHER_CPUS)
@@ -107,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--peer-down-mbit", type=float, default=100.0)
     p.add_argument("--peer-up-mbit", type=float, default=20.0)
     p.add_argument("--seconds", type=float, default=60.0, help="training time per swarm after its last peer started")
+    p.add_argument("--exchange", choices=["auto", "push", "mesh"], default="auto",
+                   help="the learner's weights.exchange (auto: the bounded-degree mesh)")
     args = p.parse_args(argv)
     if not 0 <= args.nat <= args.peers:
         p.error("--nat must be between 0 and --peers")
@@ -121,15 +124,18 @@ def main(argv: list[str] | None = None) -> int:
     names = [f"peer{h}" for h in range(2, 2 + args.peers)]
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="wan-swarm-") as tmp:
+        config = Path(tmp) / "weights.toml"
+        config.write_text(f'[weights]\nexchange = "{args.exchange}"\n')
+        learner_args = ["--config", str(config)]
         with Topology(hosts, prefix="ewsw") as topo:
             swarm = NetnsSwarm(topo, Path(tmp) / "wan", "wan-swarm")
             try:
-                wan = measure(swarm, names, args.seconds)
+                wan = measure(swarm, names, args.seconds, learner_args)
             finally:
                 swarm.close()
         local = NetnsSwarm(None, Path(tmp) / "loopback", "loopback-swarm")
         try:
-            loopback = measure(local, names, args.seconds)
+            loopback = measure(local, names, args.seconds, learner_args)
         finally:
             local.close()
     bound = bound_s(
@@ -140,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     wan["live_over_bound"] = round(wan["live_all_s"] / bound, 3) if wan["live_all_s"] else None
     wan["installed_over_bound"] = round(wan["installed_s"] / bound, 3) if wan["installed_s"] else None
     out = {
-        "peers": args.peers, "nat": args.nat, "seconds": args.seconds,
+        "peers": args.peers, "nat": args.nat, "seconds": args.seconds, "exchange": args.exchange,
         "rates_mbit": {"learner": args.learner_mbit, "peer_down": args.peer_down_mbit, "peer_up": args.peer_up_mbit},
         "wan": wan, "loopback": loopback,
         "versions_per_min_ratio": round(wan["versions_per_min"] / loopback["versions_per_min"], 3) if loopback["versions_per_min"] else None,

@@ -330,8 +330,9 @@ class ReportConfig:
 class WeightsConfig:
     # How versions travel among peers: "push" (every peer linked to every other, pieces relayed
     # one hop: echo_node/weights/broadcast.py), "mesh" (the bounded-degree overlay below, pieces
-    # exchanged over many hops: echo_node/weights/mesh.py), or "auto": mesh once the run has more
-    # members than degree + 1 (where push would hold more than k links per peer).
+    # exchanged over many hops: echo_node/weights/mesh.py), or "auto": the mesh, whatever the
+    # run's size (on home uplinks it is nearer its bound than push at 3 and 8 peers, and level
+    # with it on symmetric links).
     exchange: Literal["auto", "push", "mesh"] = "auto"
     # Data links each peer keeps (k), chosen by the learner (protocol/weights/overlay.py); a
     # swarm of at most k + 1 peers is a full mesh. Allowed: overlay.DEGREE_RANGE.

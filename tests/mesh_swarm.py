@@ -60,6 +60,7 @@ class MeshRun:
     servers: dict[str, DataServer] = field(default_factory=dict)
     finished_at: dict[str, float] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    learner: DataServer | None = None  # the learner's data server (its bans)
 
 
 async def _fetch(server: DataServer, links: trio.Nursery, cls: type[MeshReceiver], learner_port: int,
@@ -104,7 +105,7 @@ def run_mesh(
         swarm = MemorySwarm()
         async with trio.open_nursery() as nursery:
             _, net = swarm.node(LEARNER)
-            learner = DataServer(LEARNER, RUN, advertise_host=net.address, net=net)
+            learner = run.learner = DataServer(LEARNER, RUN, advertise_host=net.address, net=net)
             learner.register(VERSION, source)
             await nursery.start(learner.run)
             for p in identities:

@@ -86,6 +86,7 @@ class WeightPublisher:
         self.sources: dict[tuple[int, int], Source | SeedSource] = {}
         # The newest version peers can fetch.
         self.published = 0
+        self._clock = 0.0  # the last reading of trio's clock (`_now`)
         self.bytes_served = 0
         self.deltas_offered = 0
         # Deltas encoded (offered or not): one per (version, base) at most.
@@ -195,6 +196,16 @@ class WeightPublisher:
             self._building.pop(key).set()
             self.store.release(version, base)
 
+    def _now(self) -> float:
+        """Trio's clock, which times the overlay's members; `offer` may also be called before
+        the run starts (a first version published while setting up), when no member can have
+        been placed yet: the overlay is then timed at the last clock reading (0 before any)."""
+        try:
+            self._clock = trio.current_time()
+        except RuntimeError:
+            pass
+        return self._clock
+
     def _offer(self, manifest: WeightManifest, payload: Any) -> Source | SeedSource:
         """A source for (version, base): on the overlay when it says so (a delta of a version
         goes the way its full snapshot went, so a version has one swarm shape)."""
@@ -203,7 +214,7 @@ class WeightPublisher:
         if full is None:
             mesh = self.overlay is not None and self.overlay.use_mesh()
             if mesh and self.overlay is not None:
-                self.overlay.between_versions(trio.current_time())
+                self.overlay.between_versions(self._now())
         else:
             mesh = isinstance(full, SeedSource)
         source: Source | SeedSource

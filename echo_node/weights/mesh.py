@@ -11,9 +11,9 @@ Why a second scheme beside the push mesh of broadcast.py: there every peer links
 (N²/2 links) and relays each piece it got from the source to all of them, one hop. That is at
 its bound on small swarms and hopeless at thousands of peers. Here each peer holds at most the
 overlay's degree of links (k, 12-24), and pieces travel many hops by `have` and `get`. The
-learner serves a version this way when its run has more members than k + 1 (`PeerOverlay.use_mesh`;
-the config can force either scheme); the peer learns which from the source's second frame
-(`neighbours` instead of `peers`: echo_node/weights/fetch.py).
+learner serves every version this way unless the config forces the push mesh
+(`PeerOverlay.use_mesh`); the peer learns which from the source's second frame (`neighbours`
+instead of `peers`: echo_node/weights/fetch.py).
 
 Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_attacks.py):
 1. Links: a peer links only with the neighbours the learner listed for it in this version, and
@@ -43,14 +43,18 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    requests that timed out are fine. A request whose piece came from elsewhere first (the
    learner, or the endgame's other copy), or that timed out, is called off with a `cancel`: its
    holder drops the answer if it has not begun to leave (`Link.withdraw`; what its kernel and
-   the network hold already is sent anyway). A cancel of a piece never asked, or more cancels
-   than requests, is a ban.
+   the network hold already is sent anyway). A cancel of a piece it has no request for (never
+   asked, or called off already) is a ban.
 6. The learner (`SeedSource`): one piece in flight per served peer, sent when the link's queue is
    empty (its kernel buffer holds at most SOURCE_NOTSENT_LOWAT unsent, so an empty queue means
    download headroom); whom and what are SeedPlan rules 7-9 (the peer holding fewest pieces,
    the piece sent fewest times, nobody above its fair share). A peer may also `get` pieces nobody
    offers it (its holder left before announcing): at most `repair_allowance` per version, then
-   `none`. So claiming to hold nothing draws at most a fair share plus that allowance.
+   `none`. So claiming to hold nothing draws at most a fair share plus that allowance. Every
+   frame a peer sends the learner must do work the version's size bounds: a `have` after the
+   link's first that names no piece new on that link, or more than SOURCE_PIPELINE + 1 `get`s
+   answered `none`, is a ban (a flood of repeated haves would cost the learner a pass over
+   the mask each).
 7. A peer asks the learner only for pieces no neighbour offers, after SOURCE_REPAIR_S without a
    new piece, SOURCE_PIPELINE at a time, until it says `none`.
 
@@ -166,9 +170,10 @@ class PeerOverlay:
                                source_degree=source_degree, settle_s=settle_s)
 
     def use_mesh(self) -> bool:
-        """Whether the next version goes out on the overlay: forced by the mode, or (auto) once
-        the run has more members than a full mesh of the overlay's degree."""
-        return self.mode == "mesh" or (self.mode == "auto" and len(self.members) > self.overlay.degree + 1)
+        """Whether the next version goes out on the overlay: unless the mode forces the push mesh.
+        (`auto` took the push mesh up to degree + 1 members until the overlay measured better on
+        home links at 3 and 8 peers and level on symmetric ones: benchmarks/results/mesh-live-issue27.)"""
+        return self.mode != "push"
 
     def place(self, peer: str, now: float) -> Change:
         """`peer` fetches a version: make it a member of the overlay, dialable or not as its
@@ -223,6 +228,13 @@ class SeedSource:
         self.repairs: Counter[str] = Counter()
         self._links: dict[str, Link] = {}
         self._told: dict[str, frozenset[str]] = {}
+        # Per link: the pieces its peer announced on it (None before its first `have`, which
+        # may be empty), and its `get`s answered `none`. An honest peer announces each piece
+        # once per link and stops asking at `none` (its SOURCE_PIPELINE requests in flight then
+        # still come), so the frames it sends us do work that the version's size bounds, and
+        # a flood of repeats is a ban at its first.
+        self._heard: dict[str, int | None] = {}
+        self._refused: Counter[str] = Counter()
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         peer = hello.sender
@@ -241,6 +253,8 @@ class SeedSource:
             host, port = self.relays.get(peer, ("", 0))
             self.present[peer] = PeerEntry(peer, host, port)
             self._links[peer] = link
+            self._heard[peer] = None
+            self._refused[peer] = 0
             self._tell(peer)
             touched = {p for edge in (*change.added, *change.removed) for p in edge} | self.overlay.overlay.neighbours(peer)
             for other in sorted(touched - {peer}):
@@ -257,6 +271,8 @@ class SeedSource:
             finally:
                 self._links.pop(peer, None)
                 self._told.pop(peer, None)
+                self._heard.pop(peer, None)
+                self._refused.pop(peer, None)
                 self.plan.drop(peer)
                 link.close()
                 nursery.cancel_scope.cancel()
@@ -268,12 +284,20 @@ class SeedSource:
     def _on_frame(self, link: Link, frame: Frame) -> None:
         peer = link.remote
         if isinstance(frame, Have):
-            for index in mask_indices(frame.bits):
+            heard = self._heard[peer]
+            new = frame.bits & ~(heard or 0)
+            if not new and heard is not None:
+                raise RemoteProtocolError("a have that names no piece it had not announced on this link")
+            self._heard[peer] = (heard or 0) | new
+            for index in mask_indices(new):
                 self.plan.has(peer, index)
             self._fill()
         elif isinstance(frame, Get):
             data = self.store.get(frame.index)
             if self.repairs[peer] >= self.repair_allowance or data is None:
+                self._refused[peer] += 1
+                if self._refused[peer] > SOURCE_PIPELINE + 1:
+                    raise RemoteProtocolError("keeps asking for repairs after `none`")
                 link.answer(NoMore(), _SENT)
                 return
             self.repairs[peer] += 1
@@ -342,8 +366,9 @@ class MeshReceiver:
         self._flush_at: float | None = None
         self._asked_of: dict[str, int] = {}  # neighbour -> pieces ever asked of it (a mask)
         self._answers: Counter[str] = Counter()  # neighbour -> pieces it asked of us
-        self._asked_by: dict[str, int] = {}  # neighbour -> the pieces it asked of us (a mask)
-        self._cancelled: Counter[str] = Counter()  # neighbour -> its cancels
+        # neighbour -> the pieces it asked of us and has not called off (a mask): a `get` sets
+        # its bit, a `cancel` needs it and clears it, so each request is called off at most once.
+        self._cancellable: dict[str, int] = {}
         self._answer_cap = ANSWER_COPIES * manifest.num_pieces + ANSWER_SLACK
         self._asked_source: set[int] = set()
         self._source_empty = False
@@ -481,18 +506,18 @@ class MeshReceiver:
         self._answers[remote] += 1
         if self._answers[remote] > self._answer_cap:
             raise RemoteProtocolError(f"asked for more than {ANSWER_COPIES} copies of the version")
-        self._asked_by[remote] = self._asked_by.get(remote, 0) | 1 << index
+        self._cancellable[remote] = self._cancellable.get(remote, 0) | 1 << index
         link.answer(Piece(index, data), key=index)  # type: ignore[arg-type]  # a read-only view packs as bin
 
     def _withdraw(self, link: Link, index: int) -> None:
         """A neighbour calls off its `get` of `index`: the answer is dropped if it has not begun
-        to leave. Cancels are bounded by what was asked (each `get` allows one)."""
+        to leave. Only a request not yet called off may be (an honest peer asks a neighbour for
+        a piece again only after calling off the request that timed out)."""
         remote = link.remote
-        if not self._asked_by.get(remote, 0) >> index & 1:
-            raise RemoteProtocolError(f"cancelled piece {index}, which it never asked for")
-        self._cancelled[remote] += 1
-        if self._cancelled[remote] > self._answers[remote]:
-            raise RemoteProtocolError("cancelled more pieces than it asked for")
+        asked = self._cancellable.get(remote, 0)
+        if not asked >> index & 1:
+            raise RemoteProtocolError(f"cancelled piece {index}, which it has no request for")
+        self._cancellable[remote] = asked & ~(1 << index)
         link.withdraw(index)
 
     def _cancel(self, requests: list[tuple[str, int]]) -> None:

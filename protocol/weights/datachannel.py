@@ -28,8 +28,8 @@ Frames (each a length-prefixed msgpack array on plain TCP; `docs/wire.md` has th
   (shorter for a few pieces) the list of their indices, each in [0, pieces), at most pieces
   entries; requests are `get`, answers `piece`, and `["cancel", index]` calls off an earlier
   `get` of the same link (the piece came from elsewhere first): the holder drops its answer if
-  it has not begun sending it (one may cross the cancel), and a cancel of a piece not asked of
-  it on that link, or one more than it was asked, is a protocol error.
+  it has not begun sending it (one may cross the cancel); a cancel of a piece with no `get` on
+  that link not yet called off is a protocol error (the caller's rule: echo_node/weights/mesh.py).
 
 Rules: piece indices lie in [0, pieces of the version); a piece's bytes are at most
 MAX_PIECE_SIZE (the manifest's hash check says whether they are the right ones); `peers` lists at

@@ -137,11 +137,17 @@ def test_async_swarm_learns_and_survives_bad_peers(cluster: Cluster) -> None:
     assert (cluster.run_dir(run_id) / "reward.png").stat().st_size > 0
 
 
-def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster) -> None:
+def test_pull_swarm_trains_on_policy_and_relays_weights(cluster: Cluster, tmp_path: Path) -> None:
     run_id = "it-pull"
+    # The push mesh, forced: its relays make the learner upload one copy a version wherever
+    # its uplink is the bottleneck. (The default, the bounded-degree mesh, spends whatever
+    # uplink the learner has to spare, which on loopback is nearly every copy: the other
+    # swarm tests run it.)
+    config = tmp_path / "push.toml"
+    config.write_text('[weights]\nexchange = "push"\n')
     cluster.start_bootstrap()
     learner, ready = cluster.start_learner(
-        run_id, "--mode", "pull", "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S)
+        run_id, "--config", str(config), "--mode", "pull", "--max-versions", str(VERSIONS), "--seconds", str(DEADLINE_S)
     )
     for i in range(3):
         cluster.start_peer(f"peer{i}", f"{run_id}@{ready['peer_id']}")  # pinned: no impostor can take them

@@ -53,24 +53,25 @@ def test_peers_behind_a_nat_dial_out_and_late_peers_fetch_from_the_early_ones() 
     assert from_peers > 3 * from_learner, (from_peers, from_learner)
 
 
-def test_the_learner_serves_by_the_overlay_once_the_run_outgrows_a_full_mesh() -> None:
-    """`auto`: the push mesh while the run has at most degree + 1 members, the overlay beyond;
-    a delta goes the way its version's full snapshot went; `push` and `mesh` force either."""
+def test_the_learner_serves_by_the_overlay_at_every_size_unless_push_is_forced() -> None:
+    """`auto` and `mesh`: the overlay, from one member to beyond a full mesh of its degree;
+    `push` forces the push mesh."""
     members: dict[str, float] = {}
     relays: dict[str, tuple[str, int]] = {}
 
     async def main() -> None:
-        overlay = PeerOverlay(members, relays, degree=12)
-        publisher = WeightPublisher(LEARNER, "run-1", members=members, relays=relays, keep_versions=4,
-                                    data_server=lambda **kw: DataServer(LEARNER, "run-1", **kw), overlay=overlay)
-        for p in make_peers(13):
-            members[p.peer_id] = 0.0
-        assert isinstance(publisher.offer(1, b"\x01" * 5000), Source)
-        for p in make_peers(1, first=0x90):
-            members[p.peer_id] = 0.0
-        assert isinstance(publisher.offer(2, b"\x02" * 5000), SeedSource)
-        assert not PeerOverlay(members, relays, mode="push").use_mesh()
-        assert PeerOverlay({}, relays, mode="mesh").use_mesh()
+        def publisher(mode: str) -> WeightPublisher:
+            return WeightPublisher(LEARNER, "run-1", members=members, relays=relays, keep_versions=4,
+                                   data_server=lambda **kw: DataServer(LEARNER, "run-1", **kw),
+                                   overlay=PeerOverlay(members, relays, mode=mode, degree=12))
+
+        auto, push = publisher("auto"), publisher("push")
+        for version, n in enumerate((1, 12, 1), start=1):
+            for p in make_peers(n, first=0x10 * version):
+                members[p.peer_id] = 0.0
+            assert isinstance(auto.offer(version, bytes([version]) * 5000), SeedSource), len(members)
+            assert isinstance(push.offer(version, bytes([version]) * 5000), Source), len(members)
+        assert PeerOverlay({}, relays, mode="mesh").use_mesh() and PeerOverlay({}, relays).use_mesh()
 
     trio.run(main)
 
