@@ -213,12 +213,13 @@ class Exchange:
     def received(self, peer: str, index: int, *, ok: bool = True, now: float | None = None) -> bool:
         """A piece from `peer` arrived and was checked; True if it is new to us. The other
         requests for it still out become cancels (`take_cancels`). `now` times the answer for
-        rule 3's depth (only an answer to a request still outstanding is timed)."""
+        rule 3's depth (only a good answer to a request still outstanding is timed: a bad piece
+        must not buy its sender a deeper pipeline)."""
         if type(index) is not int or not 0 <= index < self.num_pieces:
             _check_index(index, self.num_pieces)  # raises
         nb = self._n.get(peer)
         if nb is not None and (asked_at := nb.inflight.pop(index, None)) is not None:
-            if now is not None and self.horizon is not None:
+            if ok and now is not None and self.horizon is not None:
                 self._timed(nb, now - max(asked_at, nb.last))
                 nb.last = now
             asked = self._asked[index]  # `peer` is among them (asked with it, dropped with it)

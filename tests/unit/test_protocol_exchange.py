@@ -216,6 +216,19 @@ def test_a_neighbour_cannot_time_its_way_past_the_pipeline() -> None:
     assert ex.depth("m") == before
 
 
+def test_bad_pieces_buy_no_depth() -> None:
+    # Fast answers that fail their hash check are not timed: the sender keeps one request.
+    ex = exchange(num_pieces=64, pipeline=4, horizon=0.1)
+    ex.neighbour_up("m")
+    ex.has_bits("m", (1 << 64) - 1)
+    now = 0.0
+    for _ in range(2):  # (a third bad piece bans it)
+        (index,) = ex.requests("m", now)
+        now += 0.001
+        ex.received("m", index, ok=False, now=now)
+        assert ex.depth("m") == 1
+
+
 def test_without_a_horizon_the_depth_is_the_pipeline() -> None:
     ex = exchange(num_pieces=16, pipeline=3)
     ex.neighbour_up("a")
