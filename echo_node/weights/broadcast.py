@@ -694,6 +694,25 @@ def _unsent(stream: trio.abc.Stream) -> int:
         return 0
 
 
+class Changes:
+    """Something that changes now and then (a receiver's listed peers), and a wait until a
+    condition on it holds: each `fire` wakes every waiter to look again."""
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+
+    def fire(self) -> None:
+        self._event.set()
+        self._event = trio.Event()
+
+    async def until(self, done: Callable[[], bool], timeout: float) -> bool:
+        """Wait up to `timeout` for `done()`; whether it holds at the end."""
+        with trio.move_on_after(timeout):
+            while not done():
+                await self._event.wait()
+        return done()
+
+
 class Misbehaved(RemoteProtocolError):
     """A peer sent a frame that breaks the protocol on an established data link: banned."""
 
@@ -721,7 +740,7 @@ class Receiver:
         self.members: set[str] = {source_id}
         # Whether the source lists us with an address others can dial (its first peers entry).
         self.reachable = True
-        self._members_changed = trio.Event()
+        self._members_changed = Changes()
         self.swarm = PieceSwarm(manifest.num_pieces, request_timeout=request_timeout)
         self.swarm.peer_has_all(source_id)
         self.pull = SourcePull(pipeline=SOURCE_PIPELINE, backlog_pieces=BACKLOG_PIECES, drain_s=DRAIN_S,
@@ -743,11 +762,8 @@ class Receiver:
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         """An incoming link from another peer (routed here by the DataServer)."""
-        with trio.move_on_after(ROUTE_WAIT_S):
-            # The source announces each newcomer; its hello may outrun that announcement.
-            while hello.sender not in self.members:
-                await self._members_changed.wait()
-        if hello.sender not in self.members:
+        # The source announces each newcomer; its hello may outrun that announcement.
+        if not await self._members_changed.until(lambda: hello.sender in self.members, ROUTE_WAIT_S):
             raise RemoteProtocolError(f"{hello.sender} is not in this version's swarm")
         await self._run_link(stream, hello.sender)
 
@@ -775,8 +791,7 @@ class Receiver:
             # a peer nobody can dial dials every reachable one; two unreachable peers have none.
             if port and (peer_id < self.identity.peer_id or not self.reachable) and self._nursery is not None:
                 self._nursery.start_soon(self._dial, peer_id, host, port)
-        self._members_changed.set()
-        self._members_changed = trio.Event()
+        self._members_changed.fire()
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
         m = self.manifest

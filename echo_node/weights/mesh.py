@@ -79,6 +79,7 @@ from echo_node.weights.broadcast import (
     LINK_ERRORS,
     SOURCE_NOTSENT_LOWAT,
     SOURCE_PIPELINE,
+    Changes,
     Connector,
     DataServer,
     Link,
@@ -375,7 +376,7 @@ class MeshReceiver:
         self._last_piece = 0.0
         self._scopes: dict[str, trio.CancelScope] = {}
         self._wake = trio.Event()
-        self._members_changed = trio.Event()
+        self._members_changed = Changes()
         self._nursery: trio.Nursery | None = None
         self.connect = connect or server.net.connect
 
@@ -387,11 +388,8 @@ class MeshReceiver:
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         """An incoming link from another peer (routed here by the DataServer)."""
-        with trio.move_on_after(ROUTE_WAIT_S):
-            # The source names a newcomer to us and the newcomer's dial may outrun that.
-            while hello.sender not in self.members:
-                await self._members_changed.wait()
-        if hello.sender not in self.members:
+        # The source names a newcomer to us and the newcomer's dial may outrun that.
+        if not await self._members_changed.until(lambda: hello.sender in self.members, ROUTE_WAIT_S):
             raise RemoteProtocolError(f"{hello.sender} is not one of our neighbours for this version")
         if hello.sender in self.links:
             raise RemoteProtocolError(f"{hello.sender} holds a link with us for this version already")
@@ -430,8 +428,7 @@ class MeshReceiver:
         for e in added:
             if e.port and (e.peer_id < me or not self.reachable) and self._nursery is not None:
                 self._nursery.start_soon(self._dial, e)
-        self._members_changed.set()
-        self._members_changed = trio.Event()
+        self._members_changed.fire()
 
     async def _run_link(self, stream: trio.abc.Stream, remote: str) -> None:
         m = self.manifest
