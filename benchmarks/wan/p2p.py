@@ -29,7 +29,7 @@ from echo_node.weights.broadcast import DataServer, Source
 from echo_node.weights.fetch import fetch_version
 from echo_node.weights.mesh import MeshReceiver, PeerOverlay, SeedSource
 from protocol import Identity, seal
-from protocol.weights.manifest import build_manifest, payload_digest
+from protocol.weights.manifest import build_manifest, choose_piece_size, payload_digest
 
 PORT = 5401
 MODULE = "benchmarks.wan.p2p"
@@ -44,7 +44,8 @@ def identity(tag: str, i: int) -> Identity:
 async def source_main(a: argparse.Namespace) -> None:
     ids = [identity(a.tag, i) for i in range(a.peers + 1)]
     payload = os.urandom(a.bytes)
-    manifest = build_manifest(run_id=RUN_ID, version=1, payload=payload, piece_size=PIECE)
+    # 64 KiB pieces, or the smallest size that fits the manifest's piece count (a real model).
+    manifest = build_manifest(run_id=RUN_ID, version=1, payload=payload, piece_size=choose_piece_size(len(payload), PIECE))
     server = DataServer(ids[0], RUN_ID, bind_host=a.bind, port=PORT)
     # Every peer's data address, as the learner's dial-back probes would have proven them: a
     # member without one is listed unreachable and only dials out (two such peers never link).
