@@ -50,11 +50,11 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    download headroom); whom and what are SeedPlan rules 7-9 (the peer holding fewest pieces,
    the piece sent fewest times, nobody above its fair share). A peer may also `get` pieces nobody
    offers it (its holder left before announcing): at most `repair_allowance` per version, then
-   `none`. So claiming to hold nothing draws at most a fair share plus that allowance. Every
-   frame a peer sends the learner must do work the version's size bounds: a `have` after the
-   link's first that names no piece new on that link, or more than SOURCE_PIPELINE + 1 `get`s
-   answered `none`, is a ban (a flood of repeated haves would cost the learner a pass over
-   the mask each).
+   `none`. So claiming to hold nothing draws at most a fair share plus that allowance. The
+   frames a peer sends the learner do work the version's size bounds: a `have` costs a pass
+   over its pieces new on that link only, more `have`s naming none new than the version has
+   pieces, or more than SOURCE_PIPELINE + 1 `get`s answered `none`, is a ban (a flood of
+   repeated full haves cost the learner a pass over every piece each).
 7. A peer asks the learner only for pieces no neighbour offers, after SOURCE_REPAIR_S without a
    new piece, SOURCE_PIPELINE at a time, until it says `none`.
 
@@ -229,12 +229,14 @@ class SeedSource:
         self.repairs: Counter[str] = Counter()
         self._links: dict[str, Link] = {}
         self._told: dict[str, frozenset[str]] = {}
-        # Per link: the pieces its peer announced on it (None before its first `have`, which
-        # may be empty), and its `get`s answered `none`. An honest peer announces each piece
-        # once per link and stops asking at `none` (its SOURCE_PIPELINE requests in flight then
-        # still come), so the frames it sends us do work that the version's size bounds, and
-        # a flood of repeats is a ban at its first.
-        self._heard: dict[str, int | None] = {}
+        # Per link: the pieces its peer announced on it, its `have`s that named none new, and
+        # its `get`s answered `none`. Only new pieces cost us a pass; a peer may name a piece
+        # twice (asked of a neighbour, then verified: ours does not, another may), so at most
+        # as many haves without a new piece as the version has pieces; and it stops asking at
+        # `none` (its SOURCE_PIPELINE requests in flight then still come). So the frames a
+        # peer sends us do work that the version's size bounds; past that, a ban.
+        self._heard: dict[str, int] = {}
+        self._stale_haves: Counter[str] = Counter()
         self._refused: Counter[str] = Counter()
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
@@ -254,7 +256,8 @@ class SeedSource:
             host, port = self.relays.get(peer, ("", 0))
             self.present[peer] = PeerEntry(peer, host, port)
             self._links[peer] = link
-            self._heard[peer] = None
+            self._heard[peer] = 0
+            self._stale_haves[peer] = 0
             self._refused[peer] = 0
             self._tell(peer)
             touched = {p for edge in (*change.added, *change.removed) for p in edge} | self.overlay.overlay.neighbours(peer)
@@ -273,6 +276,7 @@ class SeedSource:
                 self._links.pop(peer, None)
                 self._told.pop(peer, None)
                 self._heard.pop(peer, None)
+                self._stale_haves.pop(peer, None)
                 self._refused.pop(peer, None)
                 self.plan.drop(peer)
                 link.close()
@@ -286,10 +290,13 @@ class SeedSource:
         peer = link.remote
         if isinstance(frame, Have):
             heard = self._heard[peer]
-            new = frame.bits & ~(heard or 0)
-            if not new and heard is not None:
-                raise RemoteProtocolError("a have that names no piece it had not announced on this link")
-            self._heard[peer] = (heard or 0) | new
+            new = frame.bits & ~heard
+            if not new:
+                self._stale_haves[peer] += 1
+                if self._stale_haves[peer] > self.store.manifest.num_pieces:
+                    raise RemoteProtocolError("more haves naming no new piece than the version has pieces")
+                return
+            self._heard[peer] = heard | new
             for index in mask_indices(new):
                 self.plan.has(peer, index)
             self._fill()

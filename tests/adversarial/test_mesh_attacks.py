@@ -241,10 +241,10 @@ def test_a_peer_claiming_to_hold_nothing_draws_no_more_than_its_share_of_the_lea
     assert src.plan.sent_to(EVIL.peer_id) <= fair + 1
 
 
-def test_a_peer_repeating_its_haves_to_the_learner_is_banned_at_the_first_repeat() -> None:
-    """Each `have` costs the learner a pass over the pieces it names; an honest peer names each
-    piece once per link, so one naming nothing new is a flood's first frame: a ban, and the
-    learner's work for that peer stays bounded by the version's size."""
+def test_a_peer_repeating_its_haves_to_the_learner_is_banned() -> None:
+    """A `have` costs the learner a pass over the pieces it names new on that link only, and
+    more haves naming none new than the version has pieces is a ban: the learner's work for
+    that peer stays bounded by the version's size."""
 
     class Repeater(MeshReceiver):
         def _flush(self) -> None:
