@@ -72,6 +72,14 @@ FETCH_TIMEOUT_S = 60.0
 STALL_ABANDON_S = 10.0
 
 
+def _first_leaf(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first exception inside `group` that is not itself a group."""
+    exc: BaseException = group
+    while isinstance(exc, BaseExceptionGroup):
+        exc = exc.exceptions[0]
+    return exc
+
+
 class TransferAbandoned(Exception):
     """A weight download stopped making progress, or a newer epoch made it moot."""
 
@@ -462,6 +470,14 @@ class WeightFollower:
                     self._prune()  # the version no longer served: its payload goes
                     task_status.started((payload, buf))
                     await trio.sleep_forever()
+        except BaseExceptionGroup as group:
+            # The download runs in the links' nursery, which wraps its errors; before the
+            # version is served they are the fetch's own (the learner hung up, a bad frame) and
+            # reach the caller as themselves, to be retried like any failed refresh.
+            matched, rest = group.split(REFRESH_ERRORS)
+            if served or rest is not None or matched is None:
+                raise
+            raise _first_leaf(matched) from None
         finally:
             for receiver in receivers:
                 self._relaying.discard(receiver)

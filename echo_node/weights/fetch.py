@@ -77,11 +77,16 @@ async def receive_version(
     payload (`on_start` is handed the receiver first, e.g. to watch its progress; `into`: a
     buffer of the manifest's payload size to assemble it in, e.g. a mapped file)."""
     try:
-        with trio.fail_after(ROUTE_WAIT_S):
-            data = await read_frame(source_stream, max_len=MAX_WIRE_FRAME)
-    except trio.TooSlowError:
-        raise RemoteProtocolError(f"the learner named no swarm for version {manifest.version} within {ROUTE_WAIT_S:.0f}s") from None
-    first = decode_frame(data, num_pieces=manifest.num_pieces, from_source=True)
+        try:
+            with trio.fail_after(ROUTE_WAIT_S):
+                data = await read_frame(source_stream, max_len=MAX_WIRE_FRAME)
+        except trio.TooSlowError:
+            raise RemoteProtocolError(f"the learner named no swarm for version {manifest.version} within {ROUTE_WAIT_S:.0f}s") from None
+        first = decode_frame(data, num_pieces=manifest.num_pieces, from_source=True)
+    except BaseException:
+        # No receiver owns the connection yet: it is closed here, or its descriptor leaks.
+        await trio.aclose_forcefully(source_stream)
+        raise
 
     def start(receiver: Download) -> None:
         if on_start is not None:
@@ -96,6 +101,7 @@ async def receive_version(
         push = Receiver(server, manifest, source_id=learner_id, into=into, connect=connect)
         start(push)
         return await push.run(nursery, source_stream, first), push
+    await trio.aclose_forcefully(source_stream)
     raise RemoteProtocolError(f"the learner's second frame is {type(first).__name__}, not peers or neighbours")
 
 

@@ -13,9 +13,10 @@ from echo_node.config import RunConfig
 from echo_node.net.transport import PeerAddr
 from echo_node.peer import weight_follower as follower_module
 from echo_node.peer.weight_follower import DELTA_BACKOFF_VERSIONS, Target, WeightFollower
-from echo_node.weights.broadcast import DataServer, Source
+from echo_node.weights.broadcast import DataServer, Source, encode_frame
 from protocol import Identity, seal
 from protocol.errors import RemoteProtocolError
+from protocol.weights.datachannel import FULL, Hello, ManifestFrame, session_signature
 from protocol.weights.delta import encode_delta
 from protocol.weights.manifest import build_manifest, payload_digest
 
@@ -190,3 +191,44 @@ def test_a_peer_keeps_its_versions_as_files_and_unlinks_what_it_no_longer_serves
     assert files[3] == {"3.payload", "4.payload", "4.weights"}
     assert files[4] == {"4.payload", "5.payload", "4.weights"}, "a bad delta's output is not kept"
     assert files[5] == files[4]
+
+
+class HangsUp(Source):
+    """A learner that sends the manifest and hangs up before naming a swarm (as one stopping
+    does): the peer's download fails before it began."""
+
+    async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
+        await stream.send_all(encode_frame(ManifestFrame(self.sealed_manifest, session_signature(self.identity, hello.raw))))
+
+
+def test_a_learner_hanging_up_after_the_manifest_fails_the_refresh_with_an_error_it_retries() -> None:
+    """The download runs in a nursery of its links, which wraps what it raises; before the
+    version is served that is the fetch's own error and must reach the follower as itself (a
+    REFRESH_ERRORS one, retried), never as an exception group that would end the peer."""
+    payload = os.urandom(4 * PIECE)
+    manifest = build_manifest(run_id="run-1", version=3, payload=payload, piece_size=PIECE)
+    peer_data = DataServer(PEER, "run-1")
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            learner = DataServer(LEARNER, "run-1")
+            learner.register(3, HangsUp(LEARNER, manifest, seal(manifest, LEARNER), payload, {PEER.peer_id}))
+            await nursery.start(learner.run)
+            await nursery.start(peer_data.run)
+            session = SimpleNamespace(
+                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=2),
+                spec=SimpleNamespace(epoch=0),
+            )
+            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
+            peer._nursery = nursery
+            with trio.fail_after(10):
+                try:
+                    await peer._nursery_start(Target(3, len(payload), manifest.weights_sha256, 4, 0), FULL)
+                except BaseException as exc:  # noqa: BLE001 - what escapes is the point
+                    errors.append(exc)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert len(errors) == 1 and isinstance(errors[0], follower_module.REFRESH_ERRORS), repr(errors)
+    assert not isinstance(errors[0], BaseExceptionGroup)
