@@ -129,8 +129,8 @@ def test_a_neighbour_asking_for_what_we_never_announced_or_over_and_over_is_bann
 
 
 class Canceller(MeshReceiver):
-    """Calls off pieces it never asked for (were they honoured, it could reach into what a
-    neighbour queued for others; they are only bookkeeping, but a protocol violation)."""
+    """Calls off pieces it never asked for: nothing it could withdraw (a link holds only its
+    remote's own answers), but no honest peer does it, so a protocol violation."""
 
     def _ask(self, link: Link) -> None:
         if link is not self._source:
