@@ -25,6 +25,16 @@ LEARNER = Identity.from_seed(b"\x01" * 32)
 PEER = Identity.from_seed(b"\x10" * 32)
 
 
+def follower(learner: DataServer, peer_data: DataServer, engine: object, nursery: trio.Nursery,
+             cfg: RunConfig | None = None, **kwargs: object) -> WeightFollower:
+    """A peer's WeightFollower of run-1 whose learner serves data at `learner`'s port."""
+    session = SimpleNamespace(learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port,
+                              engine=engine, spec=SimpleNamespace(epoch=0))
+    peer = WeightFollower(cfg or RunConfig(run_id="run-1"), None, peer_data, session, **kwargs)  # type: ignore[arg-type]
+    peer._nursery = nursery
+    return peer
+
+
 def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> None:
     v7 = os.urandom(16 * PIECE)
     v8 = bytearray(v7)
@@ -49,13 +59,8 @@ def test_delta_when_the_peer_holds_the_base_then_full_when_none_is_offered() -> 
             learner.register(9, Source(LEARNER, full9, seal(full9, LEARNER), v9, members))
             await nursery.start(learner.run)
             await nursery.start(peer_data.run)
-            session = SimpleNamespace(
-                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=7),
-                spec=SimpleNamespace(epoch=0),
-            )
-            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
+            peer = follower(learner, peer_data, SimpleNamespace(version=7), nursery)
             peers.append(peer)
-            peer._nursery = nursery
             peer._blob, peer._blob_version, peer._blob_epoch = v7, 7, 0
             with trio.fail_after(10):
                 got = await peer._fetch_delta(Target(8, len(v8_b), full8.weights_sha256, 4, 0))
@@ -97,12 +102,8 @@ def test_a_delta_slower_than_a_full_snapshot_is_given_up_for_the_full_one(monkey
             await nursery.start(learner.run)
             peer_data = DataServer(PEER, "run-1")
             await nursery.start(peer_data.run)
-            engine = SimpleNamespace(version=7)
-            session = SimpleNamespace(learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port,
-                                      engine=engine, spec=SimpleNamespace(epoch=0))
-            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
+            peer = follower(learner, peer_data, SimpleNamespace(version=7), nursery)
             peers.append(peer)
-            peer._nursery = nursery
             peer._blob, peer._blob_version, peer._blob_epoch = v7, 7, 0
             peer._full_fetch_s = 0.1  # a fast link
             t0 = trio.current_time()
@@ -161,13 +162,10 @@ def test_a_peer_keeps_its_versions_as_files_and_unlinks_what_it_no_longer_serves
             await nursery.start(learner.run)
             peer_data = DataServer(PEER, "run-1")
             await nursery.start(peer_data.run)
-            session = SimpleNamespace(learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port,
-                                      engine=engine, spec=SimpleNamespace(epoch=0))
             cfg = RunConfig(run_id="run-1")
             cfg.net.keep_versions = 2
-            peer = WeightFollower(cfg, None, peer_data, session, versions_dir=folder)  # type: ignore[arg-type]
+            peer = follower(learner, peer_data, engine, nursery, cfg, versions_dir=folder)
             assert not (folder / "7.payload").exists(), "files of an earlier process are removed"
-            peer._nursery = nursery
             with trio.fail_after(20):
                 for v in (1, 2, 3, 4):
                     await peer._fetch(Target(v, len(blobs[v - 1]), full[v].weights_sha256, 4, 0))
@@ -216,12 +214,7 @@ def test_a_learner_hanging_up_after_the_manifest_fails_the_refresh_with_an_error
             learner.register(3, HangsUp(LEARNER, manifest, seal(manifest, LEARNER), payload, {PEER.peer_id}))
             await nursery.start(learner.run)
             await nursery.start(peer_data.run)
-            session = SimpleNamespace(
-                learner=PeerAddr(LEARNER.peer_id, ()), data_host="127.0.0.1", data_port=learner.port, engine=SimpleNamespace(version=2),
-                spec=SimpleNamespace(epoch=0),
-            )
-            peer = WeightFollower(RunConfig(run_id="run-1"), None, peer_data, session)  # type: ignore[arg-type]
-            peer._nursery = nursery
+            peer = follower(learner, peer_data, SimpleNamespace(version=2), nursery)
             with trio.fail_after(10):
                 try:
                     await peer._nursery_start(Target(3, len(payload), manifest.weights_sha256, 4, 0), FULL)
