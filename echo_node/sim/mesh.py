@@ -30,9 +30,9 @@ request timeouts (no honest peer stalls here), NAT, the TCP slow start, and ACKs
 ACKs wait in its uplink's queue behind its uploads, so what it has queued there slows what it
 downloads. That is why the live receiver sizes its requests by a neighbour's rate
 (`horizon`, Exchange rule 3) and the simulator by default keeps a fixed `pipeline` of 2: here
-the live rule changes little (1,000 peers of 5-35 Mbit/s: 1.084x the bound against 1.076x),
-live it took 8 peers on 10 Mbit/s uplinks from 1.58-1.69x to 1.17-1.20x, where the simulator
-says 1.04x (benchmarks/results/measurements.md, 2026-12-07).
+the live rule changes little, live it changes much, and on home uplinks the live swarm stays
+further from its bound than this model says (numbers: benchmarks/results/measurements.md,
+"requests sized by a neighbour's rate").
 """
 
 from __future__ import annotations
