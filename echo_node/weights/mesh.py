@@ -71,6 +71,7 @@ import random
 import secrets
 from collections import Counter
 from collections.abc import Collection, Mapping
+from dataclasses import dataclass
 from contextlib import aclosing
 
 import trio
@@ -197,6 +198,15 @@ class PeerOverlay:
         self.overlay.rotate_source(self.source_rotate)
 
 
+@dataclass(slots=True)
+class _Heard:
+    """What a peer has sent on its current link to the learner (`SeedSource`'s bounds)."""
+
+    pieces: int = 0  # the pieces it announced (a mask)
+    stale_haves: int = 0  # its `have`s that named no new piece
+    refused: int = 0  # its `get`s answered `none`
+
+
 class SeedSource:
     """The learner's side of one version on the overlay (rule 6)."""
 
@@ -235,9 +245,7 @@ class SeedSource:
         # as many haves without a new piece as the version has pieces; and it stops asking at
         # `none` (its SOURCE_PIPELINE requests in flight then still come). So the frames a
         # peer sends us do work that the version's size bounds; past that, a ban.
-        self._heard: dict[str, int] = {}
-        self._stale_haves: Counter[str] = Counter()
-        self._refused: Counter[str] = Counter()
+        self._heard: dict[str, _Heard] = {}
 
     async def serve(self, stream: trio.abc.Stream, hello: Hello) -> None:
         peer = hello.sender
@@ -256,9 +264,7 @@ class SeedSource:
             host, port = self.relays.get(peer, ("", 0))
             self.present[peer] = PeerEntry(peer, host, port)
             self._links[peer] = link
-            self._heard[peer] = 0
-            self._stale_haves[peer] = 0
-            self._refused[peer] = 0
+            self._heard[peer] = _Heard()
             self._tell(peer)
             touched = {p for edge in (*change.added, *change.removed) for p in edge} | self.overlay.overlay.neighbours(peer)
             for other in sorted(touched - {peer}):
@@ -276,8 +282,6 @@ class SeedSource:
                 self._links.pop(peer, None)
                 self._told.pop(peer, None)
                 self._heard.pop(peer, None)
-                self._stale_haves.pop(peer, None)
-                self._refused.pop(peer, None)
                 self.plan.drop(peer)
                 link.close()
                 nursery.cancel_scope.cancel()
@@ -288,23 +292,23 @@ class SeedSource:
 
     def _on_frame(self, link: Link, frame: Frame) -> None:
         peer = link.remote
+        heard = self._heard[peer]
         if isinstance(frame, Have):
-            heard = self._heard[peer]
-            new = frame.bits & ~heard
+            new = frame.bits & ~heard.pieces
             if not new:
-                self._stale_haves[peer] += 1
-                if self._stale_haves[peer] > self.store.manifest.num_pieces:
+                heard.stale_haves += 1
+                if heard.stale_haves > self.store.manifest.num_pieces:
                     raise RemoteProtocolError("more haves naming no new piece than the version has pieces")
                 return
-            self._heard[peer] = heard | new
+            heard.pieces |= new
             for index in mask_indices(new):
                 self.plan.has(peer, index)
             self._fill()
         elif isinstance(frame, Get):
             data = self.store.get(frame.index)
             if self.repairs[peer] >= self.repair_allowance or data is None:
-                self._refused[peer] += 1
-                if self._refused[peer] > SOURCE_PIPELINE + 1:
+                heard.refused += 1
+                if heard.refused > SOURCE_PIPELINE + 1:
                     raise RemoteProtocolError("keeps asking for repairs after `none`")
                 link.answer(NoMore(), _SENT)
                 return
