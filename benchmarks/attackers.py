@@ -26,7 +26,8 @@ Classes (the verification issue's a-f):
 - `stale_1`, `stale_5` (the adaptive attacker's): samples every batch on the weights it had 1
   (5) versions before the newest it loaded, with the newest's prompts and assigned seed, and
   claims the newest: version tags and log-probs recomputed under the newest weights (so the
-  log-prob check passes). Before it saw enough versions it uses the oldest it kept.
+  log-prob check passes). Before it saw enough versions it uses the oldest it kept; a batch
+  sampled before it loaded a second version is honest, and its `published` line says so.
 - `tempered`: samples at temperature 0.6 instead of the run's, claiming the log-probs the run's
   temperature gives its tokens (correct values, a sharper sampler).
 - `greedy`: greedy picks, claiming the run's-temperature log-probs.
@@ -41,7 +42,8 @@ Key rotation after a ban (a new identity for free) is not a class here: benchmar
 (`rotating`) restarts an attacker under a new key each time the learner catches it.
 
 Each batch published is one JSON line on stdout: {"event": "published", "seq", "groups",
-"lying", "wall"}.
+"lying", "wall", "peer", "ids"} (`ids`: its groups' ids, which the learner's `caught` record
+names for the groups of a publisher it trained).
 """
 
 from __future__ import annotations
@@ -145,17 +147,21 @@ class Attacker(Generator):
         publish = self.publisher.publish_groups
 
         async def announced(groups: Any, *, seq: int) -> None:
-            lying = self.lying
+            lying = self.batch_lied()
             await publish(groups, seq=seq)
             self.batches += 1
             print(json.dumps({"event": "published", "seq": seq, "groups": len(groups), "lying": lying, "wall": time.time(),
-                              "peer": self.publisher.identity.peer_id}), flush=True)
+                              "peer": self.publisher.identity.peer_id, "ids": [g.group_id for g in groups]}), flush=True)
 
         self.publisher.publish_groups = announced  # type: ignore[method-assign]
 
     @property
     def lying(self) -> bool:
         return self.batches >= self.after
+
+    def batch_lied(self) -> bool:
+        """Whether the batch about to be published lies (what its `published` line says)."""
+        return self.lying
 
 
 class FakeRewards(Attacker):
@@ -316,6 +322,12 @@ class Stale(Resampler):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.kept: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self.stale_batch = False
+
+    def batch_lied(self) -> bool:
+        """Whether the batch just generated was sampled on older weights than it claims: not
+        before a second version was loaded (until then the oldest weights kept are the newest)."""
+        return self.lying and self.stale_batch
 
     def sample(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
         model = self.session.policy.model
@@ -325,6 +337,7 @@ class Stale(Resampler):
                 self.kept.popitem(last=False)
         old = next(iter(self.kept.values()))
         newest = self.kept[self.engine.version]
+        self.stale_batch = old is not newest
         model.load_state_dict(old)
         try:
             return self.generate_at(prompts, seed, self.spec.sampling.temperature)

@@ -32,9 +32,13 @@ one slot in five. Until then its batches are honest answers to prompts it chose
 and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the
 claimed weights, a temperature-0.6 sampler, greedy picks. They run the torch engine on a CPU,
 so check 6 (echo_node/learner/spot_check.py) replays their noise and proves them once their tokens showed
-they draw the assigned noise. For every adaptive class `trained_share_of_all` is judged: its
-trained groups over all groups trained in the run, <= 0.05 for stale_1 and <= 0.01 for the
-others (the issue's targets); `lying_batches_to_ban` is reported.
+they draw the assigned noise. For every adaptive class `lies_trained_share_of_all` is judged:
+the groups of its lying batches that were trained over all groups trained in the run, <= 0.05
+for stale_1 and <= 0.01 for the others (the issue's targets). The learner's `caught` record
+names the ids of the caught key's trained groups, which tells a lie from an honest batch (a
+stale attacker's batches before it loaded a second version, rotating's first two per key);
+what it cannot tell apart counts as a lie (`lying_groups_trained`). `trained_share_of_all`,
+every group of its keys, and `lying_batches_to_ban` are reported beside it.
 
 `reordered_copier` (adaptive) copies other peers' groups with their samples reversed, log-probs
 nudged and names changed. `rotating` (adaptive) is `other_model` honest for its first 2 batches
@@ -222,6 +226,8 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
             attacker_lying_groups_published=sum(p["groups"] for p in lies),
             trained_share=round(bad_trained / max(1, groups), 4),
             trained_share_of_all=round(bad_trained / max(1, sum(trained.values())), 4),
+            lies_trained=(lies_trained := lying_groups_trained(bad, trained, mine, published)),
+            lies_trained_share_of_all=round(lies_trained / max(1, sum(trained.values())), 4),
             caught={k: mine[0][k] for k in ("reason", "evidence", "batches", "version")} if mine else None,
             keys_caught=len({r["peer"] for r in mine}),
             # Of the batches the learner opened up to the ban, how many lied (the honest ones first).
@@ -230,6 +236,25 @@ def measure(attack: str, verify: bool, summary: dict[str, Any], records: list[di
             ban_after_s=round(mine[0]["wall"] - first, 3) if mine and first is not None else None,
         )
     return result
+
+
+def lying_groups_trained(keys: list[str], trained: dict[str, int], caught: list[dict[str, Any]],
+                         published: list[dict[str, Any]]) -> int:
+    """The attacker's trained groups that came from batches it published lying. A caught key's
+    record names the ids of its last trained groups (TRAINED_IDS_KEPT): those of honest batches
+    are left out. Whatever cannot be told apart counts as a lie: a key never caught, trained
+    groups beyond the ids named, and any trained after the record."""
+    lied = {i for p in published if p.get("lying", True) for i in p.get("ids", ())}
+    records = {r["peer"]: r for r in caught}
+    total = 0
+    for key in keys:
+        record = records.get(key)
+        if record is None or "trained_recent" not in record:
+            total += trained.get(key, 0)
+            continue
+        named = record["trained_recent"]
+        total += sum(1 for i in named if i in lied) + max(0, trained.get(key, 0) - len(named))
+    return total
 
 
 def evaluate(run_dir: Path) -> dict[str, Any]:
@@ -285,7 +310,8 @@ def verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
         if r["attack"] in EXACT:
             ok.update(trained_share=r["trained_share"] <= 0.01, within_2_batches=bool(caught) and caught["batches"] <= 2)
         elif r["attack"] in ADAPTIVE:
-            ok.update(share_of_all=r["trained_share_of_all"] <= ADAPTIVE_SHARE.get(r["attack"], ADAPTIVE_SHARE_DEFAULT))
+            target = ADAPTIVE_SHARE.get(r["attack"], ADAPTIVE_SHARE_DEFAULT)
+            ok.update(lies_share_of_all=r["lies_trained_share_of_all"] <= target)
         elif r["attack"] in LATE:
             # Each lying batch is checked with chance spot_rate: the wait is geometric (mean 1 / rate).
             ok.update(accuracy=r.get("accuracy_vs_clean", 0) >= 0.97)
@@ -375,7 +401,7 @@ def main() -> None:
                 run_root = root / f"{attack}-{'on' if verify else 'off'}"
                 r = run_one(run_root, keys, attack, verify=verify, versions=args.versions, seconds=args.seconds)
                 results.append(r)
-                brief = {k: r.get(k) for k in ("versions", "trained_share", "trained_share_of_all", "greedy_accuracy", "injected_prob")}
+                brief = {k: r.get(k) for k in ("versions", "trained_share", "trained_share_of_all", "lies_trained_share_of_all", "greedy_accuracy", "injected_prob")}
                 print(f"# {attack} verify={'on' if verify else 'off'}: {brief} caught={(r.get('caught') or {}).get('batches')}",
                       flush=True)
                 shutil.rmtree(run_root / "runs", ignore_errors=True)

@@ -486,8 +486,12 @@ class RolloutIntake:
         the evidence."""
         purged = self.buffer.purge(peer_id)
         until = self.version() + self.ban_versions
+        # What of its data had reached training already: the count, and its last groups' ids
+        # (the operator's measure of the damage; a benchmark's of what its lies bought).
+        trained = list(self.buffer.trained_ids.get(peer_id, ()))
         self.on_caught({"peer": peer_id, "reason": str(reason), "evidence": self._evidence[:500],
-                        "batches": self.peers.batches[peer_id], "purged": purged, "until_version": until})
+                        "batches": self.peers.batches[peer_id], "purged": purged, "until_version": until,
+                        "trained_groups": self.buffer.trained_groups[peer_id], "trained_recent": trained})
         log.warning(
             "caught %s: %s (%s); banned until version %d, %d buffered rollouts purged", peer_id, reason, self._evidence, until, purged
         )

@@ -49,6 +49,9 @@ Group = RolloutGroup | EpisodeGroup
 # The journal's records carry a group's wire form, then its kind where it is not a RolloutGroup
 # (records written before episodes existed have none).
 EPISODE_KIND = "episode"
+# Per origin, the ids of its last this many trained groups (as the publisher named them), kept
+# so that a publisher caught later can be told apart into what reached training and what not.
+TRAINED_IDS_KEPT = 64
 
 
 def group_record(group: Group) -> list[Any]:
@@ -125,6 +128,8 @@ class ReplayBuffer:
         self.bytes = 0
         # Groups trained per origin, over the run (one count per peer that ever had one trained).
         self.trained_groups: Counter[str] = Counter()
+        # ... and the ids of the last TRAINED_IDS_KEPT of them, since this start of the learner.
+        self.trained_ids: dict[str, deque[str]] = {}
         self.journal = journal
         self._gid: dict[int, int] = {}
         self.next_gid = 0
@@ -318,6 +323,10 @@ class ReplayBuffer:
             origin = self._origin.get(id(g))
             if origin is not None:
                 self.trained_groups[origin] += 1
+                ids = self.trained_ids.get(origin)
+                if ids is None:
+                    ids = self.trained_ids[origin] = deque(maxlen=TRAINED_IDS_KEPT)
+                ids.append(g.group_id)
             self._release(g)
 
     def mark_failed(self, groups: Iterable[Group], reason: DropReason) -> None:

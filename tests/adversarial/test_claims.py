@@ -132,6 +132,25 @@ def test_a_forger_is_banned_at_once_for_versions_and_its_buffered_groups_purged(
     assert BanLog(learner.cfg.run_dir / "bans.log").load()[1] == {MALLORY.peer_id: learner.cfg.verify.ban_versions}
 
 
+def test_the_caught_record_says_which_of_the_publishers_groups_were_trained(learner: Learner) -> None:
+    """The damage a caught publisher did, for the operator (and the benchmark's count of lies
+    trained): how many of its groups reached a step, and the ids of the last of them."""
+    records: list[dict[str, object]] = []
+    write = learner.intake.on_caught
+    learner.intake.on_caught = lambda record: (records.append(record), write(record))[1]
+    for who in (ALICE, MALLORY):
+        learner.peers.join(who.peer_id, 0.0)
+    honest = make_batch(identity=MALLORY, seq=1, groups=2)
+    assert offer(learner, seal(honest, MALLORY), MALLORY.peer_id)
+    learner.buffer.mark_trained(learner.buffer.take(10, 0))
+    assert offer(learner, seal(make_batch(identity=MALLORY, seq=2), MALLORY), MALLORY.peer_id)  # buffered, then purged
+    assert not offer(learner, seal(wrong_answers_rewarded(), MALLORY), MALLORY.peer_id)
+    [caught] = records
+    assert caught["peer"] == MALLORY.peer_id and caught["reason"] == "bad_reward"
+    assert caught["trained_groups"] == 2
+    assert sorted(caught["trained_recent"]) == sorted(g.group_id for g in honest.groups)  # (in the order trained)
+
+
 def test_a_version_ban_survives_a_restart_and_ends_at_its_version(learner: Learner) -> None:
     learner.peers.join(MALLORY.peer_id, 0.0)
     assert not offer(learner, seal(wrong_answers_rewarded(), MALLORY), MALLORY.peer_id)

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from echo_node.learner.replay import ReplayBuffer, group_bytes
+from echo_node.learner.replay import TRAINED_IDS_KEPT, ReplayBuffer, group_bytes
 from protocol.drops import DropReason
 from protocol.messages import RolloutGroup
 from tests.factories import make_group
@@ -216,3 +216,16 @@ def test_a_rescued_step_keeps_each_origins_share() -> None:
     step = buf.take(4, 10, rescue=4)
     assert len(step) == 8
     assert sorted(buf.origin(g) for g in step) == ["fresh"] * 4 + ["old"] * 4
+
+
+def test_the_ids_of_an_origins_last_trained_groups_are_kept_and_bounded() -> None:
+    buf = ReplayBuffer(mode="async", staleness=4, capacity_groups=256)
+    for seq in range(TRAINED_IDS_KEPT + 6):  # one group a step
+        buf.offer(make_group(n=seq), current_version=0, origin="mallory")
+        buf.mark_trained(buf.take(1, 0))
+    buf.offer(make_group(n=999), current_version=0, origin="alice")
+    buf.mark_trained(buf.take(1, 0))
+    assert buf.trained_groups == {"mallory": TRAINED_IDS_KEPT + 6, "alice": 1}
+    assert list(buf.trained_ids["alice"]) == ["g999"]
+    kept = buf.trained_ids["mallory"]
+    assert list(kept) == [f"g{n}" for n in range(6, TRAINED_IDS_KEPT + 6)]  # the first trained went first
