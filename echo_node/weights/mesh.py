@@ -24,7 +24,8 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    learner draws neighbours (overlay rule 2).
 2. Announcements: a new link starts with a `have` of everything held; pieces verified since are
    announced in one `have` per HAVE_BATCH_S (exchange.py) to every neighbour and to the learner (its SeedPlan
-   picks peers by what they hold). The learner's `have` also names the pieces asked of a
+   picks peers by what they hold), a piece from the learner at once (`have_due`: nobody else
+   holds it yet). The learner's `have` also names the pieces asked of a
    neighbour: it then sends none of them, so a neighbour's answer is not wasted on a piece the
    learner sent meanwhile. Nobody asks pieces of the learner's link by its haves, so the claim
    cannot mislead anyone else.
@@ -109,7 +110,7 @@ from protocol.weights.datachannel import (
     mask_indices,
     session_signature,
 )
-from protocol.weights.exchange import HAVE_BATCH_S, Exchange, SeedPlan
+from protocol.weights.exchange import HAVE_BATCH_S, Exchange, SeedPlan, have_due
 from protocol.weights.manifest import WeightManifest
 from protocol.weights.overlay import DEFAULT_DEGREE, DEGREE_RANGE, Change, Overlay
 
@@ -376,6 +377,7 @@ class MeshReceiver:
         self._claimed = 0  # pieces asked of neighbours, not yet told the learner (rule 2)
         self._told_source = 0  # pieces told the learner: held or asked of a neighbour
         self._flush_at: float | None = None
+        self._last_have = -math.inf  # when our last `have` to the neighbours left
         self._asked_of: dict[str, int] = {}  # neighbour -> pieces ever asked of it (a mask)
         self._answers: Counter[str] = Counter()  # neighbour -> pieces it asked of us
         # neighbour -> the pieces it asked of us and has not called off (a mask): a `get` sets
@@ -559,11 +561,13 @@ class MeshReceiver:
             now = trio.current_time()
             self._last_piece = now
             self._fresh |= 1 << index
-            if self.store.complete:
+            due = have_due(now, self._last_have, from_learner=kind == "seed")
+            if self.store.complete or due <= now:
                 self._flush()
-                self.done.set()
-            elif self._flush_at is None:
-                self._flush_at = now + HAVE_BATCH_S
+                if self.store.complete:
+                    self.done.set()
+            elif self._flush_at is None or due < self._flush_at:
+                self._flush_at = due
         if not from_source:
             self._ask(link)
 
@@ -585,6 +589,7 @@ class MeshReceiver:
         fresh, claimed, self._fresh, self._claimed, self._flush_at = self._fresh, self._claimed, 0, 0, None
         num_pieces = self.manifest.num_pieces
         if fresh:
+            self._last_have = trio.current_time()
             frame = encode_frame(Have(fresh), num_pieces=num_pieces)
             for link in self.links.values():
                 link.send_packed(False, frame)

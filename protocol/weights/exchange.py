@@ -9,7 +9,9 @@ Receiver rules (`Exchange`; tests in tests/unit/test_protocol_exchange.py):
    `availability` of a piece we lack is the number of neighbours that announced it. An
    announcement of a piece we hold is not recorded: no rule reads who else holds it, and most
    announcements a peer hears are of pieces it already holds (each piece is announced to all k
-   neighbours), so this is most of the cost of a version at scale.
+   neighbours), so this is most of the cost of a version at scale. Our own announcements leave
+   when `have_due` says: a piece from the learner at once (at most one frame per
+   HAVE_SEED_GAP_S), any other within HAVE_BATCH_S, with whatever else arrived meanwhile.
 2. Order: the first `random_first` pieces are asked at random among what a neighbour offers
    (so neighbours that start together hold different pieces to trade); after that, rarest
    first, approximated cheaply: of `sample` random candidates the neighbour offers, the one the
@@ -61,13 +63,28 @@ from protocol.errors import LocalProtocolError, RemoteProtocolError
 from protocol.limits import MAX_PIECES
 from protocol.weights.datachannel import mask_indices
 
-__all__ = ["ENDGAME_COPIES", "HAVE_BATCH_S", "Exchange", "SeedPlan", "bits_of"]
+__all__ = ["ENDGAME_COPIES", "HAVE_BATCH_S", "HAVE_SEED_GAP_S", "Exchange", "SeedPlan", "bits_of", "have_due"]
 
 ENDGAME_COPIES: Final = 2
 # A receiver announces the pieces it verified in one `have` per this many seconds, to every
 # neighbour and the learner (one frame per batch instead of one per piece and neighbour); the
-# live receiver and the simulator both use it.
+# live receiver and the simulator both use it (`have_due`).
 HAVE_BATCH_S: Final = 0.05
+# ... except a piece from the learner, announced at once but at most one `have` per this long.
+HAVE_SEED_GAP_S: Final = 0.02
+
+
+def have_due(verified_at: float, last_have_at: float, *, from_learner: bool) -> float:
+    """When the `have` naming a piece verified at `verified_at` leaves (receiver rule 1), the
+    previous one having left at `last_have_at`. A piece from the learner is, at that moment, held
+    by nobody else in the swarm: while the learner's uplink is the bottleneck these are the
+    scarce pieces, and every hop of the version's last ones waits for its announcement, so it
+    leaves at once, no sooner than HAVE_SEED_GAP_S after the last (a peer fed at its downlink's
+    rate still sends at most 1 / HAVE_SEED_GAP_S frames a second to each neighbour). Any other
+    piece waits up to HAVE_BATCH_S for others to share its frame."""
+    if from_learner:
+        return max(verified_at, last_have_at + HAVE_SEED_GAP_S)
+    return verified_at + HAVE_BATCH_S
 # Rule 3: the weight of a neighbour's newest answer in the average of what its answers take.
 TIMING_WEIGHT: Final = 0.25
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from protocol.errors import LocalProtocolError, RemoteProtocolError
-from protocol.weights.exchange import ENDGAME_COPIES, Exchange, SeedPlan, bits_of
+from protocol.weights.exchange import ENDGAME_COPIES, HAVE_BATCH_S, HAVE_SEED_GAP_S, Exchange, SeedPlan, bits_of, have_due
 
 
 def exchange(num_pieces: int = 16, **kwargs: object) -> Exchange:
@@ -320,3 +320,12 @@ def test_a_complete_peer_is_replaced_in_the_served_set() -> None:
     assert sp.served() == ["b"]
     sp.drop("b")
     assert sp.served() == []
+
+
+def test_a_piece_from_the_learner_is_announced_at_once_but_not_more_often_than_the_gap() -> None:
+    # Any other piece waits for the batch; a learner's piece leaves at once...
+    assert have_due(10.0, 0.0, from_learner=False) == 10.0 + HAVE_BATCH_S
+    assert have_due(10.0, 0.0, from_learner=True) == 10.0
+    # ... unless a `have` left less than the gap ago: then at the gap, still before the batch.
+    assert have_due(10.0, 9.995, from_learner=True) == 9.995 + HAVE_SEED_GAP_S
+    assert HAVE_SEED_GAP_S < HAVE_BATCH_S
