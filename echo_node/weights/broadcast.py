@@ -177,6 +177,7 @@ LINK_QUEUE_MIN_BYTES = 1 << 20
 # this many bans are kept (the one ending first is forgotten first).
 DATA_BAN_S = 600.0
 MAX_DATA_BANS = 4096
+MAX_LINK_TIMINGS = 1024
 
 
 def base_of(manifest: WeightManifest) -> int:
@@ -439,6 +440,10 @@ class DataServer:
         self.bans: dict[str, float] = {}
         self.ban_s = ban_s
         self.on_ban = on_ban
+        # What each neighbour's answers took on our mesh links (Exchange rule 3), kept across
+        # versions so that a version's requests start at the depth the last one measured; the
+        # MAX_LINK_TIMINGS peers heard from last (a peer's own say never enters it).
+        self.link_timings: OrderedDict[str, float] = OrderedDict()
         self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
         # Asked for a (version, base) that is not registered while the version is: the owner may

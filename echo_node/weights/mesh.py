@@ -31,7 +31,8 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
    cannot mislead anyone else.
 3. Requests: `Exchange.requests` fills each neighbour's pipeline after every event that may
    open one; its depth covers MESH_HORIZON_S at the rate that neighbour's answers arrive, one
-   to MESH_PIPELINE requests (Exchange rule 3). A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
+   to MESH_PIPELINE requests (Exchange rule 3), starting from the rate measured on our last
+   version's link to it (`DataServer.link_timings`). A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
    neighbour whose requests time out MAX_STALLS times is cut (a trickler, or one that announces
    pieces it never sends), not banned (a congested honest link looks the same).
 4. Answers: a neighbour is answered only for pieces we hold (asking for one we never announced
@@ -79,6 +80,7 @@ import trio
 
 from echo_node.weights.broadcast import (
     LINK_ERRORS,
+    MAX_LINK_TIMINGS,
     SOURCE_NOTSENT_LOWAT,
     SOURCE_PIPELINE,
     Changes,
@@ -465,7 +467,7 @@ class MeshReceiver:
                     if from_source:
                         self._told_source = held
                     if not from_source:
-                        self.ex.neighbour_up(remote)
+                        self.ex.neighbour_up(remote, took=self.server.link_timings.get(remote))
                         self._ask(link)
                     try:
                         async with aclosing(link.frames()) as frames:
@@ -484,8 +486,20 @@ class MeshReceiver:
             else:
                 self.links.pop(remote, None)
                 self._scopes.pop(remote, None)
+                self._remember_timing(remote)
                 self.ex.neighbour_gone(remote)
             self._wake.set()
+
+    def _remember_timing(self, peer: str) -> None:
+        """Keep what `peer`'s answers took for the next version's link to it (rule 3)."""
+        took = self.ex.timing(peer)
+        if took is None:
+            return
+        timings = self.server.link_timings
+        timings[peer] = took
+        timings.move_to_end(peer)
+        while len(timings) > MAX_LINK_TIMINGS:
+            timings.popitem(last=False)
 
     # -- frames ------------------------------------------------------------------------------
 
@@ -628,6 +642,8 @@ class MeshReceiver:
                      math.inf if deadline is None else deadline, self._last_piece + SOURCE_REPAIR_S)
             with trio.move_on_at(max(at, now + 1e-3)):
                 await self._wake.wait()
+        for peer in self.links:  # complete: no more answers to time on these links
+            self._remember_timing(peer)
         return self.store.payload()
 
     def _repair(self) -> None:

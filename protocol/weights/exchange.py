@@ -24,6 +24,9 @@ Receiver rules (`Exchange`; tests in tests/unit/test_protocol_exchange.py):
    `pipeline`. One request keeps a link busy when pieces take longer than a round trip; more
    than that only wait in the neighbour's queue, and every piece waiting there is one nobody
    else may send us, the learner included (measured: benchmarks/results/mesh-live-issue27).
+   A neighbour starts at depth 1, or at the depth its answers' time in an earlier version gives
+   (`neighbour_up(took=)`: the caller keeps it across versions), so a version does not start
+   with a one-piece probe of every link.
 4. Endgame: once every piece we lack is requested and at most `endgame_pieces` are missing, a
    neighbour with a free slot is asked for a piece already in flight elsewhere that it holds, at
    most `ENDGAME_COPIES` requests per piece; the first copy wins. (From the moment all are
@@ -176,9 +179,18 @@ class Exchange:
 
     # --- events -----------------------------------------------------------------------------
 
-    def neighbour_up(self, peer: str) -> None:
+    def neighbour_up(self, peer: str, *, took: float | None = None) -> None:
+        """A link to `peer` is up; `took`: what its answers took in an earlier version (rule 3:
+        its first depth follows from it instead of a one-piece probe)."""
         if peer not in self.banned and peer not in self._n:
-            self._n[peer] = _Neighbour(1 if self.horizon is not None else self.pipeline)
+            nb = self._n[peer] = _Neighbour(1 if self.horizon is not None else self.pipeline)
+            if took is not None and self.horizon is not None and math.isfinite(took):
+                self._timed(nb, took)
+
+    def timing(self, peer: str) -> float | None:
+        """What `peer`'s answers take, averaged (rule 3); None before its first one."""
+        nb = self._n.get(peer)
+        return None if nb is None else nb.took
 
     def neighbour_gone(self, peer: str) -> None:
         nb = self._n.pop(peer, None)

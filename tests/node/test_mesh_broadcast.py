@@ -32,6 +32,15 @@ def test_a_version_reaches_every_peer_over_links_the_learner_chose() -> None:
         assert r.linked <= r.listed
     # The learner fed at most its served set at a time and each piece at most once per peer.
     assert run.source.plan.total_sent <= 30 * run.source.store.manifest.num_pieces
+    # What each neighbour's answers took is kept for the next version's links to it (a peer the
+    # learner fed every piece itself timed nobody).
+    timed = 0
+    for pid, r in run.receivers.items():
+        assert isinstance(r, Recording)
+        timings = run.servers[pid].link_timings
+        assert set(timings) <= r.linked and all(t >= 0 for t in timings.values())
+        timed += bool(timings) == bool(r.stats.pieces["peers"])
+    assert timed == 30
 
 
 def test_peers_behind_a_nat_dial_out_and_late_peers_fetch_from_the_early_ones() -> None:

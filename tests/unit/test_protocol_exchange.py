@@ -188,6 +188,26 @@ def test_the_depth_follows_the_neighbours_rate() -> None:
     assert fast.depth("nobody") == 0
 
 
+def test_a_neighbours_rate_from_an_earlier_version_sets_its_first_depth() -> None:
+    # The time its answers took last version (0.02 s) starts it at the depth that gives, and the
+    # average goes on from there; without one it starts with a one-piece probe.
+    last = exchange(num_pieces=64, pipeline=4, horizon=0.1)
+    last.neighbour_up("a")
+    last.has_bits("a", (1 << 64) - 1)
+    assert last.timing("a") is None
+    answer_every(last, "a", 0.02, 6)
+    took = last.timing("a")
+    assert took is not None and abs(took - 0.02) < 1e-9
+    ex = exchange(num_pieces=64, pipeline=4, horizon=0.1)
+    ex.neighbour_up("a", took=took)
+    ex.neighbour_up("b", took=0.5)
+    ex.neighbour_up("c", took=None)
+    assert (ex.depth("a"), ex.depth("b"), ex.depth("c")) == (4, 1, 1)
+    ex.has_bits("a", (1 << 64) - 1)
+    assert len(ex.requests("a", 0.0)) == 4
+    assert ex.timing("nobody") is None
+
+
 def test_an_answer_times_from_its_request_or_the_previous_answer() -> None:
     # Two requests out at once: the second answer's time is from the first answer, not from
     # when it was asked, so queueing behind its sibling is not counted twice.
