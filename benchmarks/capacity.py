@@ -46,7 +46,10 @@ links per peer, the learner's copies, CPU and wall seconds per version. Targets:
 
 Section `simcheck` (root: network namespaces): the simulator against live broadcasts of real
 receivers over the same shaped links (3 and 4 peers, 4 MiB); `sim_vs_live_bcast` is the largest
-|live / simulated - 1|.
+|live / simulated - 1|. Then the bounded-degree mesh the same way (`simcheck_mesh`: 8 peers on
+symmetric 100 Mbit/s links with 64 MiB, 8 and 16 peers on home links, 100 down / 10 up, with
+16 MiB; the learner at 100 Mbit/s); `sim_vs_live_mesh` is its largest |live / simulated - 1|
+(target 0.10).
 
 Section `live`: real processes on this machine. A learner whose update takes >= 3 s (a larger
 model's step, `benchmarks.paced`) and four peers with known rates (a floor per group sampled)
@@ -432,6 +435,10 @@ def section_live(args: argparse.Namespace) -> dict[str, Any]:
 # (peers, learner up, peers up / down, slow peers at SIMCHECK_SLOW_MBIT both ways), Mbit/s.
 SIMCHECK = ((3, 20.0, 10.0, 40.0, 0), (4, 20.0, 10.0, 40.0, 1))
 SIMCHECK_SLOW_MBIT = 15.0
+# The bounded-degree mesh (echo_node/weights/mesh.py live, echo_node/sim/mesh.py simulated):
+# (peers, learner up, peers up, peers down in Mbit/s, MiB): symmetric links, home links.
+SIMCHECK_MESH = ((8, 100.0, 100.0, 100.0, 64), (8, 100.0, 10.0, 100.0, 16), (16, 100.0, 10.0, 100.0, 16))
+SIMCHECK_MESH_VERSIONS = 3
 
 
 def section_simcheck(args: argparse.Namespace) -> dict[str, Any]:
@@ -462,7 +469,43 @@ def section_simcheck(args: argparse.Namespace) -> dict[str, Any]:
                      "sim_s": _round(simulated, 3), "live_over_sim": _round(live["seconds"] / simulated, 3),
                      "bound_s": _round(broadcast_bound(s.size_bytes, b0 * mbit, [d for d, _ in links], [u for _, u in links]), 3),
                      "all_verified": live["all_verified"], "peers_bytes_up": live["peers_bytes_up"]})
-    return {"sim_vs_live_bcast": _round(max(abs(r["live_over_sim"] - 1) for r in rows), 3), "simcheck": rows}
+    mesh = simcheck_mesh()
+    return {"sim_vs_live_bcast": _round(max(abs(r["live_over_sim"] - 1) for r in rows), 3), "simcheck": rows,
+            "sim_vs_live_mesh": _round(max(abs(r["live_over_sim"] - 1) for r in mesh), 3), "simcheck_mesh": mesh}
+
+
+def simcheck_mesh() -> list[dict[str, Any]]:
+    """The mesh simulator against the live mesh (benchmarks.wan.p2p `--exchange mesh`) over the
+    same shaped links at their measured goodput, with the live receiver's request depth and
+    piece size; the simulated time is the median over SIMCHECK_MESH_VERSIONS versions."""
+    from benchmarks.wan.calibrate import measure_goodput
+    from benchmarks.wan.p2p import PIECE, run_p2p
+    from benchmarks.wan.scenario import Scenario
+    from echo_node.sim.mesh import simulate_mesh
+    from echo_node.weights.mesh import MESH_HORIZON_S, MESH_PIPELINE
+    from protocol.weights.manifest import choose_piece_size
+
+    rows = []
+    for peers, b0, up, down, mib in SIMCHECK_MESH:
+        s = Scenario(peers=peers, size_bytes=mib << 20, b0_mbit=b0, bup_mbit=up, bdown_mbit=down, exchange="mesh")
+        with s.topology(prefix="ecam") as topo:
+            efficiency = measure_goodput(topo, src=1, dst=0, nbytes=1 << 20, timeout=30)["efficiency"]
+            live = run_p2p(topo, s, tag="capacity-simcheck-mesh", timeout=300)
+        mbit = 1e6 / 8 * efficiency
+        sim = simulate_mesh(s.size_bytes, b0 * mbit, [(down * mbit, up * mbit)] * peers, versions=SIMCHECK_MESH_VERSIONS,
+                            latency_s=0.0, degree=s.degree, pipeline=MESH_PIPELINE, horizon=MESH_HORIZON_S,
+                            piece_size=choose_piece_size(s.size_bytes, PIECE))
+        simulated = statistics.median(v.seconds for v in sim.versions if v.seconds is not None)
+        bound = sim.versions[0].bound_s
+        rows.append({**s.describe(), "efficiency": _round(efficiency, 3), "live_s": _round(live["seconds"], 3),
+                     "sim_s": _round(simulated, 3), "live_over_sim": _round(live["seconds"] / simulated, 3),
+                     "bound_s": _round(bound, 3), "live_over_bound": _round(live["seconds"] / bound, 3),
+                     "sim_over_bound": _round(simulated / bound, 3), "all_verified": live["all_verified"],
+                     "live_learner_copies": _round(live["learner_bytes_up"] / s.size_bytes, 3),
+                     "sim_learner_copies": _round(statistics.median(v.learner_copies for v in sim.versions), 3),
+                     "live_cpu_busy": live["cpu_busy"]})
+        print(json.dumps({"simcheck_mesh": rows[-1]}), file=sys.stderr, flush=True)
+    return rows
 
 
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {

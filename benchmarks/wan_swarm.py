@@ -25,6 +25,7 @@ nftables (`apt-get install nftables`). One JSON object as the last line.
     .venv/bin/python -m benchmarks.wan_swarm
     .venv/bin/python -m benchmarks.wan_swarm --peers 3 --nat 1 --seconds 60
     .venv/bin/python -m benchmarks.wan_swarm --exchange mesh   # the bounded-degree overlay
+    .venv/bin/python -m benchmarks.wan_swarm --publish-every 2  # broadcast every other version
 """
 
 from __future__ import annotations
@@ -110,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=60.0, help="training time per swarm after its last peer started")
     p.add_argument("--exchange", choices=["auto", "push", "mesh"], default="auto",
                    help="the learner's weights.exchange (auto: the bounded-degree mesh)")
+    p.add_argument("--publish-every", default="1", metavar="K|auto",
+                   help="the learner's --publish-every: every K-th version is broadcast (auto: the capacity model's κ)")
     args = p.parse_args(argv)
     if not 0 <= args.nat <= args.peers:
         p.error("--nat must be between 0 and --peers")
@@ -126,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="wan-swarm-") as tmp:
         config = Path(tmp) / "weights.toml"
         config.write_text(f'[weights]\nexchange = "{args.exchange}"\n')
-        learner_args = ["--config", str(config)]
+        learner_args = ["--config", str(config), "--publish-every", args.publish_every]
         with Topology(hosts, prefix="ewsw") as topo:
             swarm = NetnsSwarm(topo, Path(tmp) / "wan", "wan-swarm")
             try:
@@ -147,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     wan["installed_over_bound"] = round(wan["installed_s"] / bound, 3) if wan["installed_s"] else None
     out = {
         "peers": args.peers, "nat": args.nat, "seconds": args.seconds, "exchange": args.exchange,
+        "publish_every": args.publish_every,
         "rates_mbit": {"learner": args.learner_mbit, "peer_down": args.peer_down_mbit, "peer_up": args.peer_up_mbit},
         "wan": wan, "loopback": loopback,
         "versions_per_min_ratio": round(wan["versions_per_min"] / loopback["versions_per_min"], 3) if loopback["versions_per_min"] else None,
