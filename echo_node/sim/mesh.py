@@ -14,13 +14,16 @@ What is real and what is modelled:
   from the arrival: the completion, the `have` it joins, the cancels and the next `get` it
   triggers leave at the arrival; only the receiver's own tables (`Exchange`, the learner's
   `SeedPlan`) see the piece up to those latencies early (tens of ms against a version's tens of
-  seconds). Announcements (`have`) leave in one frame per `HAVE_BATCH_S` with every piece verified
-  since and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
+  seconds). Announcements (`have`) leave when the live receiver's would (`have_due`: a piece
+  from the learner at once, others within `HAVE_BATCH_S`), one frame with every piece verified
+  since, and reach the neighbours at once (a few bytes; per piece they would be N·M·k events); the
   requests of one decision travel together, one access latency each way, and join the holder's
   FIFO when they reach it (no event of their own unless they wake an idle uplink); a `cancel`
   likewise drops the transfer if it reaches the holder before the transfer starts.
   The learner counts a served peer as having download headroom when its downlink delivered all
   it was given (as `echo_node.sim.broadcast.SimSource` does).
+- Each peer keeps what its neighbours' answers took across versions (the live
+  `DataServer.link_timings`): a link's requests start at the depth the last version measured.
 - Churn: a peer leaves at once (its links and what it was sending go with it); a newcomer is
   given its neighbours by the overlay and fetches the current version, announced pieces
   exchanged both ways on every new link.
@@ -48,7 +51,7 @@ from dataclasses import dataclass, field
 from echo_node.sim.events import EventLoop
 from echo_node.sim.net import Node
 from protocol.capacity import broadcast_bound
-from protocol.weights.exchange import HAVE_BATCH_S, Exchange, SeedPlan
+from protocol.weights.exchange import Exchange, SeedPlan, have_due
 from protocol.weights.manifest import choose_piece_size
 from protocol.weights.overlay import DEFAULT_DEGREE, Overlay
 
@@ -209,7 +212,7 @@ class _Seed(_Sender):
 class _Receiver(_Sender):
     """A peer's side of one version: announces, asks its neighbours (Exchange), serves them."""
 
-    __slots__ = ("ex", "links", "done_at", "joined_at", "unannounced", "announce_at", "tell_learner")
+    __slots__ = ("ex", "links", "done_at", "joined_at", "unannounced", "announce_at", "last_have", "tell_learner", "timings")
 
     def __init__(self, v: _Version, node: Node, seed: int) -> None:
         super().__init__(v, node, node.id)
@@ -217,17 +220,22 @@ class _Receiver(_Sender):
         self.links: dict[str, _Receiver] = {}
         self.done_at: float | None = None  # when it held every piece (None: not yet)
         self.joined_at = v.loop.now
-        # (arrival, piece) verified, not announced yet; the next `have` leaves at announce_at.
-        self.unannounced: list[tuple[float, int]] = []
+        # (arrival, piece, from the learner) verified, not announced yet; the next `have` leaves
+        # at announce_at, the last one left at last_have (`have_due`).
+        self.unannounced: list[tuple[float, int, bool]] = []
         self.announce_at = math.inf
+        self.last_have = -math.inf
         self.tell_learner = v.seed.plan.has  # the learner hears of every piece a peer verified
+        # What each neighbour's answers took on our links, across versions (the live peer's
+        # `DataServer.link_timings`).
+        self.timings = v.timings.setdefault(node.id, {})
 
     def link(self, other: _Receiver) -> None:
         """A new link: both sides announce what they hold, then ask."""
         self.links[other.id] = other
         other.links[self.id] = self
-        self.ex.neighbour_up(other.id)
-        other.ex.neighbour_up(self.id)
+        self.ex.neighbour_up(other.id, took=self.timings.get(other.id))
+        other.ex.neighbour_up(self.id, took=other.timings.get(self.id))
         for a, b in ((self, other), (other, self)):
             if a.ex.count:
                 b.ex.has_bits(a.id, a.ex.have_bits)
@@ -237,6 +245,8 @@ class _Receiver(_Sender):
     def unlink(self, other: _Receiver) -> None:
         self.links.pop(other.id, None)
         other.links.pop(self.id, None)
+        self.remember(other.id)
+        other.remember(self.id)
         self.ex.neighbour_gone(other.id)
         other.ex.neighbour_gone(self.id)
         self.refill()
@@ -246,22 +256,30 @@ class _Receiver(_Sender):
         for other in list(self.links.values()):
             self.ask(other)
 
+    def remember(self, peer: str) -> None:
+        """Keep what `peer`'s answers took, for our next version's link to it."""
+        took = self.ex.timing(peer)
+        if took is not None:
+            self.timings[peer] = took
+
     def announce(self, at: float) -> None:
-        """One `have` frame to every neighbour with the pieces that arrived since the last; the
-        first piece after a frame is announced `HAVE_BATCH_S` after its arrival, with every
-        piece that arrived meanwhile."""
+        """One `have` frame to every neighbour with the pieces that arrived since the last; it
+        leaves when the earliest of them is due (`have_due`: a piece from the learner at once,
+        any other `HAVE_BATCH_S` after its arrival), with every piece that arrived meanwhile."""
         if at != self.announce_at:
             return  # an earlier arrival moved the frame forward: this one is stale
         fresh, later = 0, []
-        for t, index in self.unannounced:
-            if t <= at:
-                fresh |= 1 << index
+        for item in self.unannounced:
+            if item[0] <= at:
+                fresh |= 1 << item[1]
             else:
-                later.append((t, index))
+                later.append(item)
         self.unannounced = later
         self.announce_at = math.inf
+        if fresh:
+            self.last_have = at
         if later:
-            self._announce_by(min(later)[0] + HAVE_BATCH_S)
+            self._announce_by(min(have_due(t, self.last_have, from_learner=seed) for t, _, seed in later))
         if not self.connected or not fresh:
             return
         me = self.id
@@ -306,8 +324,9 @@ class _Receiver(_Sender):
                     holder = self.links.get(peer)
                     if holder is not None:
                         holder.cancels[(self, i)] = sent + holder.lat
-            self.unannounced.append((at, index))
-            self._announce_by(at + HAVE_BATCH_S)
+            seeded = sid == LEARNER_ID
+            self.unannounced.append((at, index, seeded))
+            self._announce_by(have_due(at, self.last_have, from_learner=seeded))
             self.tell_learner(self.id, index)
             if ex.count == ex.num_pieces:
                 self.done_at = at
@@ -358,6 +377,7 @@ class _Version:
         self.last_index = self.num_pieces - 1
         self.last_size = size_bytes - (self.num_pieces - 1) * self.piece_size
         self.receivers: dict[str, _Receiver] = {}
+        self.timings = sim.timings
         self.deliveries = 0
         self.duplicates = 0
         self.learner_duplicates = 0
@@ -426,6 +446,8 @@ class MeshSim:
         self.spare = list(spare or [])
         self.gone: list[tuple[str, float, float, float]] = []
         self.current: _Version | None = None
+        # Per peer, what each neighbour's answers took (Exchange rule 3), kept across versions.
+        self.timings: dict[str, dict[str, float]] = {}
 
     def _add(self, pid: str, down: float, up: float, lat: float) -> None:
         self.nodes[pid] = Node(pid, up=up, down=down, lat=lat)
@@ -547,6 +569,8 @@ class MeshSim:
         last = _until_all([r.done_at for r in v.receivers.values() if r.connected], start)
         # What is still queued for this version goes: the next starts on idle links.
         for r in v.receivers.values():
+            for peer in r.links:
+                r.remember(peer)
             r.connected = False
         v.seed.connected = False
         self._drain()
