@@ -75,6 +75,8 @@ ENDGAME_COPIES: Final = 2
 HAVE_BATCH_S: Final = 0.05
 # ... except a piece from the learner, announced at once but at most one `have` per this long.
 HAVE_SEED_GAP_S: Final = 0.02
+# Rule 3: the weight of a neighbour's newest answer in the average of what its answers take.
+TIMING_WEIGHT: Final = 0.25
 
 
 def have_due(verified_at: float, last_have_at: float, *, from_learner: bool) -> float:
@@ -88,8 +90,6 @@ def have_due(verified_at: float, last_have_at: float, *, from_learner: bool) -> 
     if from_learner:
         return max(verified_at, last_have_at + HAVE_SEED_GAP_S)
     return verified_at + HAVE_BATCH_S
-# Rule 3: the weight of a neighbour's newest answer in the average of what its answers take.
-TIMING_WEIGHT: Final = 0.25
 
 
 def _check_pieces(num_pieces: int) -> None:
