@@ -259,6 +259,11 @@ class VerifyConfig:
     # echo_node/learner/replay.py); their groups take at most this share of a step's slots, and one
     # slot each, while proven publishers have groups.
     unproven_share: float = 0.25
+    # ... and beside proven publishers' groups, one not proven yet has at most this many of its
+    # groups trained in all until it is proven: an attacker whose lies only evidence pooled over
+    # batches exposes (a sharper sampler, chosen slots) would otherwise train one group a step
+    # until then (1-1.4 % of a 60-version run's groups).
+    unproven_groups: int = 2
 
 
 @dataclass(kw_only=True, slots=True)
@@ -413,9 +418,9 @@ def validate(cfg: RunConfig) -> None:
         raise ValueError(f"rl.buffer_bytes must be >= 1 MiB, got {rl.buffer_bytes}")
     v = cfg.verify
     if (not 0 < v.max_peer_share <= 1 or not 0 < v.unproven_share <= 1 or not 0 <= v.spot_rate <= 1 or v.probation_batches < 0 or v.ban_versions < 1
-            or v.trust_tokens < 0):
+            or v.trust_tokens < 0 or v.unproven_groups < 0):
         raise ValueError("verify needs 0 < max_peer_share <= 1, 0 < unproven_share <= 1, 0 <= spot_rate <= 1, probation_batches >= 0, ban_versions >= 1, "
-                         "trust_tokens >= 0")
+                         "trust_tokens >= 0, unproven_groups >= 0")
     if not (v.lp_max_factor >= 1 and v.lp_mean_z > 0 and 0 < v.false_alarm < 1):
         raise ValueError("verify needs lp_max_factor >= 1, lp_mean_z > 0 and false_alarm in (0, 1)")
     if any(t is not None and not t > 0 for t in (v.lp_tolerance_max, v.lp_tolerance_mean)):

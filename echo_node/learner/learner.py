@@ -555,6 +555,7 @@ class Learner:
             share = self.cfg.verify.unproven_share
             rl = self.cfg.rl
             groups = self.buffer.take(rl.groups_per_step, self.version, unproven=unproven, unproven_share=share,
+                                      unproven_groups=self.cfg.verify.unproven_groups,
                                       rescue=math.floor(rl.rescue_share * rl.groups_per_step))
             origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
             weights = step_weights([unproven(o) for o in origins], self.cfg.rl.groups_per_step, share)

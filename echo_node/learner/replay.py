@@ -17,12 +17,13 @@ own data, not its neighbours'. A step takes at most `max_share` of its groups fr
 while other origins have admissible groups, so one fast or hostile peer cannot own the updates.
 Origins the learner has not proven yet (`unproven`, echo_node/learner/spot_check.py: `Verifier.proven`)
 together get at most `unproven_share` of a step's slots, and one slot each, while proven ones
-have admissible groups (the step is smaller rather than filled with theirs); a step with no
+have admissible groups (the step is smaller rather than filled with theirs), and beside proven
+data each has at most `unproven_groups` of its groups trained until it is proven; a step with no
 proven group is theirs to fill, their groups carrying a loss weight (`step_weights`) so that they
-move it by at most `unproven_share` of a full one. One slot each, and no filling beside proven
-data, because an attacker whose lies only pooled evidence can prove (a lowered temperature,
-chosen prompts, an old version) is caught after a few batches, and until then it trains at most
-one group per step beside proven data, however much it sends.
+move it by at most `unproven_share` of a full one. One slot each, a few groups in all, and no
+filling beside proven data, because an attacker whose lies only pooled evidence can prove (a
+lowered temperature, chosen prompts, an old version) is caught after a few batches, and until
+then it trains at most `unproven_groups` groups beside proven data, however much it sends.
 
 Durability: with a `journal` (echo_node/learner/journal.py) every change to the ledger is appended to it
 as it happens; each admitted group gets a serial number (`gid`) the journal's records name it by.
@@ -211,7 +212,7 @@ class ReplayBuffer:
 
     def take(
         self, n_groups: int, current_version: int, *, unproven: Callable[[str], bool] = lambda origin: False,
-        unproven_share: float = 1.0, rescue: int = 0,
+        unproven_share: float = 1.0, unproven_groups: int | None = None, rescue: int = 0,
     ) -> list[Group]:
         """Pop up to `n_groups` admissible groups (up to `rescue` more to keep groups from
         expiring): first the oldest, as many as must go now, then the freshest; stale ones are
@@ -231,10 +232,11 @@ class ReplayBuffer:
         self.evict_stale(current_version)
         order, must = self._take_order(n_groups, current_version)
         n_groups = max(n_groups, min(must, n_groups + max(0, rescue)))
-        # First pass: at most `share` groups per proven origin and one per unproven origin, and
-        # `young_slots` of unproven origins together; second: fill up from whatever is left,
-        # proven origins' groups first (so a lone peer still fills a step), unproven ones only
-        # into a step that has no proven group.
+        # First pass: at most `share` groups per proven origin and one per unproven origin (none
+        # for one that had `unproven_groups` trained already), and `young_slots` of unproven
+        # origins together; second: fill up from whatever is left, proven origins' groups first
+        # (so a lone peer still fills a step), unproven ones only into a step that has no proven
+        # group.
         share = max(1, math.floor(n_groups * self.max_share))
         young_slots = math.floor(n_groups * unproven_share)
         young = {o: unproven(o) for o in {self._origin[id(g)] for g in self._groups}}
@@ -243,7 +245,7 @@ class ReplayBuffer:
         taken_young = 0
         for i in order:
             origin = self._origin[id(self._groups[i])]
-            cap = 1 if young[origin] else share
+            cap = share if not young[origin] else 0 if self._spent(origin, unproven_groups) else 1
             if len(picked) < n_groups and per_origin[origin] < cap and (not young[origin] or taken_young < young_slots):
                 picked.append(i)
                 per_origin[origin] += 1
@@ -260,6 +262,10 @@ class ReplayBuffer:
         for g in batch:
             self.bytes -= self._size[id(g)]  # no longer held here; forgotten when trained
         return batch
+
+    def _spent(self, origin: str, unproven_groups: int | None) -> bool:
+        """Whether an unproven `origin` had its `unproven_groups` trained (None: no such cap)."""
+        return unproven_groups is not None and self.trained_groups[origin] >= unproven_groups
 
     def _take_order(self, n_groups: int, current_version: int) -> tuple[list[int], int]:
         """The buffered groups' indices in the order `take` prefers them, and how many of the

@@ -223,15 +223,34 @@ def test_a_step_takes_unproven_groups_only_where_proven_ones_leave_room() -> Non
 def test_one_unproven_publisher_gets_one_slot_of_a_step_beside_proven_data() -> None:
     """An attacker whose lies only pooled evidence proves is caught after a few batches; until
     then, however much it sends and however fresh, it trains one group per step while proven
-    groups can fill the rest (below the quota of two that several unproven publishers share)."""
+    groups can fill the rest (below the quota of two that several unproven publishers share),
+    and `unproven_groups` in all: then none, until it is proven."""
     buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
-    for i in range(24):
+    for i in range(40):
         buffer.offer(make_group(n=100 + i), 0, ("honest0", "honest1")[i % 2])
     for i in range(40):  # fresher than the proven ones: ranked first
         buffer.offer(make_group(n=i), 0, "attacker")
-    for _ in range(3):
-        taken = buffer.take(8, 0, unproven=lambda o: o == "attacker", unproven_share=0.25)
-        assert len(taken) == 8 and [buffer.origin(g) for g in taken].count("attacker") == 1
+    attacker = [0, 0]  # (trained while unproven, trained once proven)
+    for step in range(5):
+        proven = step >= 4
+        taken = buffer.take(8, 0, unproven=lambda o: o == "attacker" and not proven, unproven_share=0.25, unproven_groups=2)
+        assert len(taken) == 8
+        attacker[proven] += [buffer.origin(g) for g in taken].count("attacker")
+        if not proven:
+            assert [buffer.origin(g) for g in taken].count("attacker") == (1 if step < 2 else 0)
+        buffer.mark_trained(taken)
+    assert attacker == [2, 4]  # proven: up to its max_peer_share of a step
+
+
+def test_alone_unproven_publishers_still_fill_a_step_past_their_groups_beside_proven_data() -> None:
+    """The cap holds beside proven data only: with nobody proven (a run's start) the learner
+    does not wait, and unproven groups fill the step at their loss weight."""
+    buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
+    for i in range(16):
+        buffer.offer(make_group(n=i), 0, ("a", "b")[i % 2])
+    for _ in range(2):
+        taken = buffer.take(8, 0, unproven=lambda o: True, unproven_share=0.25, unproven_groups=2)
+        assert len(taken) == 8
         buffer.mark_trained(taken)
 
 
@@ -272,7 +291,7 @@ def test_a_group_weight_outside_0_1_is_refused() -> None:
             TrainGroup([1], [[3, 2], [4, 2]], [[-0.1, -0.1]] * 2, [1.0, 0.0], weight=w)
 
 
-def test_the_config_refuses_a_share_outside_0_1() -> None:
+def test_the_config_refuses_a_share_outside_0_1_and_a_negative_cap() -> None:
     from echo_node.config import RunConfig, validate
 
     for share in (0.0, 1.5):
@@ -280,3 +299,5 @@ def test_the_config_refuses_a_share_outside_0_1() -> None:
             validate(RunConfig(verify=VerifyConfig(unproven_share=share)))
 
 
+    with pytest.raises(ValueError, match="unproven_groups"):
+        validate(RunConfig(verify=VerifyConfig(unproven_groups=-1)))
