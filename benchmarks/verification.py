@@ -24,7 +24,7 @@ the final checkpoint):
 `slot_picker` (adaptive, not in the default classes) answers honestly but only the seqs whose
 prompts it likes, leaving the rest out; its repair server (the reference one) lists the seqs it
 left out as unavailable. Within the horizon every publisher keeps, that disowns them, and the
-intake catches it past DISOWN_ALLOWANCE (2) of those: about 2 batches for a picker that likes
+intake catches it past DISOWN_ALLOWANCE (8) of those: about 3 batches for a picker that likes
 one slot in five. Until then its batches are honest answers to prompts it chose
 (`trained_share` is reported, not judged).
 

