@@ -262,7 +262,7 @@ class VerifyConfig:
     # ... and beside proven publishers' groups, one not proven yet has at most this many of its
     # groups trained in all until it is proven: an attacker whose lies only evidence pooled over
     # batches exposes (a sharper sampler, chosen slots) would otherwise train one group a step
-    # until then (1-1.4 % of a 60-version run's groups).
+    # until then.
     unproven_groups: int = 2
 
 
