@@ -297,7 +297,5 @@ def test_the_config_refuses_a_share_outside_0_1_and_a_negative_cap() -> None:
     for share in (0.0, 1.5):
         with pytest.raises(ValueError, match="unproven_share"):
             validate(RunConfig(verify=VerifyConfig(unproven_share=share)))
-
-
     with pytest.raises(ValueError, match="unproven_groups"):
         validate(RunConfig(verify=VerifyConfig(unproven_groups=-1)))
