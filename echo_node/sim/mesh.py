@@ -23,7 +23,7 @@ What is real and what is modelled:
   The learner counts a served peer as having download headroom when its downlink delivered all
   it was given (as `echo_node.sim.broadcast.SimSource` does).
 - Each peer keeps what its neighbours' answers took across versions (the live
-  `DataServer.link_timings`): a link's requests start at the depth the last version measured.
+  `DataServer.link_timing`): a link's requests start at the depth the last version measured.
 - Churn: a peer leaves at once (its links and what it was sending go with it); a newcomer is
   given its neighbours by the overlay and fetches the current version, announced pieces
   exchanged both ways on every new link.
@@ -227,7 +227,7 @@ class _Receiver(_Sender):
         self.last_have = -math.inf
         self.tell_learner = v.seed.plan.has  # the learner hears of every piece a peer verified
         # What each neighbour's answers took on our links, across versions (the live peer's
-        # `DataServer.link_timings`).
+        # `DataServer.link_timing`).
         self.timings = v.timings.setdefault(node.id, {})
 
     def link(self, other: _Receiver) -> None:

@@ -443,7 +443,7 @@ class DataServer:
         # What each neighbour's answers took on our mesh links (Exchange rule 3), kept across
         # versions so that a version's requests start at the depth the last one measured; the
         # MAX_LINK_TIMINGS peers heard from last (a peer's own say never enters it).
-        self.link_timings: OrderedDict[str, float] = OrderedDict()
+        self._link_timings: OrderedDict[str, float] = OrderedDict()
         self._handlers: dict[tuple[int, int], VersionHandler] = {}
         self._registered = trio.Event()
         # Asked for a (version, base) that is not registered while the version is: the owner may
@@ -475,6 +475,19 @@ class DataServer:
         log.warning("banned %s from the data channel for %.0fs: %s", peer_id, self.ban_s, why)
         if self.on_ban is not None:
             self.on_ban(peer_id, why)
+
+    def link_timing(self, peer_id: str) -> float | None:
+        """What `peer_id`'s answers took on our last mesh link to it (None: never timed)."""
+        return self._link_timings.get(peer_id)
+
+    def remember_link_timing(self, peer_id: str, took: float) -> None:
+        """Keep what `peer_id`'s answers took, for the next version's link to it; the
+        MAX_LINK_TIMINGS peers timed last are kept."""
+        timings = self._link_timings
+        timings[peer_id] = took
+        timings.move_to_end(peer_id)
+        while len(timings) > MAX_LINK_TIMINGS:
+            timings.popitem(last=False)
 
     def is_banned(self, peer_id: str) -> bool:
         until = self.bans.get(peer_id)

@@ -32,7 +32,7 @@ Rules (tests: tests/node/test_mesh_broadcast.py, tests/adversarial/test_mesh_att
 3. Requests: `Exchange.requests` fills each neighbour's pipeline after every event that may
    open one; its depth covers MESH_HORIZON_S at the rate that neighbour's answers arrive, one
    to MESH_PIPELINE requests (Exchange rule 3), starting from the rate measured on our last
-   version's link to it (`DataServer.link_timings`). A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
+   version's link to it (`DataServer.link_timing`). A request unanswered for REQUEST_TIMEOUT_S is asked elsewhere; a
    neighbour whose requests time out MAX_STALLS times is cut (a trickler, or one that announces
    pieces it never sends), not banned (a congested honest link looks the same).
 4. Answers: a neighbour is answered only for pieces we hold (asking for one we never announced
@@ -73,14 +73,13 @@ import random
 import secrets
 from collections import Counter
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
 from contextlib import aclosing
+from dataclasses import dataclass
 
 import trio
 
 from echo_node.weights.broadcast import (
     LINK_ERRORS,
-    MAX_LINK_TIMINGS,
     SOURCE_NOTSENT_LOWAT,
     SOURCE_PIPELINE,
     Changes,
@@ -467,7 +466,7 @@ class MeshReceiver:
                     if from_source:
                         self._told_source = held
                     if not from_source:
-                        self.ex.neighbour_up(remote, took=self.server.link_timings.get(remote))
+                        self.ex.neighbour_up(remote, took=self.server.link_timing(remote))
                         self._ask(link)
                     try:
                         async with aclosing(link.frames()) as frames:
@@ -493,13 +492,8 @@ class MeshReceiver:
     def _remember_timing(self, peer: str) -> None:
         """Keep what `peer`'s answers took for the next version's link to it (rule 3)."""
         took = self.ex.timing(peer)
-        if took is None:
-            return
-        timings = self.server.link_timings
-        timings[peer] = took
-        timings.move_to_end(peer)
-        while len(timings) > MAX_LINK_TIMINGS:
-            timings.popitem(last=False)
+        if took is not None:
+            self.server.remember_link_timing(peer, took)
 
     # -- frames ------------------------------------------------------------------------------
 
