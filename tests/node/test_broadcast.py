@@ -778,3 +778,17 @@ def test_a_member_that_dials_late_and_reads_slowly_is_caught_up_at_its_pace() ->
     assert all(data == payload for data in results.values()) and len(results) == len(honest) + 1
     assert len(relayed) == len(honest) and min(relayed.values()) > LAGGARD_PIECES + 5  # a share to catch up on
     assert longest <= LAGGARD_PIECES + 1 + 4
+
+
+def test_the_link_timings_a_node_keeps_are_bounded_and_the_newest_stay() -> None:
+    """Neighbours come and go over a long run (and Sybils a learner lists come in numbers):
+    what a node keeps of their answer times across versions is the last MAX_LINK_TIMINGS."""
+    server = DataServer(PEERS[1], "run-1")
+    n = broadcast.MAX_LINK_TIMINGS
+    for i in range(n + 10):
+        server.remember_link_timing(f"peer{i}", 0.01 * i)
+    server.remember_link_timing("peer10", 0.5)  # timed again: the newest now
+    assert server.link_timing("peer0") is None and server.link_timing("peer9") is None
+    assert server.link_timing("peer10") == 0.5 and server.link_timing(f"peer{n + 9}") == pytest.approx(0.01 * (n + 9))
+    server.remember_link_timing("late", 1.0)
+    assert server.link_timing("peer10") == 0.5 and server.link_timing("peer11") is None  # the oldest went

@@ -3,6 +3,7 @@ neighbours and the learner's sends to the peers it serves."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -349,3 +350,15 @@ def test_a_piece_from_the_learner_is_announced_at_once_but_not_more_often_than_t
     # ... unless a `have` left less than the gap ago: then at the gap, still before the batch.
     assert have_due(10.0, 9.995, from_learner=True) == 9.995 + HAVE_SEED_GAP_S
     assert HAVE_SEED_GAP_S < HAVE_BATCH_S
+
+
+def test_a_carried_timing_never_buys_more_than_the_pipeline() -> None:
+    # A neighbour answered "instantly" (or the clock went back) last version: it starts at the
+    # pipeline's depth, no deeper; a timing that is not a finite number is ignored (one-piece
+    # probe), so nothing carried across versions widens what one neighbour can hold back.
+    ex = exchange(num_pieces=64, pipeline=4, horizon=0.1)
+    for peer, took in (("zero", 0.0), ("negative", -5.0), ("inf", math.inf), ("nan", math.nan)):
+        ex.neighbour_up(peer, took=took)
+        ex.has_bits(peer, (1 << 64) - 1)
+    assert (ex.depth("zero"), ex.depth("negative"), ex.depth("inf"), ex.depth("nan")) == (4, 4, 1, 1)
+    assert len(ex.requests("zero", 0.0)) == 4
