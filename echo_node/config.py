@@ -262,7 +262,8 @@ class VerifyConfig:
     # ... and beside proven publishers' groups, one not proven yet has at most this many of its
     # groups trained in all until it is proven: an attacker whose lies only evidence pooled over
     # batches exposes (a sharper sampler, chosen slots) would otherwise train one group a step
-    # until then.
+    # until then. Alone (no proven group in a step) they fill it past that only while they owe,
+    # skipped and disowned none of their seqs: a publisher that chose its slots waits for its proof.
     unproven_groups: int = 2
 
 

@@ -555,7 +555,7 @@ class Learner:
             share = self.cfg.verify.unproven_share
             rl = self.cfg.rl
             groups = self.buffer.take(rl.groups_per_step, self.version, unproven=unproven, unproven_share=share,
-                                      unproven_groups=self.cfg.verify.unproven_groups,
+                                      unproven_groups=self.cfg.verify.unproven_groups, clean=self._clean,
                                       rescue=math.floor(rl.rescue_share * rl.groups_per_step))
             origins, trained_on = [self.buffer.origin(g) for g in groups], self.version
             weights = step_weights([unproven(o) for o in origins], self.cfg.rl.groups_per_step, share)
@@ -593,6 +593,12 @@ class Learner:
     def _unproven(self, origin: str) -> bool:
         """Whether `origin`'s groups are weighted as an unproven publisher's (echo_node/learner/replay.py)."""
         return self.verifier is not None and not self.verifier.proven(origin)
+
+    def _clean(self, origin: str) -> bool:
+        """Whether `origin` owes, skipped and disowned none of its seqs: an unproven publisher
+        fills a step past `verify.unproven_groups` only then (echo_node/learner/replay.py)."""
+        tracker = self.intake.tracker
+        return tracker.skips(origin)[0] == 0 and tracker.disowned(origin) == 0 and tracker.owed(origin) == 0
 
     def _checkpoint_due(self) -> bool:
         journal, cfg = self.state.journal, self.cfg.checkpoint

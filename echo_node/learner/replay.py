@@ -213,6 +213,7 @@ class ReplayBuffer:
     def take(
         self, n_groups: int, current_version: int, *, unproven: Callable[[str], bool] = lambda origin: False,
         unproven_share: float = 1.0, unproven_groups: int | None = None, rescue: int = 0,
+        clean: Callable[[str], bool] = lambda origin: True,
     ) -> list[Group]:
         """Pop up to `n_groups` admissible groups (up to `rescue` more to keep groups from
         expiring): first the oldest, as many as must go now, then the freshest; stale ones are
@@ -236,7 +237,8 @@ class ReplayBuffer:
         # for one that had `unproven_groups` trained already), and `young_slots` of unproven
         # origins together; second: fill up from whatever is left, proven origins' groups first
         # (so a lone peer still fills a step), unproven ones only into a step that has no proven
-        # group.
+        # group, and past their `unproven_groups` only while `clean` (no evidence that they
+        # chose their slots: the fill is for a run's honest start, not a free ride).
         share = max(1, math.floor(n_groups * self.max_share))
         young_slots = math.floor(n_groups * unproven_share)
         young = {o: unproven(o) for o in {self._origin[id(g)] for g in self._groups}}
@@ -255,7 +257,16 @@ class ReplayBuffer:
         rest.sort(key=lambda i: young[self._origin[id(self._groups[i])]])  # stable: proven first, in rank order
         if any(not young[self._origin[id(self._groups[i])]] for i in picked + rest):
             rest = [i for i in rest if not young[self._origin[id(self._groups[i])]]]
-        picked += rest[: n_groups - len(picked)]
+        limit = math.inf if unproven_groups is None else unproven_groups
+        dirty = {o for o, y in young.items() if y and not clean(o)} if unproven_groups is not None else set()
+        for i in rest:
+            if len(picked) >= n_groups:
+                break
+            origin = self._origin[id(self._groups[i])]
+            if origin in dirty and self.trained_groups[origin] + per_origin[origin] >= limit:
+                continue
+            picked.append(i)
+            per_origin[origin] += 1
         chosen = set(picked)
         batch = [self._groups[i] for i in picked]
         self._groups = deque(g for i, g in enumerate(self._groups) if i not in chosen)

@@ -254,6 +254,26 @@ def test_alone_unproven_publishers_still_fill_a_step_past_their_groups_beside_pr
         buffer.mark_trained(taken)
 
 
+def test_alone_a_publisher_that_left_out_seqs_trains_no_more_than_its_cap_until_proven() -> None:
+    """The fill of a step nobody proven can fill is for a run's honest start: a publisher with
+    seqs owed, skipped or disowned (`clean` False: it may have chosen its slots) trains its
+    `unproven_groups` and then waits for its proof, alone or beside clean unproven ones."""
+    buffer = ReplayBuffer(mode="pull", staleness=0, capacity_groups=1000, max_share=0.5)
+    for i in range(24):
+        buffer.offer(make_group(n=i), 0, ("honest", "picker")[i % 2])
+    trained: list[str] = []
+    for _ in range(3):
+        taken = buffer.take(8, 0, unproven=lambda o: True, unproven_share=0.25, unproven_groups=2,
+                            clean=lambda o: o != "picker")
+        trained += [buffer.origin(g) or "?" for g in taken]
+        buffer.mark_trained(taken)
+    assert trained.count("picker") == 2 and trained.count("honest") == 12
+    assert len(buffer) == 10 and buffer.take(8, 0, unproven=lambda o: True, unproven_groups=2, clean=lambda o: o != "picker") == []
+    # Clean again (its gaps repaired) or proven: it fills as before.
+    assert len(buffer.take(8, 0, unproven=lambda o: True, unproven_groups=2)) == 8
+    assert len(buffer.take(8, 0, unproven=lambda o: False, unproven_groups=2, clean=lambda o: False)) == 2
+
+
 def _update(model: torch.nn.Module, weight: float, history: int) -> float:
     """How far (L2) one update on a fixed batch at `weight` moves `model`'s parameters, after
     `history` full-weight updates on other data (AdamW's running scale)."""
