@@ -257,13 +257,12 @@ class ReplayBuffer:
         rest.sort(key=lambda i: young[self._origin[id(self._groups[i])]])  # stable: proven first, in rank order
         if any(not young[self._origin[id(self._groups[i])]] for i in picked + rest):
             rest = [i for i in rest if not young[self._origin[id(self._groups[i])]]]
-        limit = math.inf if unproven_groups is None else unproven_groups
-        dirty = {o for o, y in young.items() if y and not clean(o)} if unproven_groups is not None else set()
+        dirty = {o for o, y in young.items() if y and not clean(o)}
         for i in rest:
             if len(picked) >= n_groups:
                 break
             origin = self._origin[id(self._groups[i])]
-            if origin in dirty and self.trained_groups[origin] + per_origin[origin] >= limit:
+            if origin in dirty and self._spent(origin, unproven_groups, taken=per_origin[origin]):
                 continue
             picked.append(i)
             per_origin[origin] += 1
@@ -274,9 +273,10 @@ class ReplayBuffer:
             self.bytes -= self._size[id(g)]  # no longer held here; forgotten when trained
         return batch
 
-    def _spent(self, origin: str, unproven_groups: int | None) -> bool:
-        """Whether an unproven `origin` had its `unproven_groups` trained (None: no such cap)."""
-        return unproven_groups is not None and self.trained_groups[origin] >= unproven_groups
+    def _spent(self, origin: str, unproven_groups: int | None, *, taken: int = 0) -> bool:
+        """Whether an unproven `origin` had its `unproven_groups` trained, counting `taken` more
+        of this step (None: no such cap)."""
+        return unproven_groups is not None and self.trained_groups[origin] + taken >= unproven_groups
 
     def _take_order(self, n_groups: int, current_version: int) -> tuple[list[int], int]:
         """The buffered groups' indices in the order `take` prefers them, and how many of the
