@@ -382,3 +382,34 @@ def test_a_responder_that_never_answers_disowns_nothing(learner: Learner) -> Non
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == REPAIR_TIMEOUT_S
     assert learner.intake.tracker.skips(MALLORY.peer_id) == (19, 2) and learner.intake.tracker.disowned(MALLORY.peer_id) == 0
+
+
+def test_a_publisher_that_leaves_out_or_jumps_over_seqs_loses_the_fill_of_unproven_steps(learner: Learner) -> None:
+    """`Learner._clean`, what lets an unproven publisher fill a step nobody proven can fill past
+    `verify.unproven_groups` (echo_node/learner/replay.py), is read from the seqs peers send: a
+    gap it owes or a seq given up after repair makes it dirty (a jump beyond the window is
+    caught outright); an honest publisher delivering in order stays clean, and a gap repaired
+    makes it clean again."""
+
+    async def main() -> None:
+        carol = Identity.generate()
+        for who in (ALICE, MALLORY, carol):
+            learner.peers.join(who.peer_id, 0.0)
+        for seq in range(5):
+            deliver(learner, ALICE, seq)
+        assert learner._clean(ALICE.peer_id)
+        deliver(learner, MALLORY, 0)
+        deliver(learner, MALLORY, 3)  # 1 and 2 owed
+        assert not learner._clean(MALLORY.peer_id)
+        deliver(learner, MALLORY, 1)
+        deliver(learner, MALLORY, 2)  # repaired: owes nothing again
+        assert learner._clean(MALLORY.peer_id)
+        deliver(learner, carol, 0)
+        deliver(learner, carol, 2 * SEQ_WINDOW)  # a jump beyond the window counts whole: caught at once
+        # Banned and purged, its record forgotten: it has no groups left for any step to take.
+        assert learner.peers.is_banned(carol.peer_id) and not any(learner.buffer.origin(g) == carol.peer_id for g in learner.buffer._groups)
+        deliver(learner, MALLORY, 10)
+        learner.intake.tracker.mark_given_up(MALLORY.peer_id, range(4, 10))  # repair gave up on them
+        assert learner.intake.tracker.owed(MALLORY.peer_id) == 0 and not learner._clean(MALLORY.peer_id)
+
+    trio.run(main)
