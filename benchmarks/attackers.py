@@ -23,6 +23,9 @@ Classes (the verification issue's a-f):
   publishes only the seqs whose assigned prompt it likes (first operand below 20) and leaves
   the others out, so it answers prompts of its choosing without forging one; it cannot repair
   the gaps.
+- `rejoining_slot_picker`: a slot picker that samples each picked seq with that seq's own seed
+  and joins the run again before publishing it (the gap a rejoin makes is no choice of the
+  publisher's when it is a restart: a learner that excused it would excuse every pick).
 - `stale_1`, `stale_5` (the adaptive attacker's): samples every batch on the weights it had 1
   (5) versions before the newest it loaded, with the newest's prompts and assigned seed, and
   claims the newest: version tags and log-probs recomputed under the newest weights (so the
@@ -49,6 +52,7 @@ names for the groups of a publisher it trained).
 from __future__ import annotations
 
 import json
+import logging
 import random
 import signal
 import sys
@@ -69,8 +73,10 @@ from echo_node.peer.rollout_peer import Generator, RolloutPeer
 from echo_node.policy import Policy, set_threads
 from echo_node.topics import rollouts_topic
 from protocol import RolloutBatch, RolloutGroup, open_envelope
+from protocol.assignment import batch_seed
 from protocol.errors import RemoteProtocolError
 
+log = logging.getLogger(__name__)
 NOISE = 0.05
 
 
@@ -271,6 +277,32 @@ class SlotPicker(Attacker):
         return prompts
 
 
+class RejoiningSlotPicker(SlotPicker):
+    """A slot picker that joins the run again before it publishes each seq it picked, and samples
+    with that seq's own seed (so its batches are honest in every respect but their order). Were
+    a rejoin to excuse the gap it makes (a restarted peer's new base), every pick would be free;
+    joins are rate-limited, not refused, so it goes on publishing when one is refused."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        publish = self.publisher.publish_groups
+
+        async def rejoined(groups: Any, *, seq: int) -> None:
+            if self.lying and self.follower._rejoin is not None:
+                try:
+                    await self.follower._rejoin()
+                except Exception as exc:  # rate-limited: publish anyway
+                    log.debug("rejoin refused: %s", exc)
+            await publish(groups, seq=seq)
+
+        self.publisher.publish_groups = rejoined  # type: ignore[method-assign]
+
+    def _generate(self, prompts: list[str], seed: int) -> list[ScoredGroup]:
+        if self.picked is not None:
+            seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, self.picked)
+        return super()._generate(prompts, seed)
+
+
 def claimed_logprobs(groups: list[ScoredGroup], policy: Policy, *, temperature: float) -> None:
     """Replace each completion's log-probs with what `policy.model` (the weights it claims)
     gives its tokens at the run's `temperature`: the values a spot check recomputes."""
@@ -395,6 +427,7 @@ ATTACKS: dict[str, type[Attacker]] = {
     "poison": Poison,
     "freeze": Freeze,
     "slot_picker": SlotPicker,
+    "rejoining_slot_picker": RejoiningSlotPicker,
     "stale_1": Stale1,
     "stale_5": Stale5,
     "tempered": Tempered,

@@ -26,7 +26,9 @@ prompts it likes, leaving the rest out; its repair server (the reference one) li
 left out as unavailable. Within the horizon every publisher keeps, that disowns them, and the
 intake catches it past DISOWN_ALLOWANCE (8) of those: about 3 batches for a picker that likes
 one slot in five. Until then its batches are honest answers to prompts it chose
-(`trained_share` is reported, not judged).
+(`trained_share` is reported, not judged). `rejoining_slot_picker` samples each picked seq
+with that seq's own seed and joins the run again before publishing it (a rejoin once excused
+the next gap); it is caught the same way, rejoins or not.
 
 `stale_1`, `stale_5`, `tempered`, `greedy` (adaptive, not in the default classes) pass checks 4
 and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the
@@ -88,7 +90,7 @@ from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
 # The adaptive attacker's classes (not in the default run: `--classes slot_picker --off no`).
-ADAPTIVE = ["slot_picker", "stale_1", "stale_5", "tempered", "greedy", "reordered_copier", "rotating"]
+ADAPTIVE = ["slot_picker", "rejoining_slot_picker", "stale_1", "stale_5", "tempered", "greedy", "reordered_copier", "rotating"]
 # `rotating`: this attacker class, honest for its first ROTATING_AFTER batches under each key,
 # restarted under a new key each time the learner catches it, ROTATIONS keys at most.
 ROTATING, ROTATING_AFTER, ROTATIONS = "other_model", 2, 5

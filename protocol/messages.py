@@ -111,7 +111,7 @@ __all__ = [
 
 # Bumped on any incompatible change to a message layout or to a bound in limits.py that narrows
 # what is accepted. Peers speaking another version are refused with a clear error, not misparsed.
-SCHEMA_VERSION: Final = 9  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
+SCHEMA_VERSION: Final = 10  # 2: rollouts travel as RolloutBatch; 3: manifests digest 16 KiB leaves;
 # 4: a join request names the peer's data address, and data hosts are IP literals; 5: a sealed
 # message is at most MAX_SEALED_BYTES and a message at most MAX_WIRE_ARRAYS arrays (the data
 # channel's hello moved to v2 with it); 6: a group's prompt is the one its slot assigns
@@ -119,7 +119,8 @@ SCHEMA_VERSION: Final = 9  # 2: rollouts travel as RolloutBatch; 3: manifests di
 # learner's epoch (a resumed learner's versions continue; peers follow a newer epoch); 8: a
 # status request is the peer's heartbeat (installed version, price, engine, device) and the
 # answer says whether the peer is active or on standby (the capacity controller); 9: a slot no
-# longer names the version its group began on (protocol/assignment.py: one prompt per seq)
+# longer names the version its group began on (protocol/assignment.py: one prompt per seq); 10:
+# a join answer names the seq a publisher the learner has seen goes on at (JoinResponse.seq_from)
 
 SyncMode: TypeAlias = Literal["pull", "async"]
 SYNC_MODES: Final = ("pull", "async")
@@ -324,7 +325,14 @@ class JoinRequest(WireMessage):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class JoinResponse(WireMessage):
-    """The learner's answer: the run spec and where its data channel listens (echo_node/weights/broadcast.py)."""
+    """The learner's answer: the run spec, where its data channel listens
+    (echo_node/weights/broadcast.py) and, to a publisher it has seen before, the seq it goes on
+    at (`seq_from`; 0: none, the publisher numbers from its own base).
+
+    Why the learner names it: every seq's prompts are assigned (protocol/assignment.py), so a
+    publisher free to restart its numbering after a rejoin would pick where its next slots lie.
+    Named, a rejoin costs nothing and chooses nothing: the publisher goes on right after the
+    highest seq the learner saw from it."""
 
     KIND: ClassVar[str | None] = "join_response"
     _NESTED: ClassVar[Mapping[str, type[WireMessage]]] = {"spec": RunSpec}
@@ -332,6 +340,7 @@ class JoinResponse(WireMessage):
     spec: RunSpec
     data_host: str
     data_port: int
+    seq_from: int = 0
 
     def __post_init__(self) -> None:
         w = "JoinResponse"
@@ -339,6 +348,7 @@ class JoinResponse(WireMessage):
             _fail(f"{w}.spec", f"expected RunSpec, got {type(self.spec).__name__}")
         _set(self, "data_host", _data_host(f"{w}.data_host", self.data_host))
         _set(self, "data_port", _int(f"{w}.data_port", self.data_port, 1, 65535))
+        _set(self, "seq_from", _int(f"{w}.seq_from", self.seq_from, 0, MAX_SEQ))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

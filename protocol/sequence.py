@@ -22,9 +22,10 @@ Rules:
   over and those still owed when they fall out of the window, against the seqs it delivered; a
   given-up seq that arrives after all is taken off. Of those, `disowned` counts the seqs the
   publisher itself said it never published (the caller judges that from the repair answer):
-  an honest publisher has none, so they are kept apart and never taken off. One gap is excused
-  (`excuse_next_gap`: the publisher rejoined after a restart, or this side restarted): the next
-  forward move then sets a new floor and costs nothing. `forgive_owed` gives up what is owed
+  an honest publisher has none, so they are kept apart and never taken off. A publisher that
+  joins again goes on at `resume_at` (this side names it), so its own rejoin excuses nothing.
+  One gap is excused after this side restarted (`excuse_next_gap`): the next forward move then
+  sets a new floor and costs nothing. `forgive_owed` gives up what is owed
   now at no cost: for this side's restart only (what peers published meanwhile may have left
   their histories, and the restored highest seqs are old), never for a publisher's own word,
   which would let it launder its skips by rejoining.
@@ -193,6 +194,13 @@ class SequenceTracker:
         """Give up every seq owed now, counting no skips (module rules: this side's restart)."""
         for pub in self._publishers.values():
             pub.given_up |= self._owed(pub)
+
+    def resume_at(self, peer_id: str) -> int:
+        """Where `peer_id`'s seqs go on after it joins again: the one after the highest seen
+        from it (0 if not tracked: it numbers from its own base). Named by this side, so a
+        rejoin chooses no seq: one chosen by the publisher is judged like any other jump."""
+        pub = self._publishers.get(peer_id)
+        return 0 if pub is None else min(pub.highest + 1, MAX_SEQ)
 
     def highest(self, peer_id: str) -> int | None:
         """The highest seq seen from `peer_id`, or None if not tracked."""

@@ -142,18 +142,18 @@ class Door:
             self.peers.join(remote, now)
         except JoinRefused as exc:
             raise rpc.RequestRefused(exc.code, str(exc)) from None
-        # A peer joins again after a restart, with a new base for its seqs: that gap is not a
-        # choice of prompts (intake.py, skipped seqs). Journaled, so a replay counts the same.
-        if remote in self.intake.tracker:
-            self.intake.tracker.excuse_next_gap(remote)
-            self.journal.append(["excuse", remote])
+        # A publisher this learner tracks goes on right after the highest seq it saw from it,
+        # restarted or not: a new base of its own choosing would choose its next slots' prompts
+        # (intake.py, skipped seqs), so no rejoin excuses a gap. Nothing to journal: the
+        # tracker does not change.
+        seq_from = self.intake.tracker.resume_at(remote)
         if again:  # a peer that lost its learner for a while: nothing new to journal or say
             log.debug("peer %s joined again", remote)
         else:
             self.journal.append(["join", remote])
             log.info("peer %s joined (%d peers)", remote, len(self.peers.joined))
         self.dial_back(remote, observed, request.data_port, now)
-        return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port)
+        return JoinResponse(spec=self.spec(), data_host=self.data.host, data_port=self.data.port, seq_from=seq_from)
 
     def dial_back(self, peer_id: str, observed: str | None, port: int, now: float) -> None:
         """Decide, by a dial-back, whether `peer_id` is handed out as a relay: at the address its

@@ -40,7 +40,9 @@ Rules:
   more than DISOWN_ALLOWANCE of those is the same offence, so a publisher that answers repairs
   gets no allowance to spend on choosing. A seq left out of an answer that had room for more
   is given up (a skip, not disowned: a restarted peer leaves out its earlier process's seqs). A
-  rejoin (a restart of the peer) and a restart of the learner each excuse one gap.
+  publisher that joins again, restarted or not, goes on at the seq the learner names
+  (`SequenceTracker.resume_at`, sent in the join answer), so a rejoin excuses no gap; a restart
+  of the learner excuses one.
 
 Invariant (replay.py): every rollout that reaches the learner is trained or dropped with a
 reason, exactly once.

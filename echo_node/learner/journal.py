@@ -35,7 +35,8 @@ Records (msgpack arrays; `gid` is the journal's serial number of a buffered grou
     ["step", version, [gid, ...], [w, ...]] ... with these loss weights (some publisher unproven)
     ["publish", version, sha256, size, epoch]   a version peers may fetch
     ["join", peer_id]                      a peer joined
-    ["excuse", peer_id]                    a tracked publisher joined again: its next gap is no skip
+    ["excuse", peer_id]                    its next gap is no skip (written on a rejoin before join
+                                           answers named the seq to go on at; replayed as then)
     ["resume", version, epoch, sha256]     a start went on from `version` with these weights
     ["tx", [record, ...]]                  records durable together (`begin`/`commit`)
 """

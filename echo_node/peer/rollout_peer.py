@@ -127,6 +127,8 @@ class Session:
     engine: Engine
     # The run's environment (its spec's task is an environment id): the peer plays episodes.
     env: EnvSpec | None = None
+    # Where the learner said this peer's seqs go on (JoinResponse.seq_from; 0: from its own base).
+    seq_from: int = 0
 
 
 def rollout_group(g: ScoredGroup, *, group_id: str) -> RolloutGroup:
@@ -209,7 +211,7 @@ async def join_run(cfg: RunConfig, node: Host, data: DataServer) -> Session:
         "joined run %s (mode %s, S=%d) via learner %s (%s)", cfg.run_id, spec.sync_mode, spec.staleness, learner.peer_id,
         "pinned" if pin else "the first that answered: --insecure-first-learner" if first_learner else "the only one that answered",
     )
-    return Session(learner, spec, join.data_host, join.data_port, policy, engine, env)
+    return Session(learner, spec, join.data_host, join.data_port, policy, engine, env, seq_from=join.seq_from)
 
 
 # What a restarted learner's spec may differ in from the one a peer joined.
@@ -241,7 +243,7 @@ async def rejoin(cfg: RunConfig, node: Host, data: DataServer, session: Session)
     if changed:
         raise ValueError(f"the run's learner restarted with another config ({', '.join(changed)} changed): restart this peer to follow it")
     session.learner, session.spec = found[0], join.spec
-    session.data_host, session.data_port = join.data_host, join.data_port
+    session.data_host, session.data_port, session.seq_from = join.data_host, join.data_port, join.seq_from
 
 
 async def _probe_learner(cfg: RunConfig, node: Host, candidate: PeerAddr) -> Probe:
@@ -361,8 +363,8 @@ class Generator:
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
-            if groups is None or self.doomed(version):
-                self.discard(version, len(prompts))
+            if groups is None or self.doomed(version) or seq != self.publisher.seq:
+                self.discard(version, len(prompts), rebased=seq != self.publisher.seq)
                 continue
             self.produced += len(groups)
             await self.publisher.publish(groups, seq=seq)
@@ -374,8 +376,8 @@ class Generator:
         if self.engine.version != version:
             self.swaps_mid_generation += 1
         self.track_version()
-        if played is None or self.doomed(version):
-            self.discard(version, groups)
+        if played is None or self.doomed(version) or seq != self.publisher.seq:
+            self.discard(version, groups, rebased=seq != self.publisher.seq)
             return
         for reason, n in played.dropped.items():
             self.env_dropped[reason] += n
@@ -444,14 +446,15 @@ class Generator:
             return True
         return self.spec.sync_mode == "async" and began < newest.version - self.spec.staleness
 
-    def discard(self, began: int, groups: int) -> None:
+    def discard(self, began: int, groups: int, *, rebased: bool = False) -> None:
         """A doomed batch is not sent (the learner would drop it as stale, or ban this peer for a
-        version it never announced): counted here, in the peer's metrics. Its seq is not used,
-        so the learner sees no gap."""
+        version it never announced), nor one begun for a seq a join has since moved this
+        publisher off (`rebased`: RolloutPublisher.rebase): counted here, in the peer's
+        metrics. Its seq is not used, so the learner sees no gap."""
         self.batches_doomed += 1
         self.groups_doomed += groups
         newest = self.follower.newest
-        reason = "unannounced" if newest is not None and began > newest.version else "stale"
+        reason = "rebased" if rebased else "unannounced" if newest is not None and began > newest.version else "stale"
         log.debug("discarded a batch of %d groups begun on version %d (%s): the learner announced %s", groups, began,
                   reason, None if newest is None else newest.version)
         if self.publisher.metrics is not None:
@@ -571,11 +574,13 @@ SEQ_BLOCK = 1 << 16
 
 
 class SeqReservation:
-    """A publisher's sequence numbers are never reused, across its restarts too: a restarted
-    peer keeps its key (and peer id), and the learner would take reused numbers for duplicates
-    of messages it has seen. Numbers are reserved in blocks in a file next to the peer's metrics,
-    and the first one after a start is the larger of the wall clock in ms and the reservation's
-    end (the clock alone fails when it steps back)."""
+    """A publisher never reuses a sequence number the learner may have seen, across its restarts
+    too: a restarted peer keeps its key (and peer id), and the learner would take reused numbers
+    for duplicates of messages it has seen. Once joined, a publisher the learner knows goes on at
+    the seq the learner names (`RolloutPublisher.rebase`); until then, and for a learner that
+    never saw it, numbers are reserved in blocks in a file next to the peer's metrics, and the
+    first one after a start is the larger of the wall clock in ms and the reservation's end (the
+    clock alone fails when it steps back)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -608,6 +613,9 @@ class RolloutPublisher:
         self.node = node
         self.reservation = SeqReservation(cfg.run_dir / "peers" / f"{identity.peer_id}.seq")
         self.seq = self.reservation.first
+        # The lowest seq this process numbers from: below it, a seq missing from the history may
+        # be an earlier process's, which this one cannot vouch for either way (`_on_repair`).
+        self.numbered_from = self.seq
         self.metrics = metrics
         self.history: OrderedDict[int, bytes] = OrderedDict()
         self.published_groups = 0
@@ -615,6 +623,21 @@ class RolloutPublisher:
         self.unsendable_groups = 0  # too big for a gossip frame even alone: dropped, logged
         self.first_publish_s: float | None = None
         self._t0 = time.monotonic()
+
+    def rebase(self, seq: int) -> None:
+        """Go on at `seq`, the one the learner named at a join (JoinResponse.seq_from; 0: keep
+        this publisher's own numbering): right after the highest seq it saw from this peer, so
+        whatever this peer published above that, the learner never had. A batch begun for
+        another seq is not sent (Generator.discard)."""
+        if seq <= 0 or seq == self.seq:
+            return
+        log.info("the learner saw this peer's seqs up to %d: going on at %d (was at %d)", seq - 1, seq, self.seq)
+        for old in [s for s in self.history if s >= seq]:  # what the learner never had: new batches take their seqs
+            del self.history[old]
+        # From `seq` on this process numbers its batches; what it published below that is still its own.
+        self.numbered_from = seq if self.published_groups == 0 else min(self.numbered_from, seq)
+        self.seq = seq
+        self.reservation.reserve(seq)
 
     async def publish(self, scored: list[ScoredGroup], *, seq: int) -> None:
         """One generation batch's groups as one signed gossip message under `seq` (the seq its
@@ -685,7 +708,7 @@ class RolloutPublisher:
         # Seqs from before this process started are neither: it cannot tell which of them it
         # published, and "unavailable" would say it never did (wire.md § 8). Left out, they are
         # given up as lost in the restart, within the learner's skip allowance.
-        unavailable = [s for s in request.seqs if s not in self.history and s >= self.reservation.first]
+        unavailable = [s for s in request.seqs if s not in self.history and s >= self.numbered_from]
         return pack_repair_response(found, unavailable=unavailable)
 
 
@@ -738,15 +761,22 @@ class JoinedPeer:
     ) -> None:
         self.cfg = cfg
         self.node = node
+        self.data = data
         self.session = session
         self.metrics = metrics
         self.publisher = publisher_class(cfg, identity, node, metrics=metrics)
+        self.publisher.rebase(session.seq_from)
         self.follower = WeightFollower(
-            cfg, node, data, session, metrics=metrics, rejoin=partial(rejoin, cfg, node, data, session),
+            cfg, node, data, session, metrics=metrics, rejoin=self.rejoin,
             versions_dir=cfg.run_dir / "peers" / f"{node.peer_id}.versions",
             device="cuda" if cfg.rollout.engine == "vllm" else str(session.policy.device),
         )
         self.generator = generator_class(cfg, session, self.follower, self.publisher)
+
+    async def rejoin(self) -> None:
+        """Join the session's learner again (`rejoin`) and go on at the seq it names."""
+        await rejoin(self.cfg, self.node, self.data, self.session)
+        self.publisher.rebase(self.session.seq_from)
 
     def snapshot(self) -> dict[str, Any]:
         """What this peer's operator sees (its Prometheus endpoint, its status line)."""

@@ -36,7 +36,9 @@ EXPECTED = {
 # publishes under the slot it picked: the sampler's replay (echo_node/learner/spot_check.py,
 # check 6) proves that noise is not the picked slot's (bad_sampling) once it has checked enough
 # of its tokens; whichever comes first.
-ADAPTIVE = {"slot_picker": {"bad_prompt", "bad_sampling"}}
+# The rejoining slot picker samples each picked seq with its own seed (nothing for the replay to
+# see) and joins again before publishing it: only its skips catch it, rejoins or not.
+ADAPTIVE = {"slot_picker": {"bad_prompt", "bad_sampling"}, "rejoining_slot_picker": {"bad_prompt"}}
 # After the last catch, honest rollouts keep being trained this many versions (none may be flagged).
 AFTER_VERSIONS = 10
 

@@ -22,10 +22,11 @@ from echo_node.net import rpc
 from echo_node.peer.rollout_peer import RolloutPublisher
 from protocol import Identity, seal
 from protocol.limits import MAX_FRAME_BYTES, MAX_REPAIR_SEQS, MAX_SEQ, SEQ_WINDOW
-from protocol.messages import RepairResponse, pack_repair_response, repair_response_had_room
+from protocol.messages import JoinRequest, RepairResponse, pack_repair_response, repair_response_had_room
 from tests.factories import ALICE, MALLORY, learner_tasks, make_batch, new_learner
 from tests.factories import start_learner as start
 from tests.node.test_gap_repair import Link
+from tests.node.test_learner_reachability import attach
 
 
 class Silent:
@@ -92,54 +93,105 @@ def test_a_publisher_that_skips_the_seqs_it_dislikes_is_caught(learner: Learner)
 
 def test_honest_loss_and_a_restart_cost_nothing(learner: Learner) -> None:
     """An honest publisher whose messages are lost now and then (2 %, none recovered) and which
-    restarts once (a rejoin, and its seqs jump to the clock) is never charged."""
+    restarts once (a new process numbering from the clock, rebased by its join's answer) is
+    never charged."""
     learner.peers.join(ALICE.peer_id, 0.0)
-    base = [0]
+    alice = publisher_of(learner, ALICE, first=0)
 
     def publish(r: int) -> None:
-        if r == 4:  # it restarted: it joins again, and its counter moved far ahead
-            learner.intake.tracker.excuse_next_gap(ALICE.peer_id)
-            base[0] = 10 * SEQ_WINDOW
-        for i in range(r * 250, (r + 1) * 250):
-            if i % 50 != 7:  # lost in transit, and repair finds nothing
-                deliver(learner, ALICE, base[0] + i)
+        nonlocal alice
+        if r == 4:  # it restarted: its own counter is far ahead, the learner names where it goes on
+            alice = publisher_of(learner, ALICE, first=10 * SEQ_WINDOW)
+            alice.rebase(learner.intake.tracker.resume_at(ALICE.peer_id))  # the join's seq_from
+        for _ in range(250):
+            seq, alice.seq = alice.seq, alice.seq + 1
+            if seq % 50 != 7:  # lost in transit, and repair finds nothing
+                deliver(learner, ALICE, seq)
 
     run_with_repairs(learner, publish, rounds=8)
     skipped, delivered = learner.intake.tracker.skips(ALICE.peer_id)
+    assert learner.intake.tracker.highest(ALICE.peer_id) == 8 * 250 - 1  # no seq left out, none jumped over
     assert skipped > 0 and skipped <= SKIP_SHARE * delivered
     assert not learner.peers.is_banned(ALICE.peer_id) and not learner.peers.penalties
 
 
-def test_a_known_publisher_jumping_over_owed_seqs_is_caught_at_once(learner: Learner) -> None:
-    """Beyond the window nothing can be repaired: a jump there is counted whole, unless the
-    publisher rejoined first."""
+def test_a_known_publisher_jumping_over_owed_seqs_is_caught_at_once_rejoined_or_not(learner: Learner) -> None:
+    """Beyond the window nothing can be repaired: a jump there is counted whole. A join first
+    excuses nothing: through the learner's own join handler, each rejoins and is told to go on
+    at seq 1; Alice does, Mallory jumps to a seq of its choosing."""
     for who in (ALICE, MALLORY):
         learner.peers.join(who.peer_id, 0.0)
 
-    async def main() -> None:
+    async def main() -> list[int]:
         for who in (ALICE, MALLORY):
             deliver(learner, who, 0)
-        learner.intake.tracker.excuse_next_gap(ALICE.peer_id)  # Alice rejoined
-        for who in (ALICE, MALLORY):
-            batch, reason, _ = learner.intake.check(seal(make_batch(identity=who, seq=2 * SEQ_WINDOW), who), who.peer_id)
+        answers = []
+        async with trio.open_nursery() as nursery:
+            await attach(learner, nursery)
+            for who in (ALICE, MALLORY):
+                request = JoinRequest(run_id="run-1", peer_id=who.peer_id, data_host="127.0.0.1", data_port=4003)
+                answers.append((await learner.door.on_join(request, who.peer_id)).seq_from)
+            nursery.cancel_scope.cancel()
+        for who, seq in ((ALICE, answers[0]), (MALLORY, 2 * SEQ_WINDOW)):
+            batch, reason, _ = learner.intake.check(seal(make_batch(identity=who, seq=seq), who), who.peer_id)
             assert reason is None and batch is not None
             learner.intake.ingest(batch, who.peer_id)
+        return answers
 
-    trio.run(main)
+    assert trio.run(main) == [1, 1]
     assert learner.peers.is_banned(MALLORY.peer_id) and not learner.peers.is_banned(ALICE.peer_id)
+    assert learner.intake.tracker.skips(ALICE.peer_id) == (0, 2)
     assert learner.buffer.ledger.dropped["banned"] == 8  # the jumping batch itself is not taken
 
 
+def test_rejoining_at_will_launders_no_skips(learner: Learner) -> None:
+    """A slot picker that rejoins before each batch it likes (joins are rate-limited, not
+    refused) and jumps to that batch's seq, never answering repair. Were a rejoin to excuse the
+    next gap, every jump would be free; the join's answer names the seq to go on at instead, so
+    every seq it passed over is skipped, rejoins or not, and it is caught like any skipper."""
+    caught: list[dict[str, object]] = []
+    learner.intake.on_caught = caught.append
+    learner.peers.join(MALLORY.peer_id, 0.0)
+    delivered = 0
+
+    async def main() -> None:
+        nonlocal delivered
+        learner.intake.node = Silent()
+        async with trio.open_nursery() as nursery:
+            await attach(learner, nursery)
+            for r in range(20):
+                for seq in range(50 * r, 50 * r + 50, 5):  # it likes one slot in five
+                    if learner.peers.is_banned(MALLORY.peer_id):
+                        break  # (a banned peer's join is refused)
+                    await trio.sleep(2.0)  # within the join rate limit (0.5/s)
+                    request = JoinRequest(run_id="run-1", peer_id=MALLORY.peer_id, data_host="127.0.0.1", data_port=4003)
+                    told = (await learner.door.on_join(request, MALLORY.peer_id)).seq_from
+                    assert told == (0 if seq == 0 else seq - 4)  # where it should go on; it goes elsewhere
+                    deliver(learner, MALLORY, seq)
+                    delivered += 1
+                with trio.move_on_after(1.0 + REPAIR_TIMEOUT_S + 0.5):
+                    await learner.intake.repair_loop(1.0)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert learner.peers.is_banned(MALLORY.peer_id)
+    assert [c["reason"] for c in caught] == ["bad_prompt"] and "left out" in str(caught[0]["evidence"])
+    # 4 skipped per batch delivered: caught as soon as its skips pass the allowance (a round late at most).
+    assert delivered <= SKIP_ALLOWANCE // 4 + 10 + 10, delivered
+
+
 def test_a_restart_of_the_learner_counts_the_same_skips(tmp_path: Any) -> None:
-    """An excused gap is journaled: a learner that resumes replays it as excused, so an honest
-    peer's restart is not counted against it after the learner's own restart."""
+    """An excused gap in the journal: a learner that resumes replays it as excused, so what an
+    older release excused is not counted against the peer after the learner's own restart."""
     first = new_learner(tmp_path / "run")
 
     async def before() -> None:
         await start(first)
         deliver(first, ALICE, 0)
         first.intake.tracker.excuse_next_gap(ALICE.peer_id)
-        first.state.journal.append(["excuse", ALICE.peer_id])  # what Door.on_join does on a rejoin
+        # What Door.on_join wrote on a rejoin before join answers named the seq to go on at: a
+        # journal from then replays the same.
+        first.state.journal.append(["excuse", ALICE.peer_id])
         deliver(first, ALICE, 3 * SEQ_WINDOW)
         async with learner_tasks(first):
             await first._flush_journal()
@@ -157,7 +209,7 @@ def publisher_of(learner: Learner, who: Identity, *, first: int) -> RolloutPubli
     """The reference peer's publisher (and repair server) for `who`, as a process that started
     at seq `first`."""
     peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=learner.cfg.runs_dir), who, node=None)
-    peer.reservation.first = first
+    peer.seq = peer.numbered_from = first
     return peer
 
 
@@ -219,7 +271,7 @@ def test_honest_loss_repaired_and_a_restarted_publisher_disown_nothing(learner: 
     After it restarts (a new process, empty history, seqs from a later base) it does not list
     its old seqs as unavailable: they are given up as lost in a restart (skips within the
     allowance), nothing is disowned, no strike. (The reference peer answers repairs only once
-    joined, after the learner excused its gap; this is the race before that.)"""
+    joined; this is the race before that.) Joined, it goes on where the learner says."""
     learner.peers.join(ALICE.peer_id, 0.0)
     peers = {ALICE.peer_id: publisher_of(learner, ALICE, first=0)}
 
@@ -243,11 +295,13 @@ def test_honest_loss_repaired_and_a_restarted_publisher_disown_nothing(learner: 
         # Left out of an answer with room for more: lost, not disowned.
         assert learner.intake.tracker.skips(ALICE.peer_id) == (9, 61)
         assert learner.intake.tracker.missing(ALICE.peer_id) == []
-        learner.intake.tracker.excuse_next_gap(ALICE.peer_id)  # what Door.on_join does
-        publish(range(200, 210))
+        alice = peers[ALICE.peer_id]
+        alice.rebase(learner.intake.tracker.resume_at(ALICE.peer_id))  # its join's seq_from
+        assert alice.seq == 70
+        publish(range(70, 80))
 
     rounds: list[Callable[[], None]] = [partial(publish, range(10 * r, 10 * r + 10)) for r in range(6)]
-    rounds += [restart, rejoin] + [partial(publish, range(200 + 10 * r, 210 + 10 * r)) for r in range(1, 3)]
+    rounds += [restart, rejoin] + [partial(publish, range(70 + 10 * r, 80 + 10 * r)) for r in range(1, 3)]
     repair_rounds(learner, peers, rounds)
     skipped, delivered = learner.intake.tracker.skips(ALICE.peer_id)
     assert (skipped, learner.intake.tracker.disowned(ALICE.peer_id), delivered) == (9, 0, 91)

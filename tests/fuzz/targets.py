@@ -169,7 +169,7 @@ def messages() -> tuple[tuple[Message, Identity], ...]:
         (delta, LEARNER),
         (JoinRequest(run_id=RUN_ID, peer_id=ALICE.peer_id, data_host="10.0.0.2", data_port=7001), ALICE),
         (JoinRequest(run_id=RUN_ID, peer_id=ALICE.peer_id, data_host="2001:db8::2", data_port=65535), ALICE),
-        (JoinResponse(spec=spec, data_host="10.0.0.1", data_port=7000), LEARNER),
+        (JoinResponse(spec=spec, data_host="10.0.0.1", data_port=7000, seq_from=70), LEARNER),
         (StatusRequest(run_id=RUN_ID), ALICE),
         (StatusResponse(run_id=RUN_ID, version=3, weights_size=123, weights_sha256=SHA, demand_groups=8, epoch=1), LEARNER),
         (VersionAnnounce(run_id=RUN_ID, version=3, size=40_000, sha256=SHA, demand_groups=16, epoch=1), LEARNER),

@@ -17,8 +17,9 @@ from echo_node.config import RunConfig
 from echo_node.learner.intake import REPAIR_TIMEOUT_S
 from echo_node.learner.learner import Learner
 from echo_node.peer.rollout_peer import RolloutPublisher
-from protocol import seal
-from tests.factories import ALICE, make_batch
+from protocol import RolloutBatch, open_envelope, seal
+from protocol.messages import RepairRequest, RepairResponse
+from tests.factories import ALICE, make_batch, make_group
 
 
 @dataclass
@@ -58,7 +59,7 @@ def test_missing_sequence_numbers_are_repaired_or_given_up(learner: Learner) -> 
     peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=learner.cfg.runs_dir), ALICE, node=None)
     # The publisher (a process that began at seq 10) holds seqs 11 and 13 of what it sent; it
     # never published 12 (so it disowns it: one of DISOWN_ALLOWANCE).
-    peer.reservation.first = 10
+    peer.seq = peer.numbered_from = 10
     sealed = {s: seal(make_batch(identity=ALICE, seq=s), ALICE) for s in (10, 11, 13, 14)}
     peer.history.update({s: sealed[s] for s in (11, 13)})
 
@@ -106,3 +107,39 @@ def test_a_dead_publisher_costs_only_a_bounded_wait(learner: Learner) -> None:
     assert elapsed == REPAIR_TIMEOUT_S
     # Given up: counted as lost in transit and never asked for again.
     assert learner.intake.lost_messages == 2 and learner.intake.tracker.missing(ALICE.peer_id) == []
+
+
+class Gossip:
+    """The publisher's side of its libp2p node: what it gossips, kept."""
+
+    def __init__(self) -> None:
+        self.sent: list[bytes] = []
+
+    async def publish(self, topic: str, data: bytes) -> None:
+        self.sent.append(data)
+
+
+def test_a_rebased_publisher_reuses_only_seqs_the_learner_never_had_and_vouches_only_for_its_own(tmp_path: Any) -> None:
+    """A restarted peer joins and is told to go on at 70 (the learner saw up to 69 from its
+    earlier process): it numbers from 70, not from its clock. After a later join that names 72
+    (73 and 74 never reached the learner), 72 on are published anew. Asked for repairs, it
+    sends what it holds, says it never published a seq of its own it does not hold, and leaves
+    out what may be its earlier process's (below 70): lost in its restart, never disowned."""
+    peer = RolloutPublisher(RunConfig(run_id="run-1", runs_dir=tmp_path), ALICE, node=Gossip())  # type: ignore[arg-type]
+    assert peer.seq > 10**12  # a fresh process numbers from the clock
+    peer.rebase(70)
+    assert (peer.seq, peer.numbered_from) == (70, 70)
+
+    async def main() -> RepairResponse:
+        for seq in range(70, 75):
+            await peer.publish_groups((make_group(n=seq),), seq=seq)
+        peer.rebase(72)
+        assert (peer.seq, peer.numbered_from, sorted(peer.history)) == (72, 70, [70, 71])
+        await peer.publish_groups((make_group(n=1000),), seq=72)
+        request = RepairRequest(run_id="run-1", peer_id=ALICE.peer_id, seqs=(69, 70, 72, 73))
+        return await peer._on_repair(request, "learner", learner="learner")
+
+    answer = trio.run(main)
+    assert [open_envelope(e, expected_kind=RolloutBatch)[0].seq for e in answer.envelopes] == [70, 72]
+    assert answer.unavailable == (73,)
+    assert len(peer.node.sent) == 6  # type: ignore[attr-defined]

@@ -127,6 +127,7 @@ ALL_MESSAGES: list[WireMessage] = [
     build_manifest(run_id="r", version=3, payload=b"x" * 40000, piece_size=16384),
     JoinRequest(run_id="r", peer_id=PEER, data_host="10.0.0.2", data_port=7001),
     JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000),
+    JoinResponse(spec=spec(), data_host="10.0.0.1", data_port=7000, seq_from=1_796_687_941_373),
     StatusRequest(run_id="r"),
     StatusResponse(run_id="r", version=3, weights_size=123, weights_sha256=SHA, demand_groups=8, epoch=1),
     VersionAnnounce(run_id="r", version=MAX_VERSION, size=MAX_WEIGHTS_BYTES, sha256=SHA, demand_groups=MAX_DEMAND_GROUPS, epoch=MAX_VERSION),
@@ -283,7 +284,8 @@ def test_bound_at_limit_accepted_over_rejected(name: str, factory: Any, at: dict
          [{"data_port": 0}, {"data_port": 65536}, {"data_port": 2**63},
           {"data_host": ""}, {"data_host": "h" * 300}, {"data_host": "a b"}, {"data_host": "a..b"},
           {"data_host": "learner.example"}, {"data_host": "0.0.0.0"}, {"data_host": "::"}, {"data_host": "224.0.0.1"},
-          {"data_host": "255.255.255.255"}, {"data_host": 7}, {"spec": sampling()}]),
+          {"data_host": "255.255.255.255"}, {"data_host": 7}, {"spec": sampling()},
+          {"seq_from": -1}, {"seq_from": 2**63}, {"seq_from": True}, {"seq_from": 1.0}, {"seq_from": None}]),
         (lambda **k: JoinRequest(**{"run_id": "r", "peer_id": PEER, "data_host": "2001:db8::1", "data_port": 4002, **k}),
          [{"data_port": 0}, {"data_port": -1}, {"data_port": 65536}, {"data_port": True}, {"data_host": "0.0.0.0"},
           {"data_host": "10.0.0.256"}, {"data_host": "\u0661.1.1.1"}, {"data_host": "fe80::1"}, {"data_host": b"10.0.0.1"}]),
@@ -315,7 +317,7 @@ def test_other_bounds(factory: Any, kwargs: list[dict[str, Any]]) -> None:
 def test_other_bounds_at_limit() -> None:
     RepairRequest(run_id="r", peer_id=PEER, seqs=tuple(range(MAX_REPAIR_SEQS)))
     RepairResponse(envelopes=(b"x" * MAX_FRAME_BYTES,) * 2, unavailable=tuple(range(MAX_REPAIR_SEQS)))
-    JoinResponse(spec=spec(), data_host="127.0.0.1", data_port=65535)
+    JoinResponse(spec=spec(), data_host="127.0.0.1", data_port=65535, seq_from=MAX_SEQ)
     ErrorResponse(code="a" * 64, message="m" * MAX_STR)
 
 
