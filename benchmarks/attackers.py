@@ -26,6 +26,8 @@ Classes (the verification issue's a-f):
 - `rejoining_slot_picker`: a slot picker that samples each picked seq with that seq's own seed
   and joins the run again before publishing it (the gap a rejoin makes is no choice of the
   publisher's when it is a restart: a learner that excused it would excuse every pick).
+  `paced_rejoining_slot_picker` waits between joins so that the learner's join rate refuses
+  none of them.
 - `stale_1`, `stale_5` (the adaptive attacker's): samples every batch on the weights it had 1
   (5) versions before the newest it loaded, with the newest's prompts and assigned seed, and
   claims the newest: version tags and log-probs recomputed under the newest weights (so the
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import random
 import signal
 import sys
@@ -69,6 +72,7 @@ from echo_node.ml.grpo import sequence_logprobs
 from echo_node.ml.rollout import ScoredGroup, generate_groups
 from echo_node.ml.tasks import Task
 from echo_node.ml.tokenizer import Tokenizer
+from echo_node.net.ratelimit import JOINS_PER_PEER
 from echo_node.peer.rollout_peer import Generator, RolloutPeer
 from echo_node.policy import Policy, set_threads
 from echo_node.topics import rollouts_topic
@@ -283,16 +287,24 @@ class RejoiningSlotPicker(SlotPicker):
     a rejoin to excuse the gap it makes (a restarted peer's new base), every pick would be free;
     joins are rate-limited, not refused, so it goes on publishing when one is refused."""
 
+    # Seconds it waits after a join before the next (0: none; the learner refuses joins past
+    # JOINS_PER_PEER, and a refused one excused nothing even when rejoins did).
+    join_interval = 0.0
+
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         publish = self.publisher.publish_groups
+        joined_at = -math.inf
 
         async def rejoined(groups: Any, *, seq: int) -> None:
+            nonlocal joined_at
             if self.lying and self.follower._rejoin is not None:
+                await trio.sleep_until(joined_at + self.join_interval)
                 try:
                     await self.follower._rejoin()
                 except Exception as exc:  # rate-limited: publish anyway
-                    log.debug("rejoin refused: %s", exc)
+                    log.info("rejoin refused: %s", exc)
+                joined_at = trio.current_time()
             await publish(groups, seq=seq)
 
         self.publisher.publish_groups = rejoined  # type: ignore[method-assign]
@@ -301,6 +313,13 @@ class RejoiningSlotPicker(SlotPicker):
         if self.picked is not None:
             seed = batch_seed(self.spec.run_id, self.publisher.identity.peer_id, self.picked)
         return super()._generate(prompts, seed)
+
+
+class PacedRejoiningSlotPicker(RejoiningSlotPicker):
+    """A rejoining slot picker that keeps to the learner's join rate per identity, so that none
+    of its joins is refused: every pick comes right after a join that went through."""
+
+    join_interval = 1.05 / JOINS_PER_PEER[0]
 
 
 def claimed_logprobs(groups: list[ScoredGroup], policy: Policy, *, temperature: float) -> None:
@@ -428,6 +447,7 @@ ATTACKS: dict[str, type[Attacker]] = {
     "freeze": Freeze,
     "slot_picker": SlotPicker,
     "rejoining_slot_picker": RejoiningSlotPicker,
+    "paced_rejoining_slot_picker": PacedRejoiningSlotPicker,
     "stale_1": Stale1,
     "stale_5": Stale5,
     "tempered": Tempered,

@@ -28,7 +28,8 @@ intake catches it past DISOWN_ALLOWANCE (8) of those: about 3 batches for a pick
 one slot in five. Until then its batches are honest answers to prompts it chose
 (`trained_share` is reported, not judged). `rejoining_slot_picker` samples each picked seq
 with that seq's own seed and joins the run again before publishing it (a rejoin once excused
-the next gap); it is caught the same way, rejoins or not.
+the next gap); it is caught the same way, rejoins or not. `paced_rejoining_slot_picker` keeps
+to the learner's join rate, so each of its picks follows a join that went through.
 
 `stale_1`, `stale_5`, `tempered`, `greedy` (adaptive, not in the default classes) pass checks 4
 and 5 on any one batch: old weights claimed as the newest with log-probs recomputed under the
@@ -90,7 +91,7 @@ from protocol import Identity
 
 CLASSES = ["clean", "fake_rewards", "garbage", "other_model", "cherry_picked", "copier", "poison"]
 # The adaptive attacker's classes (not in the default run: `--classes slot_picker --off no`).
-ADAPTIVE = ["slot_picker", "rejoining_slot_picker", "stale_1", "stale_5", "tempered", "greedy", "reordered_copier", "rotating"]
+ADAPTIVE = ["slot_picker", "rejoining_slot_picker", "paced_rejoining_slot_picker", "stale_1", "stale_5", "tempered", "greedy", "reordered_copier", "rotating"]
 # `rotating`: this attacker class, honest for its first ROTATING_AFTER batches under each key,
 # restarted under a new key each time the learner catches it, ROTATIONS keys at most.
 ROTATING, ROTATING_AFTER, ROTATIONS = "other_model", 2, 5

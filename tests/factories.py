@@ -19,6 +19,7 @@ from protocol.framing import decode_frame
 
 if TYPE_CHECKING:
     from echo_node.learner.learner import Learner
+    from echo_node.policy import Policy
 
 ALICE = Identity.from_seed(b"\x0a" * 32)
 MALLORY = Identity.from_seed(b"\x0b" * 32)
@@ -254,6 +255,23 @@ def _reshaped(
         ),
     )
     return RolloutBatch(run_id=run_id, peer_id=identity.peer_id, seq=seq, groups=(group,))
+
+
+def sampled_reward(policy: Policy, *, prompts: int = 256, group_size: int = 4) -> float:
+    """The mean reward `policy`'s model earns on its task's first `prompts` prompts (draws
+    0...), `group_size` samples each at the default temperature, under sampling seed 0. Two models compared this way answer
+    the same prompts with the same noise: the difference is the models', not which prompts each
+    drew (what makes the sampled reward of a run's own updates a noisy measure of learning)."""
+    from echo_node.ml import defaults
+    from echo_node.ml.engine import TorchEngine
+    from echo_node.ml.rollout import generate_groups
+
+    tok = policy.tokenizer
+    engine = TorchEngine(policy.model, eos_id=tok.eos_id, pad_id=tok.pad_id)
+    groups = generate_groups(engine, tok, policy.task, [policy.task.prompt_for(i) for i in range(prompts)],
+                             group_size=group_size, temperature=defaults.RL.temperature, seed=0)
+    rewards = [r for g in groups for r in g.rewards]
+    return sum(rewards) / len(rewards)
 
 
 def reward_gain(records: list[dict[str, Any]]) -> float:
