@@ -259,9 +259,10 @@ def _reshaped(
 
 def sampled_reward(policy: Policy, *, prompts: int = 256, group_size: int = 4) -> float:
     """The mean reward `policy`'s model earns on its task's first `prompts` prompts (draws
-    0...), `group_size` samples each at the default temperature, under sampling seed 0. Two models compared this way answer
-    the same prompts with the same noise: the difference is the models', not which prompts each
-    drew (what makes the sampled reward of a run's own updates a noisy measure of learning)."""
+    0...), `group_size` samples each at the default temperature, under sampling seed 0. Two
+    models compared this way answer the same prompts with the same noise: the difference is the
+    models', not which prompts each drew (what makes the sampled reward of a run's own updates a
+    noisy measure of learning)."""
     from echo_node.ml import defaults
     from echo_node.ml.engine import TorchEngine
     from echo_node.ml.rollout import generate_groups

@@ -13,9 +13,9 @@ from echo_node.learner.learner import Ready
 from echo_node.net import rpc
 from echo_node.net.memory import MemorySwarm
 from echo_node.net.transport import PeerAddr
+from echo_node.policy import learner_policy
 from echo_node.topics import rollouts_topic
 from protocol import Identity, JoinRequest, JoinResponse
-from echo_node.policy import learner_policy
 from tests.factories import bad_rollout_messages, sampled_reward
 from tests.memory_swarm import run_memory_swarm
 
