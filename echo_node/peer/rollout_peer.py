@@ -363,8 +363,9 @@ class Generator:
             if self.engine.version != version:
                 self.swaps_mid_generation += 1
             self.track_version()  # a batch that ended on new weights counts toward the new version
-            if groups is None or self.doomed(version) or seq != self.publisher.seq:
-                self.discard(version, len(prompts), rebased=seq != self.publisher.seq)
+            rebased = seq != self.publisher.seq
+            if groups is None or self.doomed(version) or rebased:
+                self.discard(version, len(prompts), rebased=rebased)
                 continue
             self.produced += len(groups)
             await self.publisher.publish(groups, seq=seq)
@@ -376,8 +377,9 @@ class Generator:
         if self.engine.version != version:
             self.swaps_mid_generation += 1
         self.track_version()
-        if played is None or self.doomed(version) or seq != self.publisher.seq:
-            self.discard(version, groups, rebased=seq != self.publisher.seq)
+        rebased = seq != self.publisher.seq
+        if played is None or self.doomed(version) or rebased:
+            self.discard(version, groups, rebased=rebased)
             return
         for reason, n in played.dropped.items():
             self.env_dropped[reason] += n
